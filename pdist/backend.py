@@ -1,0 +1,99 @@
+"""The array backend: one object, ``xp``, that is NumPy or CuPy.
+
+Every module writes ``from pdist.backend import xp`` and calls ``xp.zeros``,
+``xp.matmul``, ... . ``xp`` forwards to NumPy by default and to CuPy after
+``use_device("gpu")`` or when the environment says ``PDIST_DEVICE=gpu``, so no
+algorithm file ever branches on NumPy vs CuPy (DESIGN.md, principle 3).
+
+    PDIST_DEVICE=gpu mpirun -n 4 python lessons/03_zero.py
+
+places rank r on GPU ``local_rank % n_gpus``. Host-side code that needs a NumPy
+array (printing, files, comparisons) calls ``to_numpy(a)``.
+
+The default floating dtype is float32 (``set_default_dtype("float64")`` for the
+equivalence tests and for finite differences).
+"""
+import os
+
+import numpy as _np
+
+_state = {"module": _np, "device": "cpu", "dtype": _np.dtype("float32")}
+
+
+class _XP:
+    """Forwards attribute access to the active array module (numpy or cupy)."""
+
+    def __getattr__(self, name):
+        return getattr(_state["module"], name)
+
+    def __repr__(self):
+        return f"<pdist xp -> {_state['module'].__name__}>"
+
+
+xp = _XP()
+
+
+def local_rank():
+    """This process's rank among the ranks on its node (MPICH, Open MPI, Slurm)."""
+    for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):
+        if var in os.environ:
+            return int(os.environ[var])
+    return 0
+
+
+def use_device(device):
+    """Choose ``"cpu"`` (NumPy) or ``"gpu"`` (CuPy on GPU ``local_rank % n_gpus``)."""
+    if device == "cpu":
+        _state.update(module=_np, device="cpu")
+        return
+    if device != "gpu":
+        raise ValueError(f"device must be 'cpu' or 'gpu', got {device!r}")
+    try:
+        import cupy
+    except ImportError as e:  # pragma: no cover - depends on the machine
+        raise RuntimeError("PDIST_DEVICE=gpu needs CuPy: pip install 'pdist[gpu]'") from e
+    n = cupy.cuda.runtime.getDeviceCount()
+    if n == 0:  # pragma: no cover
+        raise RuntimeError("PDIST_DEVICE=gpu but no CUDA device is visible")
+    cupy.cuda.Device(local_rank() % n).use()
+    _state.update(module=cupy, device="gpu")
+
+
+def device():
+    return _state["device"]
+
+
+def is_gpu():
+    return _state["device"] == "gpu"
+
+
+def set_default_dtype(dtype):
+    dt = _np.dtype(dtype)
+    if dt not in (_np.float32, _np.float64):
+        raise ValueError(f"default dtype must be float32 or float64, got {dt}")
+    _state["dtype"] = dt
+
+
+def default_dtype():
+    return _state["dtype"]
+
+
+def is_device_array(a):
+    """True for a CuPy array (lives on a GPU), False for NumPy and scalars."""
+    return type(a).__module__.startswith("cupy")
+
+
+def to_numpy(a):
+    """A NumPy array with the values of ``a`` (copies from the GPU if needed)."""
+    if is_device_array(a):
+        return a.get()
+    return _np.asarray(a)
+
+
+def asarray(a, dtype=None):
+    """``a`` as an array of the active backend (uploads NumPy arrays to the GPU)."""
+    return _state["module"].asarray(a, dtype=dtype)
+
+
+if os.environ.get("PDIST_DEVICE", "cpu").lower() == "gpu":  # pragma: no cover
+    use_device("gpu")
