@@ -1,2 +1,12 @@
-"""pdist: distributed training built by hand, to learn it and trust it."""
+"""pdist: distributed training built by hand, to learn it and trust it.
+
+    import pdist
+    from pdist import nn, optim
+    x = pdist.Tensor(array, requires_grad=True); y = (x @ w).sum(); y.backward(); x.grad
+"""
+from pdist.autograd import Function, Tensor, is_grad_enabled, no_grad
+from pdist.backend import default_dtype, set_default_dtype, to_numpy, use_device, xp
+
 __version__ = "0.1.0"
+__all__ = ["Tensor", "Function", "no_grad", "is_grad_enabled", "xp", "to_numpy", "use_device",
+           "set_default_dtype", "default_dtype"]

@@ -97,3 +97,12 @@ def asarray(a, dtype=None):
 
 if os.environ.get("PDIST_DEVICE", "cpu").lower() == "gpu":  # pragma: no cover
     use_device("gpu")
+
+
+def scatter_add(a, index, values):
+    """a[index] += values, adding repeated indices (embedding backward)."""
+    if is_device_array(a):  # pragma: no cover - GPU only
+        import cupyx
+        cupyx.scatter_add(a, index, values)
+    else:
+        _np.add.at(a, index, values)

@@ -66,3 +66,40 @@ def _jsonable(v):
     except ImportError:  # pragma: no cover
         pass
     raise TypeError(f"not JSON serialisable: {type(v)}")
+
+
+# --- the shared training setup of every lesson (so every lesson's baseline is the same) ---------
+LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
+
+
+def gpt_config(vocab_size, dtype="float32", **overrides):
+    """The lessons' small GPT: 2 layers, 4 heads, 64 wide, 32 tokens of context."""
+    from pdist.gpt import GPTConfig
+    kw = dict(vocab_size=vocab_size, block_size=32, n_layer=2, n_head=4, n_embd=64, dtype=dtype)
+    kw.update(overrides)
+    return GPTConfig(**kw)
+
+
+def make_adamw(params):
+    """AdamW with the lessons' hyper-parameters (lr 3e-3, betas (0.9, 0.95), wd 0.1)."""
+    from pdist.optim import AdamW
+    return AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
+
+
+def train_reference(cfg, seed, steps, batch_size, tokens=None):
+    """Single-process training, the baseline every strategy must equal:
+    returns (losses per step, final state_dict). Batches: data.get_batch(tokens, B, T, seed, step)."""
+    from pdist import data, gpt
+    if tokens is None:
+        tokens, _ = data.char_dataset()
+    model = gpt.GPT(cfg, seed=seed)
+    opt = make_adamw(model.parameters())
+    losses = []
+    for step in range(steps):
+        x, y = data.get_batch(tokens, batch_size, cfg.block_size, seed, step)
+        _, loss = model(x, y)
+        model.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return losses, model.state_dict()

@@ -1,0 +1,68 @@
+"""Collective validation: every rank agrees on (op, seq, size, dtype, ...) or
+every rank raises the same ``CollectiveMismatchError``. Never a hang, never
+silent garbage.
+
+Before each collective, each rank forms a fingerprint
+``f = (op, seq, size, dtype, reduce-op, root, algorithm, local_error)`` and the
+group runs one small all-reduce of ``[f, -f]`` with MAX, which yields
+``max_r f_r`` and ``min_r f_r``. If they differ anywhere (or any rank found a
+local error, e.g. ``out`` too small), all ranks see it in the same result, so
+all of them gather the fingerprints and raise one error that names the op, its
+sequence number and what each rank passed. A rank that skips a collective is
+caught at its next one (op or seq differ).
+
+Cost: one 128-byte all-reduce per collective (a few microseconds on one node;
+see docs/collectives.md for the measured overhead). On by default; set
+``PDIST_CHECK_COLLECTIVES=0`` (or ``pg.check = False``) to turn it off, after
+which mismatched calls are undefined behaviour in MPI (garbage or a hang).
+"""
+import os
+
+import numpy as np
+
+from pdist.comm.mpi import MPI, cooperative, wait_all
+
+OPS = ["barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
+REDOPS = ["", "sum", "avg", "max", "min"]
+ALGOS = ["", "mpi", "naive", "ring", "tree", "pairwise"]
+FIELDS = ["op", "seq", "size", "dtype", "reduce-op", "root", "algorithm", "local error"]
+
+
+class CollectiveMismatchError(ValueError):
+    """Ranks called a collective with different arguments (or one was invalid)."""
+
+
+def default_on():
+    return os.environ.get("PDIST_CHECK_COLLECTIVES", "1") != "0"
+
+
+def fingerprint(op, seq, size=0, dtype=None, redop="", root=-1, algorithm="", error=None):
+    return np.array([OPS.index(op), seq, size, np.dtype(dtype).num if dtype is not None else -1,
+                     REDOPS.index(redop), root, ALGOS.index(algorithm), 1 if error else 0],
+                    dtype=np.int64)
+
+
+def agree(comm, group_name, fp, error, describe):
+    """Raise CollectiveMismatchError on every rank unless all fingerprints match
+    and no rank reported an error. ``describe`` is this rank's argument summary."""
+    if comm.Get_size() == 1:
+        if error:
+            raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{group_name}': {error}")
+        return
+    both = np.concatenate([fp, -fp])
+    if cooperative():
+        wait_all([comm.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)])
+    else:
+        comm.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
+    hi, lo = both[:len(fp)], -both[len(fp):]
+    if np.array_equal(hi, lo) and hi[-1] == 0:
+        return
+    infos = comm.allgather((fp.tolist(), describe, error))
+    bad = [FIELDS[i] for i in range(len(fp) - 1) if hi[i] != lo[i]]
+    lines = []
+    for r, (f, desc, err) in enumerate(infos):
+        lines.append(f"  rank {r}: {OPS[f[0]]} #{f[1]} {desc}" + (f"  <- {err}" if err else ""))
+    what = ("ranks disagree on " + ", ".join(bad)) if bad else "invalid arguments"
+    raise CollectiveMismatchError(
+        f"{OPS[fp[0]]} #{fp[1]} on group '{group_name}' ({comm.Get_size()} ranks): {what}\n"
+        + "\n".join(lines))

@@ -1,0 +1,240 @@
+"""Fused neural-network ops, each one Function with a hand-derived backward
+that reuses forward's values (no recomputation, no graph of small ops).
+
+Available as ``pdist.nn.functional``: linear, softmax, log_softmax, gelu,
+layer_norm, embedding, dropout, scaled_causal_softmax, cross_entropy, mse_loss.
+"""
+import math
+
+from pdist.autograd import Function, Tensor
+from pdist.backend import scatter_add, xp
+
+
+class Linear(Function):
+    """Y = X W + b with W stored (in, out) (GPT-2's Conv1D layout).
+    dX = G W^T, dW = X^T G (over all leading axes), db = sum G."""
+    def forward(self, x, w, b=None):
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
+                             f"(in_features={w.shape[0]})")
+        self.x = x
+        y = x @ w
+        if b is not None:
+            y += b
+        return y
+
+    def backward(self, g):
+        w = self.parents[1].data
+        nx, nw = self.needs_input_grad[:2]
+        nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
+        gx = g @ w.T if nx else None
+        g2 = g.reshape(-1, g.shape[-1])
+        gw = self.x.reshape(-1, self.x.shape[-1]).T @ g2 if nw else None
+        gb = g2.sum(axis=0) if nb else None
+        return gx, gw, gb
+
+
+class Softmax(Function):
+    """y = exp(x - max) / sum exp(x - max);  dx = y (g - sum(g y))"""
+    def forward(self, x, axis=-1):
+        self.axis = axis
+        e = xp.exp(x - x.max(axis=axis, keepdims=True))
+        e /= e.sum(axis=axis, keepdims=True)
+        self.y = e
+        return e
+
+    def backward(self, g):
+        y = self.y
+        return y * (g - (g * y).sum(axis=self.axis, keepdims=True))
+
+
+class LogSoftmax(Function):
+    """y = x - logsumexp(x);  dx = g - softmax(x) sum(g)"""
+    def forward(self, x, axis=-1):
+        self.axis = axis
+        s = x - x.max(axis=axis, keepdims=True)
+        self.y = s - xp.log(xp.exp(s).sum(axis=axis, keepdims=True))
+        return self.y
+
+    def backward(self, g):
+        return g - xp.exp(self.y) * g.sum(axis=self.axis, keepdims=True)
+
+
+class ScaledCausalSoftmax(Function):
+    """y = softmax(scale * x + M) over the last axis, M_ij = -inf for j > i (+ the
+    key offset for rectangular blocks). Megatron's fused
+    ``ScaledUpperTriangMaskedSoftmax``: scale, mask and softmax in one pass."""
+    def forward(self, x, scale=1.0):
+        T, S = x.shape[-2], x.shape[-1]
+        above = xp.triu(xp.ones((T, S), dtype=bool), k=S - T + 1)  # (T, S) future keys
+        z = x * scale
+        z += xp.where(above, -xp.inf, 0.0).astype(x.dtype)  # M broadcast over (B, nh)
+        z -= z.max(axis=-1, keepdims=True)
+        xp.exp(z, out=z)
+        z /= z.sum(axis=-1, keepdims=True)
+        self.y, self.scale = z, scale
+        return z
+
+    def backward(self, g):
+        y = self.y
+        return self.scale * y * (g - (g * y).sum(axis=-1, keepdims=True))
+
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+
+
+class GELU(Function):
+    """Tanh-approximate GELU (GPT-2): y = x/2 (1 + tanh(k (x + 0.044715 x^3))), k = sqrt(2/pi)."""
+    def forward(self, x):
+        self.x = x
+        self.t = xp.tanh(_GELU_K * (x + 0.044715 * x * x * x))
+        return 0.5 * x * (1.0 + self.t)
+
+    def backward(self, g):
+        x, t = self.x, self.t
+        dt = (1.0 - t * t) * _GELU_K * (1.0 + 3 * 0.044715 * x * x)
+        return g * (0.5 * (1.0 + t) + 0.5 * x * dt)
+
+
+class LayerNorm(Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (Ba et al., 2016).
+    Fused backward with xhat = (x - mean) * rstd, dxhat = g w:
+    dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw = sum g xhat, db = sum g."""
+    def forward(self, x, w, b, eps=1e-5):
+        mu = x.mean(axis=-1, keepdims=True)
+        xc = x - mu
+        var = (xc * xc).mean(axis=-1, keepdims=True)
+        self.rstd = 1.0 / xp.sqrt(var + eps)
+        self.xhat = xc * self.rstd
+        return self.xhat * w + b
+
+    def backward(self, g):
+        w = self.parents[1].data
+        xhat, rstd = self.xhat, self.rstd
+        nx, nw, nb = self.needs_input_grad
+        gx = gw = gb = None
+        if nx:
+            dxhat = g * w
+            gx = rstd * (dxhat - dxhat.mean(axis=-1, keepdims=True)
+                         - xhat * (dxhat * xhat).mean(axis=-1, keepdims=True))
+        g2 = g.reshape(-1, g.shape[-1])
+        if nw:
+            gw = (g2 * xhat.reshape(g2.shape)).sum(axis=0)
+        if nb:
+            gb = g2.sum(axis=0)
+        return gx, gw, gb
+
+
+def check_indices(idx, n, what="index"):
+    """Raise a clear error unless idx is an integer array with values in [0, n)."""
+    if not hasattr(idx, "dtype") or idx.dtype.kind not in "iu":
+        raise TypeError(f"{what} must be an integer array, got "
+                        f"{getattr(idx, 'dtype', type(idx).__name__)}")
+    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
+        raise IndexError(f"{what} out of range: values span [{int(idx.min())}, {int(idx.max())}] "
+                         f"but must lie in [0, {n})")
+
+
+class Embedding(Function):
+    """y = W[idx]; dW = scatter-add of g at the rows idx (repeated rows add)."""
+    def forward(self, w, idx):
+        check_indices(idx, w.shape[0], "embedding index")
+        self.idx, self.wshape = idx, w.shape
+        return w[idx]
+
+    def backward(self, g):
+        gw = xp.zeros(self.wshape, dtype=g.dtype)
+        scatter_add(gw, self.idx.reshape(-1), g.reshape(-1, self.wshape[1]))
+        return gw, None
+
+
+class Dropout(Function):
+    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the given generator."""
+    def forward(self, x, p, rng):
+        self.m = (rng.random(x.shape) >= p).astype(x.dtype) / (1.0 - p)
+        return x * self.m
+
+    def backward(self, g):
+        return g * self.m
+
+
+class CrossEntropy(Function):
+    """loss = mean over counted rows of (logsumexp(z) - z[target]) (numerically
+    stable: z is shifted by its row max). dz = (softmax(z) - onehot(target)) / count,
+    zero on rows whose target == ignore_index."""
+    def forward(self, logits, targets, ignore_index=None):
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        if t.shape[0] != z.shape[0]:
+            raise ValueError(f"cross_entropy: {z.shape[0]} rows of logits but {t.shape[0]} targets "
+                             f"(logits {logits.shape}, targets {targets.shape})")
+        keep = None if ignore_index is None else (t != ignore_index)
+        tt = t if keep is None else xp.where(keep, t, 0)
+        check_indices(tt, V, "cross_entropy target")
+        s = z - z.max(axis=1, keepdims=True)
+        e = xp.exp(s)
+        se = e.sum(axis=1, keepdims=True)
+        rows = xp.arange(z.shape[0])
+        nll = xp.log(se[:, 0]) - s[rows, tt]  # (N,)
+        count = z.shape[0] if keep is None else int(keep.sum())
+        if keep is not None:
+            nll = nll * keep
+        self.p, self.tt, self.rows, self.keep = e / se, tt, rows, keep
+        self.count, self.shape = max(count, 1), logits.shape
+        return xp.asarray(nll.sum() / self.count, dtype=logits.dtype)
+
+    def backward(self, g):
+        d = self.p  # reuse forward's buffer: softmax -> gradient, in place
+        d[self.rows, self.tt] -= 1.0
+        if self.keep is not None:
+            d *= self.keep[:, None]
+        d *= g / self.count
+        return d.reshape(self.shape), None
+
+
+def linear(x, weight, bias=None):
+    return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+
+
+def softmax(x, axis=-1): return Softmax.apply(x, axis=axis)
+def log_softmax(x, axis=-1): return LogSoftmax.apply(x, axis=axis)
+def gelu(x): return GELU.apply(x)
+def scaled_causal_softmax(x, scale=1.0): return ScaledCausalSoftmax.apply(x, scale=scale)
+def layer_norm(x, weight, bias, eps=1e-5): return LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def embedding(idx, weight):
+    """Rows of weight (V, C) at integer positions idx (...) -> (..., C)."""
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    return Embedding.apply(weight, xp.asarray(idx))
+
+
+def dropout(x, p=0.0, training=True, rng=None):
+    """Inverted dropout; the identity when p == 0 or not training. ``rng`` is an
+    ``xp.random.Generator`` (seeded by the caller, so runs are reproducible)."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if rng is None:
+        raise ValueError("dropout needs an explicit rng (xp.random.default_rng(seed)) to stay reproducible")
+    return Dropout.apply(x, p, rng)
+
+
+def cross_entropy(logits, targets, ignore_index=None):
+    """Mean token cross-entropy. logits (..., V) Tensor, targets (...) int array."""
+    if isinstance(targets, Tensor):
+        targets = targets.data
+    return CrossEntropy.apply(logits, xp.asarray(targets), ignore_index=ignore_index)
+
+
+def mse_loss(pred, target):
+    """mean((pred - target)^2)"""
+    d = pred - target
+    return (d * d).mean()
+
+
+__all__ = ["linear", "softmax", "log_softmax", "gelu", "scaled_causal_softmax", "layer_norm",
+           "embedding", "dropout", "cross_entropy", "mse_loss"]

@@ -1,0 +1,199 @@
+"""GPT-2 (Radford et al., 2019) with Hugging Face's state_dict names and shapes.
+
+    x_0 = wte[idx] + wpe[0..T)                                   # (B, T, C)
+    x_{l+1/2} = x_l + c_proj(attn(ln_1(x_l)))                    # causal, n_head heads
+    x_{l+1}   = x_{l+1/2} + mlp.c_proj(gelu(mlp.c_fc(ln_2(x_{l+1/2}))))
+    logits = ln_f(x_L) @ wte^T                                   # (B, T, V), lm_head tied to wte
+
+Parameter names: ``transformer.wte.weight`` (V, C), ``transformer.wpe.weight``
+(block_size, C), ``transformer.h.{i}.ln_1.weight/bias``,
+``...attn.c_attn.weight`` (C, 3C) / ``.bias`` (3C), ``...attn.c_proj.weight`` (C, C),
+``...ln_2``, ``...mlp.c_fc.weight`` (C, 4C), ``...mlp.c_proj.weight`` (4C, C),
+``transformer.ln_f.weight/bias``. The tied ``lm_head.weight`` is not a separate
+parameter; ``load_state_dict`` ignores it and GPT-2's ``attn.bias`` mask buffers.
+
+Init (GPT-2's): weights N(0, 0.02), the two residual projections
+N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1 and 0; each parameter from
+its own generator seeded by (seed, crc32(name)) -- ``gpt_init``.
+"""
+import math
+import zlib
+from dataclasses import dataclass
+
+import numpy as np
+
+from pdist import functional as F
+from pdist import nn
+from pdist.backend import asarray, xp
+
+
+@dataclass
+class GPTConfig:
+    vocab_size: int = 96
+    block_size: int = 32
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 64
+    dropout: float = 0.0
+    dtype: str = "float32"
+
+    def __post_init__(self):
+        for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
+            if int(getattr(self, k)) < 1:
+                raise ValueError(f"GPTConfig.{k} must be >= 1, got {getattr(self, k)}")
+        if self.n_embd % self.n_head:
+            raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
+        if self.dtype not in ("float32", "float64"):
+            raise ValueError(f"GPTConfig.dtype must be 'float32' or 'float64', got {self.dtype!r}")
+
+    def param_shapes(self):
+        """name -> shape of every parameter, in the model's order."""
+        V, T, C = self.vocab_size, self.block_size, self.n_embd
+        shapes = {"transformer.wte.weight": (V, C), "transformer.wpe.weight": (T, C)}
+        for i in range(self.n_layer):
+            h = f"transformer.h.{i}."
+            shapes.update({h + "ln_1.weight": (C,), h + "ln_1.bias": (C,),
+                           h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
+                           h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
+                           h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
+                           h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
+                           h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,)})
+        shapes.update({"transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)})
+        return shapes
+
+
+def gpt_init(cfg, name, seed):
+    """The full float64 NumPy value of parameter ``name`` for (cfg, seed).
+    Depends on nothing else: any layout can call it and slice its shard."""
+    shape = cfg.param_shapes()[name]
+    if name.endswith("bias"):
+        return np.zeros(shape)
+    if ".ln_" in name:
+        return np.ones(shape)
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+    return rng.standard_normal(shape) * std
+
+
+def causal_self_attention(qkv, n_head):
+    """Multi-head causal self-attention, heads batched (no loop over heads):
+    q, k, v = split(x W_qkv + b);  y_h = softmax(q_h k_h^T / sqrt(d) + M) v_h;
+    out = concat_h(y_h) W_o + b_o. ``n_head`` is the number of heads this module
+    holds (a tensor-parallel rank holds n_head / tp of them). qkv: (B, T, 3 n_head hs)."""
+    B, T, C3 = qkv.shape
+    hs = C3 // (3 * n_head)
+    qkv = qkv.reshape(B, T, 3, n_head, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs)
+    q, k, v = qkv[0], qkv[1], qkv[2]  # (B, nh, T, hs)
+    att = F.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(hs))  # (B, nh, T, T)
+    y = att @ v  # (B, nh, T, hs)
+    return y.permute(0, 2, 1, 3).reshape(B, T, n_head * hs)  # (B, T, C)
+
+
+class _ZerosRng:
+    """Placeholder generator: GPT's modules are filled by gpt_init right after."""
+    def uniform(self, lo, hi, shape):
+        return np.zeros(shape)
+
+    def standard_normal(self, shape):
+        return np.zeros(shape)
+
+
+_ZEROS = _ZerosRng()
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.n_head = cfg.n_head
+        self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, rng=_ZEROS)
+        self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, rng=_ZEROS)
+
+    def forward(self, x):
+        return self.c_proj(causal_self_attention(self.c_attn(x), self.n_head))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.c_fc = nn.Linear(cfg.n_embd, 4 * cfg.n_embd, rng=_ZEROS)
+        self.c_proj = nn.Linear(4 * cfg.n_embd, cfg.n_embd, rng=_ZEROS)
+
+    def forward(self, x):
+        return self.c_proj(F.gelu(self.c_fc(x)))
+
+
+class Block(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(cfg.n_embd)
+        self.attn = Attention(cfg)
+        self.ln_2 = nn.LayerNorm(cfg.n_embd)
+        self.mlp = MLP(cfg)
+
+    def forward(self, x):
+        x = x + self.attn(self.ln_1(x))
+        return x + self.mlp(self.ln_2(x))
+
+
+class Transformer(nn.Module):
+    def __init__(self, cfg):
+        super().__init__()
+        self.wte = nn.Embedding(cfg.vocab_size, cfg.n_embd, rng=_ZEROS)
+        self.wpe = nn.Embedding(cfg.block_size, cfg.n_embd, rng=_ZEROS)
+        self.h = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.ln_f = nn.LayerNorm(cfg.n_embd)
+
+
+class GPT(nn.Module):
+    """GPT-2; see the module docstring. ``GPT(cfg, seed)`` draws every weight with gpt_init."""
+
+    def __init__(self, cfg, seed=0):
+        super().__init__()
+        self.config = cfg
+        self.transformer = Transformer(cfg)
+        self.drop = nn.Dropout(cfg.dropout, seed=seed)
+        for name, p in self.named_parameters():
+            p.data = asarray(gpt_init(cfg, name, seed), dtype=cfg.dtype)
+            p.name = name
+
+    def embed(self, idx):
+        """x_0 = wte[idx] + wpe[0..T) -> (B, T, C)"""
+        idx = getattr(idx, "data", idx)
+        T = idx.shape[-1]
+        if T > self.config.block_size:
+            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
+        pos = xp.arange(T)
+        return self.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+
+    def head(self, x):
+        """logits = ln_f(x) @ wte^T -> (B, T, V)"""
+        return F.linear(self.transformer.ln_f(x), self.transformer.wte.weight.T)
+
+    def forward(self, idx, targets=None):
+        x = self.embed(idx)
+        for block in self.transformer.h:
+            x = block(x)
+        logits = self.head(x)
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits, targets)
+
+    def load_state_dict(self, state_dict, strict=True, ignore=("lm_head.weight", ".attn.bias",
+                                                               ".attn.masked_bias")):
+        return super().load_state_dict(state_dict, strict=strict, ignore=ignore)
+
+    def generate(self, idx, n_new, temperature=1.0, seed=0):
+        """Sample n_new tokens after idx (B, T) -> (B, T + n_new) NumPy ints."""
+        from pdist.autograd import no_grad
+        from pdist.backend import to_numpy
+        rng = np.random.default_rng(seed)
+        idx = np.array(idx)
+        with no_grad():
+            for _ in range(n_new):
+                ctx = idx[:, -self.config.block_size:]
+                z = to_numpy(self(xp.asarray(ctx)).data[:, -1, :]).astype(np.float64) / temperature
+                p = np.exp(z - z.max(axis=1, keepdims=True))
+                p /= p.sum(axis=1, keepdims=True)
+                nxt = [rng.choice(p.shape[1], p=row) for row in p]
+                idx = np.concatenate([idx, np.array(nxt)[:, None]], axis=1)
+        return idx
