@@ -213,7 +213,7 @@ def _accumulate_leaf(t, g):
     if g.shape != t.data.shape:
         g = g.reshape(t.data.shape)
     if t.grad is None:
-        t.grad = g.astype(t.data.dtype, copy=True)
+        t.grad = g.astype(t.data.dtype, order="C", copy=True)
     else:
         t.grad += g
     if t._post_acc_hooks:

@@ -11,6 +11,7 @@
 """
 import importlib
 import inspect
+import warnings
 
 import numpy as np
 
@@ -29,10 +30,12 @@ def stdlib_corpus(max_chars=None):
             continue
         if mod.__doc__:
             parts.append(mod.__doc__)
-        for _, obj in sorted(vars(mod).items()):
-            if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == name:
-                if isinstance(obj.__doc__, str):
-                    parts.append(inspect.cleandoc(obj.__doc__))
+        with warnings.catch_warnings():  # typing.io / typing.re warn when touched
+            warnings.simplefilter("ignore", DeprecationWarning)
+            for _, obj in sorted(vars(mod).items()):
+                if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == name:
+                    if isinstance(obj.__doc__, str):
+                        parts.append(inspect.cleandoc(obj.__doc__))
     text = "\n\n".join(parts)
     text = "".join(c if (32 <= ord(c) < 127 or c == "\n") else " " for c in text)
     return text[:max_chars] if max_chars else text

@@ -78,9 +78,12 @@ class Module:
         return fn
 
     def named_modules(self, prefix=""):
-        yield prefix, self
-        for name, m in self._modules.items():
-            yield from m.named_modules(f"{prefix}.{name}" if prefix else name)
+        """(dotted name, module) for self and every descendant, depth first, in registration order."""
+        stack = [(prefix, self)]
+        while stack:  # iterative: a deep model walked every step (zero_grad) costs no generator chain
+            name, m = stack.pop()
+            yield name, m
+            stack.extend(reversed([(f"{name}.{k}" if name else k, c) for k, c in m._modules.items()]))
 
     def modules(self):
         return [m for _, m in self.named_modules()]

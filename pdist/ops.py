@@ -222,12 +222,16 @@ class Reshape(Function):
 
 
 class Permute(Function):
+    """y = a.transpose(axes) (a view); dA = g.transpose(inverse permutation)."""
     def forward(self, a, axes):
-        self.axes = axes
+        inv = [0] * len(axes)
+        for i, ax in enumerate(axes):
+            inv[ax] = i
+        self.inv = tuple(inv)  # plain Python: no device round trip on a GPU
         return a.transpose(axes)
 
     def backward(self, g):
-        return g.transpose(tuple(int(i) for i in xp.argsort(xp.asarray(self.axes)).tolist()))
+        return g.transpose(self.inv)
 
 
 class GetItem(Function):

@@ -15,7 +15,7 @@ import math
 
 import numpy as np
 
-from pdist.backend import asarray, to_numpy, xp
+from pdist.backend import to_numpy, xp
 
 
 class Optimizer:
@@ -65,7 +65,8 @@ class Optimizer:
         self.state = {}
         for i, s in sd["state"].items():
             p = params[int(i)]
-            self.state[id(p)] = {n: (asarray(v, dtype=p.dtype) if hasattr(v, "shape") else v)
+            # copies (like PyTorch): the optimizer must not share arrays with the caller's dict
+            self.state[id(p)] = {n: (xp.array(v, dtype=p.dtype, copy=True) if hasattr(v, "shape") else v)
                                  for n, v in s.items()}
 
 
@@ -111,22 +112,28 @@ class AdamW(Optimizer):
 
 
 def adamw_update(p, g, s, lr, b1, b2, eps, wd):
-    """One AdamW step on arrays, in place (also used by ZeRO on its shards)."""
+    """One AdamW step on arrays, in place (also used by ZeRO on its shards).
+    Uses one temporary the size of p (no other allocations)."""
     s["step"] += 1
     t = s["step"]
     m, v = s["exp_avg"], s["exp_avg_sq"]
     if wd:
         p *= 1.0 - lr * wd
+    tmp = xp.multiply(g, 1.0 - b1)  # (1 - b1) g
     m *= b1
-    m += (1.0 - b1) * g
+    m += tmp
+    xp.multiply(g, g, out=tmp)
+    tmp *= 1.0 - b2  # (1 - b2) g^2
     v *= b2
-    v += (1.0 - b2) * (g * g)
+    v += tmp
     bc1 = 1.0 - b1 ** t
     bc2_sqrt = math.sqrt(1.0 - b2 ** t)
-    denom = xp.sqrt(v)
+    denom = xp.sqrt(v, out=tmp)
     denom /= bc2_sqrt
-    denom += eps
-    p -= (lr / bc1) * (m / denom)
+    denom += eps  # sqrt(v_hat) + eps
+    step = xp.divide(m, denom, out=tmp)
+    step *= lr / bc1  # lr m_hat / (sqrt(v_hat) + eps)
+    p -= step
 
 
 def clip_grad_norm_(params, max_norm, norm_fn=None):

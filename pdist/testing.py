@@ -52,15 +52,17 @@ def mpirun(n, script, *args, timeout=180, env=None, check=True):
     full_env.update(env or {})
     py = [sys.executable, "-u", "-m", "pdist.testing", script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
+    # own session: on timeout the whole launch (mpiexec, proxies, ranks) is killed
+    # by its process group, never by a name pattern
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=full_env, text=True, start_new_session=True)
     try:
-        proc = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                              stderr=subprocess.STDOUT, timeout=timeout, env=full_env, text=True)
-    except subprocess.TimeoutExpired as e:
-        out = e.stdout.decode(errors="replace") if isinstance(e.stdout, bytes) else (e.stdout or "")
-        _kill_strays(script)
+        out, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
         raise MPIRunError(f"mpirun -n {n} {script} timed out after {timeout}s "
-                          f"(a rank is stuck; a collective mismatch?)\n--- output ---\n{out[-6000:]}")
-    out = proc.stdout
+                          f"(a rank is stuck; a collective mismatch?)\n--- output ---\n{(out or '')[-6000:]}")
     if check and proc.returncode != 0:
         raise MPIRunError(_failure_message(n, script, proc.returncode, out))
     return out
@@ -76,9 +78,13 @@ def _failure_message(n, script, rc, out):
     return head + "\n" + body
 
 
-def _kill_strays(script):
-    subprocess.run(["pkill", "-f", f"pdist.testing {script}"], stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL, check=False)
+def _kill_group(proc):
+    """SIGKILL the launch's process group (mpiexec and the ranks it started)."""
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
 
 
 def _world_rank():

@@ -1,0 +1,132 @@
+"""Data-parallel throughput: 2 ranks vs 1 rank on a compute-bound GPT, and naive vs
+bucketed gradient all-reduce, side by side in one run.
+
+    python bench/data_parallel.py                     # 3 interleaved repeats, float32
+    python bench/data_parallel.py --repeats 5 --steps 8
+
+Every configuration trains a float32 GPT with AdamW for ``--steps`` timed steps after
+2 warm-up steps, launched with mpiexec by this script (``--worker`` mode):
+
+* "large" (4 layers, 8 heads, n_embd 256, T 64, 8 rows per rank): compute-bound,
+  ~100 ms of BLAS per step against 12 MiB of gradients;
+* "lesson" (the lessons' GPT, 2 layers, n_embd 64, T 32, 8 rows per rank): a few ms
+  of compute per step, so the all-reduce's share -- and naive vs bucketed -- shows.
+
+Per-rank work is fixed (weak scaling: 2 ranks train a global batch twice as large):
+
+    throughput = ranks * rows * T / step time,   speedup = throughput / 1-rank, 1-thread throughput
+
+Configurations: 1 rank with 1 BLAS thread (one core: the scaling baseline), 1 rank
+with 2 BLAS threads (both cores, one process), and 2 ranks with 1 BLAS thread each
+using DataParallelNaive, or DataParallel with PyTorch's default buckets (25 MiB,
+first 1 MiB) or smaller ones. "wait ms" is the time finish_gradient_synchronization()
+blocked: communication that backward did not hide. Waits busy-poll (2 ranks on 2
+cores, PDIST_COOPERATIVE_WAIT=0). Repeats are interleaved so that load from other
+processes hits every configuration alike; the table reports the median over repeats
+of each run's median step, and the spread (max/min over repeats).
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+MODELS = {"large": (dict(block_size=64, n_layer=4, n_head=8, n_embd=256), 8),   # (GPT sizes, rows per rank)
+          "lesson": (dict(block_size=32, n_layer=2, n_head=4, n_embd=64), 8)}
+CONFIGS = [  # (model, label, ranks, BLAS threads per rank, kind, bucket MiB)
+    ("large", "1 rank, 1 thread", 1, 1, "single", 0),
+    ("large", "1 rank, 2 threads", 1, 2, "single", 0),
+    ("large", "2 ranks, naive", 2, 1, "naive", 0),
+    ("large", "2 ranks, bucketed 25 MiB", 2, 1, "bucketed", 25),
+    ("large", "2 ranks, bucketed 2 MiB", 2, 1, "bucketed", 2),
+    ("lesson", "1 rank, 1 thread", 1, 1, "single", 0),
+    ("lesson", "2 ranks, naive", 2, 1, "naive", 0),
+    ("lesson", "2 ranks, bucketed 0.0625 MiB", 2, 1, "bucketed", 0.0625),
+]
+
+
+def worker(a):
+    from threadpoolctl import threadpool_limits
+
+    from pdist import comm, data, gpt, lesson, trace
+    from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
+
+    world = comm.init()
+    threadpool_limits(limits=a.threads)
+    trace.disable()
+    tokens, tok = data.char_dataset()
+    cfg = lesson.gpt_config(tok.vocab_size, dtype="float32", **MODELS[a.model][0])
+    model = gpt.GPT(cfg, seed=0)
+    if a.kind == "naive":
+        model = DataParallelNaive(model)
+    elif a.kind == "bucketed":
+        model = DataParallel(model, bucket_cap_mb=a.bucket_mb, first_bucket_cap_mb=min(1, a.bucket_mb))
+    opt = lesson.make_adamw(model.parameters())
+    times, waits = [], []
+    for step in range(2 + a.steps):
+        x, y = data.shard(data.get_batch(tokens, a.rows * world.size, cfg.block_size, 0, step),
+                          world.rank, world.size)                      # (rows, T)
+        world.barrier()
+        t0 = trace.now()
+        model.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        if a.kind != "single":
+            model.finish_gradient_synchronization()
+        opt.step()
+        if step >= 2:
+            times.append(trace.now() - t0)
+            waits.append(getattr(model, "last_wait_seconds", 0.0))
+    if world.rank == 0:
+        print("RESULT " + json.dumps({"step": statistics.median(times), "wait": statistics.median(waits),
+                                      "params": model.num_parameters()}))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--steps", type=int, default=6)
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--kind", default="single", help=argparse.SUPPRESS)
+    p.add_argument("--model", default="large", help=argparse.SUPPRESS)
+    p.add_argument("--rows", type=int, default=8, help=argparse.SUPPRESS)
+    p.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    p.add_argument("--bucket-mb", type=float, default=25, help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker(a)
+    from pdist.lesson import table
+    from pdist.testing import mpirun
+    res = {c[:2]: [] for c in CONFIGS}
+    params = {}
+    for rep in range(a.repeats):
+        for model, label, ranks, threads, kind, mb in CONFIGS:
+            out = mpirun(ranks, __file__, "--worker", "--model", model, "--kind", kind, "--threads", threads,
+                         "--bucket-mb", mb, "--steps", a.steps, "--rows", MODELS[model][1], timeout=600,
+                         env={"PDIST_COOPERATIVE_WAIT": "0"})
+            r = json.loads(next(ln for ln in out.splitlines() if ln.startswith("RESULT "))[7:])
+            res[model, label].append(r)
+            params[model] = r["params"]
+            print(f"  repeat {rep}: {model} {label}: {r['step'] * 1e3:.1f} ms/step", file=sys.stderr)
+    for model, (sizes, rows_per_rank) in MODELS.items():
+        T, base, rows = sizes["block_size"], None, []
+        for m, label, ranks, *_ in CONFIGS:
+            if m != model:
+                continue
+            steps = [r["step"] for r in res[m, label]]
+            step = statistics.median(steps)
+            wait = statistics.median(r["wait"] for r in res[m, label])
+            tput = ranks * rows_per_rank * T / step
+            base = base or tput
+            rows.append((label, f"{step * 1e3:.1f}", f"{wait * 1e3:.2f}" if ranks > 1 else "-",
+                         f"{tput:,.0f}", f"{tput / base:.2f}x", f"{max(steps) / min(steps):.2f}"))
+        print(f"\n{model} GPT: {sizes['n_layer']} layers, n_embd {sizes['n_embd']}, T {T}, Psi = {params[model]:,} "
+              f"(float32, {params[model] * 4 / 2**20:.2f} MiB of gradients); {rows_per_rank} rows per rank; "
+              f"medians of {a.repeats} repeats x {a.steps} steps; {os.cpu_count()} cores")
+        print(table(rows, ["configuration", "step ms", "wait ms", "tokens/s", "speedup", "spread"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,127 @@
+"""Uneven work with more ranks than cores: busy-polling vs cooperative waits.
+
+    mpirun -n 4 python bench/oversubscribed.py        # on a 2-core machine
+
+Two patterns, each run with MPI's busy-polling blocking waits and with pdist's
+cooperative waits (Test + sched_yield, then sleeps of 20-250 us):
+
+* allreduce: per step rank r computes w_r units, then a small all_reduce.
+  Ideal step = max(max_r w_r, sum_r w_r / cores)  (cores shared perfectly).
+* pipeline: M microbatches flow rank 0 -> 1 -> ... -> n-1 (recv, compute w_r,
+  send). Ideal = max(sum_r w_r + (M-1) max_r w_r, M sum_r w_r / cores).
+
+A unit of work is a fixed NumPy matmul loop (1 BLAS thread), timed by rank 0
+while the other ranks sleep. With ranks <= cores it also reports the latency
+of an 8-byte all_reduce on both wait paths (cooperative mode must not be used
+there, and is not by default).
+"""
+import argparse
+import time
+
+import numpy as np
+
+from pdist import comm
+from pdist.comm import mpi as M
+from pdist.lesson import table
+
+WORK = [3, 1, 3, 1]                 # units per rank (cycled for other world sizes)
+
+
+def unit(a, reps):
+    for _ in range(reps):
+        a = np.tanh(a @ a * 1e-2)
+    return a
+
+
+def _timed(a, reps):
+    t = time.perf_counter()
+    unit(a, reps)
+    return time.perf_counter() - t
+
+
+def calibrate(g, a, target):
+    M.set_cooperative(True)                         # others sleep while rank 0 times
+    reps = per = None
+    if g.rank == 0:
+        one = min(_timed(a, 50) for _ in range(5)) / 50          # seconds per matmul rep
+        reps = max(1, int(round(target / one)))
+        per = min(_timed(a, reps) for _ in range(5))              # seconds per unit
+    reps, per = g.broadcast_object((reps, per) if g.rank == 0 else None)
+    g.barrier()
+    return reps, per
+
+
+def run_allreduce(g, a, reps, w, steps):
+    x = np.zeros(1)
+    g.barrier()
+    t = time.perf_counter()
+    for _ in range(steps):
+        unit(a, reps * w[g.rank])
+        g.all_reduce(x)
+    g.barrier()
+    return time.perf_counter() - t
+
+
+def run_pipeline(g, a, reps, w, micro):
+    n, r = g.size, g.rank
+    buf = np.zeros(16)
+    g.barrier()
+    t = time.perf_counter()
+    for _ in range(micro):
+        if r > 0:
+            g.recv(buf, r - 1)
+        unit(a, reps * w[r])
+        if r < n - 1:
+            g.send(buf, r + 1)
+    g.barrier()
+    return time.perf_counter() - t
+
+
+def latency(g, iters=2000):
+    x = np.zeros(1)
+    for _ in range(100):
+        g.all_reduce(x)
+    t = time.perf_counter()
+    for _ in range(iters):
+        g.all_reduce(x)
+    return (time.perf_counter() - t) / iters
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--unit-ms", type=float, default=4.0)
+    p.add_argument("--steps", type=int, default=30)
+    p.add_argument("--repeats", type=int, default=2)
+    args = p.parse_args()
+    g = comm.init()
+    n, cores = g.size, M.cores_available()
+    g.check = False                                  # measure the waits, not validation
+    w = [WORK[i % len(WORK)] for i in range(n)]
+    a = np.random.default_rng(0).standard_normal((96, 96))
+    reps, per = calibrate(g, a, args.unit_ms / 1e3)
+    ideal_ar = args.steps * per * max(max(w), sum(w) / min(cores, n))
+    ideal_pp = per * max(sum(w) + (args.steps - 1) * max(w), args.steps * sum(w) / min(cores, n))
+    rows = []
+    for mode in ("busy-poll", "cooperative"):
+        M.set_cooperative(mode == "cooperative")
+        t_ar = min(run_allreduce(g, a, reps, w, args.steps) for _ in range(args.repeats))
+        t_pp = min(run_pipeline(g, a, reps, w, args.steps) for _ in range(args.repeats))
+        rows.append([mode, t_ar, t_ar / ideal_ar, t_pp, t_pp / ideal_pp])
+    lat = None
+    if n <= cores:
+        lat = []
+        for mode in ("fast path", "cooperative"):
+            M.set_cooperative(mode == "cooperative")
+            lat.append([mode, latency(g) * 1e6])
+    if g.rank == 0:
+        print(f"{n} ranks on {cores} cores; work units per rank {w}; unit = {per * 1e3:.2f} ms; "
+              f"{args.steps} steps / microbatches; best of {args.repeats}")
+        print(f"ideal: allreduce pattern {ideal_ar:.3f} s, pipeline pattern {ideal_pp:.3f} s\n")
+        print(table(rows, ["waits", "allreduce s", "x ideal", "pipeline s", "x ideal"], floatfmt="{:.3f}"))
+        if lat:
+            print("\n8-byte all_reduce latency (not oversubscribed):")
+            print(table(lat, ["waits", "us / call"], floatfmt="{:.1f}"))
+
+
+if __name__ == "__main__":
+    main()

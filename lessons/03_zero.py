@@ -1,0 +1,184 @@
+"""Lesson 03 -- ZeRO: shard the optimizer states, then the gradients, then the
+parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero.py).
+
+    mpirun -n 4 python lessons/03_zero.py              # stages 0, 1, 2, 3 side by side
+    mpirun -n 4 python lessons/03_zero.py --stage 3    # one stage
+    python lessons/03_zero.py                          # one rank: nothing to shard, same numbers
+
+Every stage trains the same GPT on the same global batches as single-process
+training (pdist.lesson.train_reference) and must end with exactly its weights:
+each rank checks its shard against the same slice of the baseline.
+
+The table (per rank; every rank holds the same amounts, see --json for all):
+  params / grads / optim   bytes of live parameters, gradients and AdamW states
+                           (m, v), measured (pdist.memory: each buffer once)
+  total, formula           their sum, and the ZeRO paper's formula. Convention:
+                           one dtype of b bytes (4 in float32) with Adam, so the
+                           paper's 16Ψ reads params 4Ψ + grads 4Ψ + m, v 8Ψ:
+                           stage 0 16Ψ, 1 8Ψ+8Ψ/N, 2 4Ψ+12Ψ/N, 3 16Ψ/N (float64:
+                           twice that). Stages 1-3 pad each unit to a multiple of
+                           N: Ψ there is Ψ_pad = Σ_units ceil(Ψ_u/N)·N
+  sent/step, theory        bytes this rank sent per step (ProcessGroup.stats,
+                           ring accounting) and the theory: 2(N-1)/N·bΨ ("2Ψ")
+                           for stages 0-2, 3(N-1)/N·bΨ ("3Ψ") for stage 3
+  peak                     the most bytes allocated at once during a step
+                           (tracemalloc; model states + activations + temporaries)
+  loss, baseline           final loss (mean over ranks) and the single-process one
+  rel err                  |θ - θ_ref| / |θ_ref| over all shards of all ranks (2-norms)
+                           after min(--steps, 10) steps
+
+PASS means, on every rank: model-state bytes equal the formula exactly, bytes sent
+equal the theory, and (as in lesson 02) after min(--steps, 10) steps every shard
+equals the same slice of the single-process weights (float64: elementwise, rtol
+1e-9, atol 1e-12; float32: relative 2-norm error of the whole model <= 1e-4, as AdamW
+turns the rounding noise of a gradient that is ~0 (e.g. the key bias, whose true
+gradient is exactly 0) into steps of size lr: single elements differ by up to
+~3e-4 after 5 steps) and so do the losses of those steps (rtol 1e-9 / 1e-5). Why stop at 10: summing a gradient in another order is a 1e-16 relative
+difference that training amplifies over many steps (lesson 02 and docs/zero.md).
+"""
+import sys
+import time
+
+import numpy as np
+
+from pdist import comm, data, gpt, lesson, memory
+from pdist.backend import set_default_dtype, to_numpy
+from pdist.parallel.zero import ZeRO
+
+FORMULA = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}  # in float32 (b = 4)
+COMM = {0: "2Ψ", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
+CHECK_STEPS = 10   # horizon of the tight shard check (why: lessons/02_data_parallel.py's docstring)
+F32_REL = 1e-4     # float32: |θ - θ_ref| / |θ_ref| over the whole model (all shards)
+
+
+def formula_bytes(stage, psi, n, b):
+    """(params, grads, optim) bytes per rank from the ZeRO paper, one dtype of b bytes, Adam."""
+    return {0: (b * psi, b * psi, 2 * b * psi), 1: (b * psi, b * psi, 2 * b * psi // n),
+            2: (b * psi, b * psi // n, 2 * b * psi // n), 3: (b * psi // n, b * psi // n, 2 * b * psi // n)}[stage]
+
+
+def comm_theory(stage, z, n, b):
+    """Bytes sent per step per rank, ring accounting: all-reduce 2(n-1)/n S per unit
+    (stage 0), reduce-scatter + all-gather (n-1)/n S each (1, 2), + one more all-gather (3)."""
+    if stage == 0:
+        return sum(2 * (n - 1) * b * u.numel / n for u in z.units)
+    return (2 if stage < 3 else 3) * (n - 1) * b * z.numel_padded / n
+
+
+def train(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=None):
+    """Train ``steps`` steps under ZeRO-``stage``. After step ``check_at``, compare this
+    rank's shards with the same slices of ``ref_sd``: check = (ok, |θ - θ_ref| / |θ_ref|)."""
+    n, rank = world.size, world.rank
+    z = ZeRO(gpt.GPT(cfg, seed=args.seed), stage, world, prefetch=not args.no_prefetch)
+    opt = lesson.make_adamw(z.parameters())
+    losses, sent, secs, check = [], [], [], (True, 0.0)
+    for step in range(steps):
+        x, y = data.shard(data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step), rank, n)
+        world.reset_stats()
+        t0 = time.perf_counter()
+        z.zero_grad()
+        _, loss = z(x, y)
+        loss.backward()
+        z.step(opt)
+        secs.append(time.perf_counter() - t0)
+        sent.append(world.bytes_sent())
+        losses.append(loss.item())
+        if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)
+            pairs = [(to_numpy(u.shard.data).astype(np.float64), to_numpy(u.flatten(ref_sd)[u.lo:u.hi]))
+                     for u in z.units]
+            sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs),
+                           sum(float(np.sum(r ** 2)) for a, r in pairs)])
+            world.all_reduce(sq)                      # over all ranks' shards: the whole model
+            rel = float(np.sqrt(sq[0] / sq[1]))       # |θ - θ_ref| / |θ_ref|
+            ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= F32_REL
+            check = (ok, rel)
+    return z, opt, losses, sent, float(np.median(secs)), check
+
+
+def main():
+    p = lesson.parser(__doc__)
+    p.add_argument("--stage", type=int, default=None, help="one ZeRO stage (0-3); default: all four")
+    p.add_argument("--batch-size", type=int, default=12, help="global batch (default %(default)s)")
+    p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
+    args = p.parse_args()
+    world = comm.init()
+    n, rank = world.size, world.rank
+    # bad input: the same error on every rank, before any collective
+    if args.stage is not None and args.stage not in (0, 1, 2, 3):
+        sys.exit(f"03_zero: --stage must be 0, 1, 2 or 3, got {args.stage}")
+    if args.batch_size % n:
+        sys.exit(f"03_zero: --batch-size {args.batch_size} does not divide by the {n} ranks; "
+                 f"use a multiple of {n}")
+    if args.steps < 1:
+        sys.exit(f"03_zero: --steps must be >= 1, got {args.steps}")
+    stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
+
+    set_default_dtype(args.dtype)
+    tokens, tok = data.char_dataset()
+    cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype)
+    b = np.dtype(args.dtype).itemsize
+    # the check (as lesson 02's): shards after min(steps, 10) steps and the losses of those steps
+    check_at = min(args.steps, CHECK_STEPS)
+    tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else None    # None: F32_REL
+    loss_rtol = 1e-9 if args.dtype == "float64" else 1e-5
+    baseline, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)
+    _, ref_sd = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, tokens)
+
+    rows, runs, ok_all = [], [], True
+    for stage in stages:
+        # peak: a traced run of 2 steps from a fresh model (tracemalloc slows NumPy's allocations,
+        # so the timed run below is not traced)
+        memory.start_tracing(restart=True)
+        zm, om, *_ = train(cfg, stage, world, args, tokens, min(2, args.steps))
+        with memory.PeakMemory() as pk:
+            x, y = data.shard(data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, 0), rank, n)
+            zm.zero_grad()
+            zm(x, y)[1].backward()
+            zm.step(om)
+        del zm, om
+        memory.stop_tracing()
+
+        z, opt, losses, sent, sps, (shards_ok, err) = train(cfg, stage, world, args, tokens, args.steps,
+                                                             check_at, ref_sd, tol)
+        mem = memory.memory_row(rank, z, opt, pk.peak_bytes)
+        psi = z.numel if stage == 0 else z.numel_padded
+        want = formula_bytes(stage, psi, n, b)
+        theory = comm_theory(stage, z, n, b)
+        got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
+        losses = np.array(losses)
+        world.all_reduce(losses, op="avg")                          # the global mean loss per step
+        loss_ok = np.allclose(losses[:check_at], baseline[:check_at], rtol=loss_rtol, atol=0)
+        ok = (shards_ok and loss_ok and got == want
+              and all(abs(s - theory) <= len(z.units) for s in sent))
+        flag = np.array([1.0 if ok else 0.0])
+        world.all_reduce(flag, op="min")                            # PASS only if every rank passed
+        ok_all &= bool(flag[0])
+        mems, sents = world.all_gather_object(mem), world.all_gather_object(float(np.mean(sent)))
+        runs.append({"name": f"zero{stage}", "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage},
+                     "dtype": args.dtype, "params": z.numel, "params_padded": z.numel_padded,
+                     "loss": losses.tolist(), "baseline_loss": list(baseline), "memory_per_rank": mems,
+                     "comm_bytes_per_step": sents, "comm_bytes_theory": theory,
+                     "memory_formula": dict(zip(("params_bytes", "grads_bytes", "optim_bytes"), want)),
+                     "seconds_per_step": sps})
+        fb = lesson.fmt_bytes
+        rows.append([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
+                     f"{FORMULA[stage] if b == 4 else '2x ' + FORMULA[stage]} = {fb(sum(want))}",
+                     "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
+                     fb(pk.peak_bytes), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}",
+                     f"{err:.1e}", f"{sps * 1e3:.1f}"])
+
+    if rank == 0:
+        print(f"ZeRO on {n} rank(s): GPT with Ψ = {z.numel:,} parameters ({len(z.units)} flat units: "
+              f"root wte+wpe, {cfg.n_layer} blocks, ln_f), Ψ_pad = {z.numel_padded:,}, {args.dtype} "
+              f"(b = {b}), AdamW, {args.steps} steps, global batch {args.batch_size}\n")
+        print(lesson.table(rows, ["stage", "params", "grads", "optim", "total", "formula", "=",
+                                  "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
+        print()
+    lesson.finish("03_zero", ok_all, runs, args, rank=rank, world_size=n,
+                  detail=f"(stages {stages} on {n} ranks: shards equal the single-process run, "
+                         f"memory = formula, bytes = theory)" if ok_all else
+                  "(a stage differs from the single-process run, the formula or the theory: see the table)")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Lesson 04 -- tensor parallelism (Megatron-LM) and sequence parallelism.
+
+    python lessons/04_tensor_parallel.py                  # t = 1: no communication at all
+    mpirun -n 2 python lessons/04_tensor_parallel.py      # t = 2 (or -n 4)
+    mpirun -n 4 python lessons/04_tensor_parallel.py --steps 10 --dtype float64 --json tp.json
+
+Every rank holds a 1/t slice of every big weight (Shoeybi et al. 2019): attention is
+split by heads (the fused c_attn by columns, c_proj by rows), the MLP column then row,
+the embedding and the tied LM head by vocabulary, and the loss is computed from
+vocabulary-sharded logits (two small all-reduces: max, then the sums). Each
+transformer layer costs 2 all-reduces forward (after attn.c_proj and mlp.c_proj, "g")
+and 2 backward (before c_attn and c_fc, "f"). Sequence parallelism (Korthikanti et
+al. 2022) turns each all-reduce into an all-gather + reduce-scatter pair -- the same
+bytes -- so LayerNorm, dropout and the residual stream hold T/t tokens per rank.
+Code: pdist/parallel/tensor_parallel.py (layers, regions), pdist/parallel/tp_gpt.py.
+
+The lesson trains both layouts for --steps AdamW steps beside single-process training
+on the same global batches (pdist.lesson.train_reference) and prints: the loss per
+step; the collectives of one transformer layer, measured with hooks around block 0,
+and of the whole step, next to Megatron's count; the bytes each rank sends per step;
+the parameter bytes per rank. PASS means: every step's loss equals the single-process
+loss (rtol 1e-6 in float64, 1e-3 in float32), every rank's shards after the first
+min(--steps, 10) steps equal the single-process weights' slices (float64: elementwise
+rtol 1e-9; float32: per tensor, relative norm 1e-3; see lessons/02_data_parallel.py for
+why training amplifies rounding after that), and the
+measured collectives equal Megatron's counts.
+
+float32 and the key bias: the gradient of the K third of c_attn.bias is exactly zero in
+exact arithmetic (softmax_j(q.(k_j + b)) = softmax_j(q.k_j + q.b): a constant per row),
+so what each run computes there is rounding noise (~1e-9 in float32), and AdamW divides
+it by its own root-mean-square: both runs take steps of about lr in random directions.
+In float32 the parameter check therefore skips that third (in float64 the noise,
+~1e-17, stays far below AdamW's eps = 1e-8 and everything is checked elementwise).
+"""
+import statistics
+import sys
+import time
+
+import numpy as np
+
+from pdist import comm, data, lesson
+from pdist.backend import set_default_dtype
+from pdist.parallel.tp_gpt import TensorParallelGPT, check_tp_config, tp_slice
+
+p = lesson.parser(__doc__, steps=10, dtype="float64")
+p.add_argument("--batch-size", type=int, default=8, help="global batch (rows); every tp rank sees all of it")
+args = p.parse_args()
+
+world = comm.init()
+t, rank = world.size, world.rank
+set_default_dtype(args.dtype)
+tokens, tok = data.char_dataset()
+cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype)
+try:  # the same check, the same message on every rank, before any collective
+    if args.steps < 1:
+        raise ValueError(f"--steps must be >= 1, got {args.steps}")
+    check_tp_config(cfg, t)
+    if cfg.block_size % t:
+        raise ValueError(f"sequence parallelism needs T = {cfg.block_size} divisible by {t} ranks")
+except ValueError as e:
+    sys.exit(f"[rank {rank}] {e}")
+B, T, C, L = args.batch_size, cfg.block_size, cfg.n_embd, cfg.n_layer
+CHECK_STEPS = min(args.steps, 10)
+loss_rtol = 1e-6 if args.dtype == "float64" else 1e-3
+
+if rank == 0:  # the baseline once, on rank 0; every rank needs its slices of the weights
+    base = (lesson.train_reference(cfg, args.seed, args.steps, B, tokens=tokens)[0],
+            lesson.train_reference(cfg, args.seed, CHECK_STEPS, B, tokens=tokens)[1])
+base_losses, base_state = world.broadcast_object(base if rank == 0 else None)
+psi = sum(int(np.prod(s)) for s in cfg.param_shapes().values())
+
+
+def matches(name, got, want):
+    """float64: elementwise rtol 1e-9. float32: per tensor |got - want| / |want| <= 1e-3 (an
+    element whose gradient is near rounding noise moves by ~lr either way), and without the
+    key-bias third of c_attn.bias, whose gradient is pure noise (see the docstring)."""
+    if args.dtype == "float64":
+        return np.allclose(got, want, rtol=1e-9, atol=1e-12)
+    if name.endswith("attn.c_attn.bias"):
+        got, want = got.reshape(3, -1)[[0, 2]], want.reshape(3, -1)[[0, 2]]  # [q_i | k_i | v_i] -> q_i, v_i
+    return np.linalg.norm(got - want) <= 1e-3 * np.linalg.norm(want)
+
+
+def calls():
+    return {op: s["calls"] for op, s in world.stats.items()}
+
+
+def diff(after, before):
+    return {op: n - before.get(op, 0) for op, n in after.items() if n - before.get(op, 0)}
+
+
+def megatron(sp):
+    """Megatron's collectives (t > 1): per layer forward, per layer backward, per step."""
+    if t == 1:
+        return {}, {}, {}
+    if not sp:  # + embedding 1 (forward), head's f 1 (backward), loss 2 (max, sums)
+        return {"all_reduce": 2}, {"all_reduce": 2}, {"all_reduce": 4 * L + 4}
+    pair = {"all_gather": 2, "reduce_scatter": 2}  # + embedding and head 1 each way; loss 2 + SP grads 1
+    return pair, pair, {"all_gather": 4 * L + 2, "reduce_scatter": 4 * L + 2, "all_reduce": 3}
+
+
+FORMULA = {(False, "per_step"): "4L+4 AR", (True, "per_step"): "4L+2 AG, 4L+2 RS, 3 AR",
+           (False, "per_layer_forward"): "2 AR", (False, "per_layer_backward"): "2 AR",
+           (True, "per_layer_forward"): "2 AG, 2 RS", (True, "per_layer_backward"): "2 AG, 2 RS"}
+
+
+def run(name, sp):
+    model = TensorParallelGPT(cfg, seed=args.seed, group=world, sequence_parallel=sp)
+    opt = lesson.make_adamw(model.parameters())
+    marks = {}
+    block = model.transformer.h[0]
+
+    def around_block(module, a, out):  # count block 0's collectives, forward and backward
+        marks["fwd"] = diff(calls(), marks.pop("pre"))
+        out.register_hook(lambda g: marks.__setitem__("bwd_start", calls()))
+        a[0].register_hook(lambda g: marks.__setitem__("bwd", diff(calls(), marks["bwd_start"])))
+    block.register_forward_pre_hook(lambda m, a: marks.__setitem__("pre", calls()))
+    block.register_forward_hook(around_block)
+    losses, times, ok = [], [], True
+    for step in range(args.steps):
+        x, y = data.get_batch(tokens, B, T, args.seed, step)
+        world.reset_stats()
+        t0 = time.perf_counter()
+        model.zero_grad()
+        _, loss = model(x, y)
+        loss.backward()
+        model.sync_sequence_parallel_grads()
+        opt.step()
+        times.append(time.perf_counter() - t0)
+        losses.append(loss.item())
+        if step + 1 == CHECK_STEPS:
+            ok = all(matches(n, q.numpy(), tp_slice(n, base_state[n], rank, t)) for n, q in model.named_parameters())
+    per_layer_fwd, per_layer_bwd, per_step = megatron(sp)
+    counted = {"per_layer_forward": marks["fwd"], "per_layer_backward": marks["bwd"], "per_step": calls()}
+    ok = ok and np.allclose(losses, base_losses, rtol=loss_rtol, atol=0) and counted == {
+        "per_layer_forward": per_layer_fwd, "per_layer_backward": per_layer_bwd, "per_step": per_step}
+    mem = {"rank": rank, "params_bytes": sum(q.data.nbytes for q in model.parameters()),
+           "grads_bytes": sum(q.grad.nbytes for q in model.parameters()), "optim_bytes": opt.state_bytes()}
+    rec = {"name": name, "layout": {"dp": 1, "tp": t, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
+           "params": psi, "sequence_parallel": sp, "loss": losses, "baseline_loss": base_losses,
+           "memory_per_rank": world.all_gather_object(mem),
+           "comm_bytes_per_step": world.all_gather_object(world.bytes_sent()),  # the last step's
+           "collectives": counted, "megatron": {"per_layer_forward": per_layer_fwd,
+                                                "per_layer_backward": per_layer_bwd, "per_step": per_step},
+           "seconds_per_step": statistics.median(times[1:] or times)}
+    return rec, all(world.all_gather_object(bool(ok)))
+
+
+tp_run, ok_tp = run("tp", False)
+sp_run, ok_sp = run("tp_sp", True)
+
+if rank == 0:
+    print(f"GPT {L} layers, {cfg.n_head} heads, n_embd {C}, vocab {cfg.vocab_size}, Psi = {psi:,} ({args.dtype}); "
+          f"t = {t} tensor-parallel rank(s), batch {B} x {T} tokens on every rank\n")
+    rows = [(s, base_losses[s], tp_run["loss"][s], sp_run["loss"][s],
+             max(abs(tp_run["loss"][s] - base_losses[s]), abs(sp_run["loss"][s] - base_losses[s])))
+            for s in range(args.steps)]
+    print(lesson.table(rows, ["step", "1 process", "TP", "TP + SP", "max |diff|"], "{:.6g}"))
+
+    def fmt(d):
+        short = {"all_reduce": "AR", "all_gather": "AG", "reduce_scatter": "RS"}
+        return ", ".join(f"{v} {short.get(k, k)}" for k, v in sorted(d.items())) or "none"
+    rows = []
+    for rec in (tp_run, sp_run):
+        for key, label in (("per_layer_forward", "1 layer fwd"), ("per_layer_backward", "1 layer bwd"),
+                           ("per_step", "whole step")):
+            rows.append((rec["name"], label, fmt(rec["collectives"][key]), fmt(rec["megatron"][key]),
+                         FORMULA[rec["sequence_parallel"], key] if t > 1 else "none (t = 1)"))
+    print("\ncollectives (AR all-reduce, AG all-gather, RS reduce-scatter), measured from ProcessGroup.stats,"
+          " per layer with hooks around block 0")
+    print(lesson.table(rows, ["run", "where", "measured", "Megatron", f"formula (L = {L})"]))
+    S = B * T * C * np.dtype(args.dtype).itemsize
+    act = (4 * L + 2) * 2 * (t - 1) / t * S
+    rows = [(rec["name"], lesson.fmt_bytes(rec["comm_bytes_per_step"][0]), lesson.fmt_bytes(act),
+             lesson.fmt_bytes(rec["memory_per_rank"][0]["params_bytes"]),
+             lesson.fmt_bytes(psi * np.dtype(args.dtype).itemsize), f"{rec['seconds_per_step'] * 1e3:.1f}")
+            for rec in (tp_run, sp_run)]
+    print(f"\nper step, rank 0 (activation traffic: (4L+2) all-reduces of S = B*T*C*bytes = {lesson.fmt_bytes(S)}, "
+          "ring accounting 2(t-1)/t*S each; the rest is the loss and, with SP, the LayerNorm-grad all-reduce)")
+    print(lesson.table(rows, ["run", "sent", "(4L+2)*2(t-1)/t*S", "params/rank", "params, 1 process", "step ms"]))
+lesson.finish("04_tensor_parallel", ok_tp and ok_sp, [tp_run, sp_run], args, rank=rank, world_size=t,
+              detail=f"-- t = {t}: losses of {args.steps} steps and shards after {CHECK_STEPS} steps equal "
+                     f"single-process training; collectives equal Megatron's count")

@@ -1,0 +1,289 @@
+"""ProcessGroup: the collective API every strategy calls, with accounting.
+
+Arrays are of the active backend (NumPy or CuPy), C-contiguous, any shape
+(read flat); results land in place / in ``out``. A call returns ``None``, or a
+``Work`` (``wait()``, ``is_completed()``) with ``async_op=True``. The group picks
+the transport from the array: NumPy -> MPI (mpi.py), CuPy -> NCCL (nccl.py),
+so strategy code never branches on either.
+
+Algorithms: ``"mpi"`` (the default: the transport's own collective), and the
+hand-built ones of algorithms.py over point-to-point: all_reduce ``naive``,
+``ring``; reduce_scatter / all_gather ``naive``, ``ring``; broadcast ``naive``,
+``tree``; reduce ``naive``, ``tree``; all_to_all ``pairwise``. Hand-built
+algorithms run eagerly: with ``async_op=True`` they return a completed Work.
+
+Accounting (DESIGN.md; what this rank sends, the way a ring moves it; S = the
+full tensor's bytes, n = group size), ``pg.stats[op]["bytes"]``:
+
+    all_reduce 2(n-1)/n*S   reduce_scatter, all_gather (n-1)/n*S
+    broadcast, reduce (n-1)/n*S (a pipelined chain: n-1 of n ranks forward S)
+    all_to_all (n-1)/n*S    send S, recv 0, barrier 0
+
+``pg.stats[op]["wire_bytes"]`` counts the bytes this rank really sent in the
+hand-built algorithms and in send/isend (MPI's own collectives are opaque to
+us: they add 0), so a lesson can set an algorithm beside the theory.
+"""
+from pdist import trace
+from pdist.backend import is_device_array
+from pdist.comm import algorithms as alg
+from pdist.comm.algorithms import chunk_bounds
+from pdist.comm.check import agree, default_on, fingerprint, CollectiveMismatchError
+from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
+from pdist.comm.work import Work
+
+ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
+              "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),
+              "reduce": ("mpi", "naive", "tree"), "all_to_all": ("mpi", "pairwise"), "barrier": ("mpi",)}
+REDUCE_OPS = ("sum", "avg", "max", "min")
+
+
+class ProcessGroup:
+    """A set of ranks that run collectives together (``rank``, ``size``,
+    ``ranks`` = their world ranks in group order, ``name``)."""
+
+    def __init__(self, comm, name="world"):
+        self.comm, self.name = comm, name
+        self.rank, self.size = comm.Get_rank(), comm.Get_size()
+        self.ranks = list(comm.Get_group().Translate_ranks(list(range(self.size)),
+                                                           MPI.COMM_WORLD.Get_group()))
+        self.check = default_on()
+        self.default_algorithm = "mpi"
+        self._mpi = MPICollectives(comm)
+        self._user = MPIP2P(comm)                  # send/recv of the user
+        self._algo = MPIP2P(comm.Dup())            # hand-built algorithms: own context
+        self._nccl = None
+        self._seq = 0
+        self.stats = {}
+
+    def __repr__(self):
+        return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} world ranks {self.ranks}>"
+
+    # ------------------------------------------------------------ accounting
+    def reset_stats(self):
+        self.stats = {}
+
+    def bytes_sent(self):
+        """Sum over ops of the accounted bytes (the DESIGN.md ring accounting)."""
+        return sum(s["bytes"] for s in self.stats.values())
+
+    def _count(self, op, nbytes, wire=0):
+        s = self.stats.get(op)
+        if s is None:
+            s = self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0}
+        s["calls"] += 1
+        s["bytes"] += int(nbytes)
+        s["wire_bytes"] += int(wire)
+
+    def _ring_bytes(self, nbytes, factor=1):
+        return factor * (self.size - 1) * nbytes // self.size
+
+    # ------------------------------------------------------------- plumbing
+    def _backend(self, buf):
+        """(native collectives, point-to-point) for this array: MPI or NCCL."""
+        if is_device_array(buf):
+            if self._nccl is None:
+                from pdist.comm.nccl import NCCLBackend
+                self._nccl = NCCLBackend(self.comm)
+            return self._nccl, self._nccl.p2p
+        return self._mpi, self._algo
+
+    def _run(self, op, arr, theory, native, hand, algorithm, async_op,
+             redop="", root=-1, error=None, describe="", then=None):
+        if algorithm is None:
+            algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
+        if algorithm not in ALGORITHMS[op]:
+            raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
+        self._seq += 1
+        size, dtype = (arr.size, arr.dtype) if arr is not None else (0, None)
+        if self.check:
+            fp = fingerprint(op, self._seq, size, dtype, redop, root, algorithm, error)
+            agree(self.comm, self.name, fp, error, describe or f"size={size} dtype={dtype}")
+        elif error:
+            raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
+        args = {"op": op, "bytes": int(arr.nbytes) if arr is not None else 0,
+                "group": self.name, "algorithm": algorithm}
+        t0 = trace.now()
+        if algorithm == "mpi":
+            work = native(self._backend(arr)[0] if arr is not None else self._mpi, async_op)
+            self._count(op, theory)
+        else:
+            p2p = self._backend(arr)[1]
+            w0 = p2p.wire_bytes
+            hand[algorithm](p2p)
+            self._count(op, theory, p2p.wire_bytes - w0)
+            work = None
+        if work is not None:
+            work._then, work._span = then, (op, t0, args)
+            return work
+        if then is not None:
+            then()
+        trace.record(op, "comm", t0, trace.now(), **args)
+        return Work.completed() if async_op else None
+
+    def _flat(self, a, what):
+        try:
+            return contiguous_flat(a, what), None
+        except ValueError as e:
+            return a.reshape(-1), str(e)
+
+    def _avg_then(self, op, flat, only_rank=None):
+        if op != "avg" or (only_rank is not None and self.rank != only_rank):
+            return None
+        n = self.size
+
+        def then():
+            flat.__itruediv__(n)                       # flat /= n in place (NumPy or CuPy)
+        return then
+
+    @staticmethod
+    def _redop_error(op, dtype):
+        if op not in REDUCE_OPS:
+            raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
+        if op == "avg" and dtype.kind != "f":
+            return f"op='avg' needs a floating dtype, got {dtype}"
+        return None
+
+    # ----------------------------------------------------------- collectives
+    def all_reduce(self, buf, op="sum", algorithm=None, async_op=False):
+        """buf <- buf_0 (op) ... (op) buf_{n-1} on every rank (op: sum, avg, max, min)."""
+        flat, err = self._flat(buf, "all_reduce buf")
+        err = err or self._redop_error(op, buf.dtype)
+        hand = {"naive": lambda t: alg.allreduce_naive(t, flat, op),
+                "ring": lambda t: alg.allreduce_ring(t, flat, op)}
+        return self._run("all_reduce", flat, self._ring_bytes(flat.nbytes, 2),
+                         lambda c, nb: c.all_reduce(flat, op, nb), hand, algorithm, async_op, redop=op, error=err,
+                         then=self._avg_then(op, flat))
+
+    def reduce_scatter(self, out, inp, op="sum", algorithm=None, async_op=False):
+        """out_r <- chunk_bounds(inp.size, n)[r] of (inp_0 (op) ... (op) inp_{n-1})."""
+        fi, e1 = self._flat(inp, "reduce_scatter inp")
+        fo, e2 = self._flat(out, "reduce_scatter out")
+        bounds = chunk_bounds(fi.size, self.size)
+        counts = [b - a for a, b in bounds]
+        err = e1 or e2 or self._redop_error(op, inp.dtype)
+        if not err and fo.size != counts[self.rank]:
+            err = (f"out.size {fo.size} != its chunk of inp ({counts[self.rank]} of {fi.size} "
+                   f"elements, chunk_bounds({fi.size}, {self.size})[{self.rank}])")
+        if not err and out.dtype != inp.dtype:
+            err = f"out.dtype {out.dtype} != inp.dtype {inp.dtype}"
+        hand = {"naive": lambda t: alg.reduce_scatter_naive(t, fo, fi, op),
+                "ring": lambda t: alg.reduce_scatter_ring(t, fo, fi, op)}
+        return self._run("reduce_scatter", fi, self._ring_bytes(fi.nbytes),
+                         lambda c, nb: c.reduce_scatter(fo, fi, counts, op, nb), hand, algorithm, async_op, redop=op, error=err,
+                         then=self._avg_then(op, fo))
+
+    def all_gather(self, out, inp, algorithm=None, async_op=False):
+        """out[chunk_bounds(out.size, n)[q]] <- inp_q on every rank."""
+        fi, e1 = self._flat(inp, "all_gather inp")
+        fo, e2 = self._flat(out, "all_gather out")
+        counts = [b - a for a, b in chunk_bounds(fo.size, self.size)]
+        err = e1 or e2
+        if not err and fi.size != counts[self.rank]:
+            err = (f"inp.size {fi.size} != its chunk of out ({counts[self.rank]} of {fo.size} "
+                   f"elements, chunk_bounds({fo.size}, {self.size})[{self.rank}])")
+        if not err and out.dtype != inp.dtype:
+            err = f"out.dtype {out.dtype} != inp.dtype {inp.dtype}"
+        hand = {"naive": lambda t: alg.all_gather_naive(t, fo, fi),
+                "ring": lambda t: alg.all_gather_ring(t, fo, fi)}
+        return self._run("all_gather", fo, self._ring_bytes(fo.nbytes),
+                         lambda c, nb: c.all_gather(fo, fi, counts, nb), hand, algorithm, async_op, error=err)
+
+    def all_gather_list(self, inp, algorithm=None):
+        """[inp_0, ..., inp_{n-1}] (equal shapes) on every rank."""
+        from pdist.backend import xp
+        k = inp.size
+        out = xp.empty(k * self.size, dtype=inp.dtype)
+        self.all_gather(out, xp.ascontiguousarray(inp), algorithm=algorithm)
+        return [out[q * k:(q + 1) * k].reshape(inp.shape) for q in range(self.size)]
+
+    def broadcast(self, buf, src=0, algorithm=None, async_op=False):
+        """buf_r <- buf_src on every rank."""
+        flat, err = self._flat(buf, "broadcast buf")
+        if not 0 <= src < self.size:
+            err = err or f"src={src} is not a rank of a group of {self.size}"
+        hand = {"naive": lambda t: alg.broadcast_naive(t, flat, src),
+                "tree": lambda t: alg.broadcast_tree(t, flat, src)}
+        return self._run("broadcast", flat, self._ring_bytes(flat.nbytes),
+                         lambda c, nb: c.broadcast(flat, src, nb), hand, algorithm, async_op, root=src, error=err)
+
+    def reduce(self, buf, dst=0, op="sum", algorithm=None, async_op=False):
+        """buf_dst <- buf_0 (op) ... (op) buf_{n-1}; buf elsewhere unchanged."""
+        flat, err = self._flat(buf, "reduce buf")
+        err = err or self._redop_error(op, buf.dtype)
+        if not 0 <= dst < self.size:
+            err = err or f"dst={dst} is not a rank of a group of {self.size}"
+        hand = {"naive": lambda t: alg.reduce_naive(t, flat, dst, op),
+                "tree": lambda t: alg.reduce_tree(t, flat, dst, op)}
+        return self._run("reduce", flat, self._ring_bytes(flat.nbytes),
+                         lambda c, nb: c.reduce(flat, dst, op, nb), hand, algorithm, async_op, redop=op, root=dst,
+                         error=err, then=self._avg_then(op, flat, only_rank=dst))
+
+    def all_to_all(self, out, inp, algorithm=None, async_op=False):
+        """Axis-0 chunk q of inp goes to rank q; out's chunk q comes from rank q."""
+        fi, e1 = self._flat(inp, "all_to_all inp")
+        fo, e2 = self._flat(out, "all_to_all out")
+        err = e1 or e2
+        if not err and (inp.ndim == 0 or inp.shape[0] % self.size):
+            err = f"inp.shape[0] ({inp.shape[0] if inp.ndim else 'scalar'}) must be divisible by {self.size}"
+        if not err and (fo.size != fi.size or out.dtype != inp.dtype):
+            err = f"out ({fo.size} x {out.dtype}) must match inp ({fi.size} x {inp.dtype})"
+        return self._run("all_to_all", fi, self._ring_bytes(fi.nbytes),
+                         lambda c, nb: c.all_to_all(fo, fi, nb),
+                         {"pairwise": lambda t: alg.all_to_all_pairwise(t, fo, fi)}, algorithm, async_op, error=err)
+
+    def barrier(self, async_op=False):
+        """Return once every rank of the group has called barrier()."""
+        return self._run("barrier", None, 0, lambda c, nb: c.barrier(nb), {}, "mpi", async_op)
+
+    # ------------------------------------------------------- point-to-point
+    def _p2p(self, op, buf, peer, nbytes, start):
+        flat = contiguous_flat(buf, f"{op} buf")
+        if not 0 <= peer < self.size:
+            raise ValueError(f"{op}: peer {peer} is not a rank of group '{self.name}' (size {self.size})")
+        self._count("send" if op in ("send", "isend") else "recv", nbytes, nbytes)
+        t0 = trace.now()
+        work = start(flat)
+        args = {"op": op, "bytes": int(flat.nbytes), "group": self.name, "peer": peer}
+        if work is None:
+            trace.record(op, "comm", t0, trace.now(), **args)
+        else:
+            work._span = (op, t0, args)
+        return work
+
+    def _pt(self, buf):
+        return self._backend(buf)[1] if is_device_array(buf) else self._user
+
+    def send(self, buf, dst, tag=0):
+        """Send buf to rank ``dst`` of this group (blocks until buf is reusable)."""
+        self._p2p("send", buf, dst, buf.nbytes, lambda f: self._pt(buf).send(f, dst, tag))
+
+    def recv(self, buf, src, tag=0):
+        """Receive into buf from rank ``src`` (size and dtype must match the send)."""
+        self._p2p("recv", buf, src, 0, lambda f: self._pt(buf).recv(f, src, tag))
+
+    def isend(self, buf, dst, tag=0):
+        """Non-blocking send: returns a Work; buf must stay untouched until wait()."""
+        return self._p2p("isend", buf, dst, buf.nbytes, lambda f: self._native(buf).isend(f, dst, tag))
+
+    def irecv(self, buf, src, tag=0):
+        """Non-blocking receive: returns a Work; buf is valid after wait()."""
+        return self._p2p("irecv", buf, src, 0, lambda f: self._native(buf).irecv(f, src, tag))
+
+    def _native(self, buf):
+        return self._backend(buf)[0] if is_device_array(buf) else self._mpi
+
+    # -------------------------------------------------- small Python objects
+    def gather_object(self, obj, dst=0):
+        """[obj_0, ..., obj_{n-1}] at dst (None elsewhere). Pickled: not for hot paths."""
+        return self.comm.gather(obj, root=dst)
+
+    def all_gather_object(self, obj):
+        return self.comm.allgather(obj)
+
+    def broadcast_object(self, obj, src=0):
+        return self.comm.bcast(obj, root=src)
+
+    def split(self, color, key=None, name=None):
+        """Sub-groups of ranks with equal ``color`` ordered by ``key`` (MPI Split). Collective."""
+        sub = self.comm.Split(color, self.rank if key is None else key)
+        return ProcessGroup(sub, name or f"{self.name}.{color}")

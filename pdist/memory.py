@@ -1,0 +1,130 @@
+"""Per-rank memory accounting: the live bytes of parameters, gradients and
+optimizer states, and a real peak measurement.
+
+Model states (what the ZeRO paper counts: Rajbhandari et al., 2020, sec. 3.1):
+
+    params_bytes = Σ bytes of the distinct buffers holding parameters
+    grads_bytes  = Σ bytes of the distinct buffers holding gradients
+    optim_bytes  = Σ bytes of the optimizer's state arrays (AdamW: m and v)
+
+"Distinct buffers": an array that is a view (a parameter inside a flat
+FSDP/ZeRO buffer, a shard that is a slice of it) is counted through the buffer
+it lives in, once, whole. So a flat buffer of Ψ_pad elements counts Ψ_pad
+elements, padding included, however many views point into it.
+
+Peak: ``PeakMemory`` measures the largest number of bytes allocated at once
+during a block of code, by the array library itself:
+
+* NumPy reports every array allocation to ``tracemalloc``: the peak is
+  ``tracemalloc.get_traced_memory()[1]`` after ``reset_peak()``. It counts what
+  was allocated *while tracing* and is still alive (plus Python objects, which
+  are small next to arrays), so call ``start_tracing()`` before building the
+  model to include its states.
+* CuPy allocates from its memory pool; the pool keeps freed blocks, so after
+  ``free_all_blocks()`` at the start, ``total_bytes()`` at the end is the high
+  water mark of the block.
+
+    memory.start_tracing(restart=True)
+    model = ...; opt = ...
+    with memory.PeakMemory() as pk:
+        train_step()
+    row = memory.memory_row(rank, model, opt, pk.peak_bytes)   # the JSON's memory_per_rank entry
+"""
+import tracemalloc
+
+from pdist.backend import is_gpu
+
+
+def _root(a):
+    """The array that owns ``a``'s memory (follows ``.base`` through views)."""
+    while getattr(a, "base", None) is not None:
+        a = a.base
+    return a
+
+
+def unique_nbytes(arrays):
+    """Bytes of the distinct buffers behind ``arrays`` (views counted through their
+    owner, once). ``None`` entries are skipped."""
+    seen, total = set(), 0
+    for a in arrays:
+        if a is None:
+            continue
+        r = _root(a)
+        if id(r) not in seen:
+            seen.add(id(r))
+            total += int(r.nbytes)
+    return total
+
+
+def optimizer_arrays(optimizer):
+    """Every state array of an optimizer (pdist.optim: ``state[id(p)][name]``)."""
+    if optimizer is None:
+        return []
+    return [v for s in optimizer.state.values() for v in s.values() if hasattr(v, "nbytes")]
+
+
+def model_state_bytes(model, optimizer=None):
+    """{"params_bytes", "grads_bytes", "optim_bytes"} live on this rank.
+
+    ``model`` is a Module (its parameters and their .grad) or a wrapper with
+    ``state_arrays() -> (param arrays, grad arrays)`` (pdist.parallel.zero.ZeRO)."""
+    if hasattr(model, "state_arrays"):
+        params, grads = model.state_arrays()
+    else:
+        ps = model.parameters()
+        params, grads = [p.data for p in ps], [p.grad for p in ps]
+    return {"params_bytes": unique_nbytes(params), "grads_bytes": unique_nbytes(grads),
+            "optim_bytes": unique_nbytes(optimizer_arrays(optimizer))}
+
+
+def start_tracing(restart=False):
+    """Begin tracing NumPy allocations (no-op on GPU, or if already tracing unless
+    ``restart``). Only allocations made after this call are counted: restart it
+    right before building a model so that its peak counts its own arrays and not
+    those of earlier runs still alive."""
+    if is_gpu():  # pragma: no cover - GPU only
+        return
+    if restart and tracemalloc.is_tracing():
+        tracemalloc.stop()
+    if not tracemalloc.is_tracing():
+        tracemalloc.start()
+
+
+def stop_tracing():
+    if tracemalloc.is_tracing():
+        tracemalloc.stop()
+
+
+class PeakMemory:
+    """``with PeakMemory() as pk: ...`` -> ``pk.peak_bytes``: the most bytes
+    allocated at once inside the block (tracemalloc on CPU, starting it if
+    needed; the CuPy memory pool on GPU)."""
+
+    def __enter__(self):
+        self.peak_bytes = None
+        if is_gpu():  # pragma: no cover - GPU only
+            import cupy
+            self._pool = cupy.get_default_memory_pool()
+            cupy.cuda.Device().synchronize()
+            self._pool.free_all_blocks()
+        else:
+            start_tracing()
+            tracemalloc.reset_peak()
+        return self
+
+    def __exit__(self, *exc):
+        if is_gpu():  # pragma: no cover - GPU only
+            import cupy
+            cupy.cuda.Device().synchronize()
+            self.peak_bytes = int(self._pool.total_bytes())
+        else:
+            self.peak_bytes = int(tracemalloc.get_traced_memory()[1])
+        return False
+
+
+def memory_row(rank, model, optimizer=None, peak_bytes=None):
+    """One entry of the JSON summary's ``memory_per_rank`` (DESIGN.md)."""
+    row = {"rank": int(rank), **model_state_bytes(model, optimizer)}
+    if peak_bytes is not None:
+        row["peak_bytes"] = int(peak_bytes)
+    return row

@@ -1,0 +1,428 @@
+"""Autograd: every op's gradient against central finite differences in float64
+(random shapes, broadcasting, size-1 dims, non-contiguous inputs), gradient
+accumulation, hooks, no_grad, and the errors bad inputs raise."""
+import numpy as np
+import pytest
+
+import pdist
+from pdist import Tensor, nn, no_grad, ops
+from pdist import functional as F
+
+from fdcheck import grads_match
+
+
+def rnd(*shape, seed=0, lo=None):
+    a = np.random.default_rng(seed).standard_normal(shape)
+    if lo is not None:  # keep away from 0 (log, div, relu's kink)
+        a = np.sign(a) * (np.abs(a) + lo)
+    return a
+
+
+def positive(*shape, seed=0):
+    return np.random.default_rng(seed).uniform(0.5, 2.0, shape)
+
+
+# --- elementwise, with broadcasting and size-1 dims ---------------------------------------
+BROADCAST = [((3, 4), (3, 4)), ((2, 3, 4), (4,)), ((3, 1, 4), (2, 4)), ((1, 3), (4, 1)),
+             ((2, 1, 3), (1,)), ((5,), (3, 1, 5))]
+
+
+@pytest.mark.parametrize("sa,sb", BROADCAST)
+@pytest.mark.parametrize("op", ["add", "sub", "mul", "div"])
+def test_binary_broadcast(op, sa, sb):
+    a = rnd(*sa, seed=1)
+    b = positive(*sb, seed=2) if op == "div" else rnd(*sb, seed=2)
+    fn = {"add": lambda x, y: x + y, "sub": lambda x, y: x - y,
+          "mul": lambda x, y: x * y, "div": lambda x, y: x / y}[op]
+    ga, gb = grads_match(fn, [a, b])
+    assert ga.shape == sa and gb.shape == sb
+
+
+@pytest.mark.parametrize("op", ["radd", "rsub", "rmul", "rdiv", "python_scalar"])
+def test_reflected_and_scalar_operands(op):
+    a = positive(3, 4, seed=3)
+    c = np.random.default_rng(4).standard_normal((3, 4))  # a plain array on the left
+    fn = {"radd": lambda x: c + x, "rsub": lambda x: c - x, "rmul": lambda x: c * x,
+          "rdiv": lambda x: c / x, "python_scalar": lambda x: 2.5 - 3.0 * x / 1.5 + 1}[op]
+    grads_match(fn, [a])
+
+
+@pytest.mark.parametrize("name,fn,make", [
+    ("neg", lambda x: -x, rnd),
+    ("pow3", lambda x: x ** 3, rnd),
+    ("pow_frac", lambda x: x ** 0.5, positive),
+    ("pow_neg", lambda x: ops.pow(x, -2.0), positive),
+    ("exp", lambda x: x.exp(), rnd),
+    ("log", lambda x: x.log(), positive),
+    ("tanh", lambda x: x.tanh(), rnd),
+    ("relu", lambda x: x.relu(), lambda *s, seed=0: rnd(*s, seed=seed, lo=0.1)),
+])
+@pytest.mark.parametrize("shape", [(7,), (2, 1, 3), (1, 4)])
+def test_unary(name, fn, make, shape):
+    grads_match(fn, [make(*shape, seed=5)])
+
+
+def test_relu_zero_below():
+    x = Tensor(np.array([-1.0, 2.0, -3.0, 4.0]), requires_grad=True)
+    x.relu().sum().backward()
+    np.testing.assert_array_equal(x.grad, [0, 1, 0, 1])
+
+
+def test_pow_rejects_tensor_exponent():
+    with pytest.raises(TypeError, match="exponent must be a number"):
+        Tensor(np.ones(3)) ** Tensor(np.ones(3))
+
+
+# --- matmul ----------------------------------------------------------------------------
+@pytest.mark.parametrize("sa,sb", [((3, 4), (4, 5)), ((2, 3, 4), (4, 5)), ((2, 3, 4), (2, 4, 5)),
+                                   ((3, 1, 2, 4), (2, 4, 3)), ((1, 4), (4, 1)), ((2, 3, 4), (1, 4, 2))])
+def test_matmul(sa, sb):
+    ga, gb = grads_match(lambda a, b: a @ b, [rnd(*sa, seed=6), rnd(*sb, seed=7)])
+    assert ga.shape == sa and gb.shape == sb
+
+
+def test_matmul_non_contiguous():
+    base_a = rnd(5, 6, seed=8)
+    base_b = rnd(8, 6, seed=9)
+    a = base_a.T[::2]  # (3, 5), strided rows of a transposed view
+    b = base_b[1:7:1, ::2].T  # (3, 6) -> transposed (3, 6)
+    assert not a.flags.c_contiguous and not b.flags.c_contiguous
+    grads_match(lambda x, y: x.T @ y, [a, b])
+
+
+def test_matmul_shape_mismatch_message():
+    a, b = Tensor(np.ones((2, 3))), Tensor(np.ones((4, 5)))
+    with pytest.raises(ValueError, match=r"matmul: shapes \(2, 3\) and \(4, 5\) do not match") as e:
+        a @ b
+    assert "last axis of the first (3)" in str(e.value)
+
+
+def test_linear_shape_mismatch_message():
+    with pytest.raises(ValueError, match=r"input has 3 features but the weight is \(4, 2\)"):
+        F.linear(Tensor(np.ones((2, 3))), Tensor(np.ones((4, 2))))
+
+
+# --- reductions ------------------------------------------------------------------------
+@pytest.mark.parametrize("axis,keep", [(None, False), (0, False), (-1, True), ((0, 2), False),
+                                       ((1,), True)])
+@pytest.mark.parametrize("red", ["sum", "mean", "max"])
+def test_reductions(red, axis, keep):
+    x = np.random.default_rng(10).permutation(24).reshape(2, 3, 4) * 0.1 + rnd(2, 3, 4, seed=11) * 1e-3
+    grads_match(lambda t: getattr(t, red)(axis=axis, keepdims=keep), [x])
+
+
+def test_max_splits_ties_evenly():
+    x = Tensor(np.array([[1.0, 3.0, 3.0], [2.0, 0.0, 1.0]]), requires_grad=True)
+    x.max(axis=1).sum().backward()
+    np.testing.assert_array_equal(x.grad, [[0, 0.5, 0.5], [1, 0, 0]])
+
+
+# --- shapes and indexing -----------------------------------------------------------------
+@pytest.mark.parametrize("name,fn", [
+    ("reshape", lambda x: x.reshape(4, 6) * x.reshape(4, 6)),
+    ("reshape_-1", lambda x: x.reshape(-1, 2).exp()),
+    ("view", lambda x: x.view((6, 4)).tanh()),
+    ("transpose", lambda x: x.transpose(0, 2) * 1.5),
+    ("T", lambda x: x.T @ x),
+    ("permute", lambda x: x.permute(2, 0, 1).tanh()),
+    ("slice", lambda x: x[:, 1:, ::2] * 2.0),
+    ("int", lambda x: x[1] * x[0]),
+    ("fancy_repeat", lambda x: x[np.array([0, 1, 1, 0])] ** 2),
+    ("fancy_tuple", lambda x: x[np.array([0, 1, 1]), :, np.array([2, 0, 2])] ** 2),
+    ("negative_step", lambda x: x[::-1, :, 1:3].exp()),
+    ("split", lambda x: ops.concat([p * (i + 1) for i, p in enumerate(x.split([1, 2], axis=1))], axis=1)),
+    ("split_equal", lambda x: x.split(2, axis=2)[1].tanh()),
+    ("concat_neg_axis", lambda x: ops.concat([x, x.exp(), x[:, :1]], axis=-2)),
+])
+def test_shape_ops(name, fn):
+    grads_match(fn, [rnd(2, 3, 4, seed=12)])
+
+
+def test_shape_ops_on_non_contiguous_input():
+    base = rnd(4, 6, 5, seed=13)
+    x = base.transpose(2, 0, 1)[:, ::2]  # (5, 2, 6) strided view
+    assert not x.flags.c_contiguous
+    grads_match(lambda t: t.reshape(10, 6).T.split(3, axis=0)[1].permute(1, 0).exp(), [x])
+
+
+def test_permute_and_split_errors():
+    x = Tensor(np.ones((2, 3, 4)))
+    with pytest.raises(ValueError, match="not a permutation"):
+        x.permute(0, 0, 1)
+    with pytest.raises(ValueError, match="does not divide into 2"):
+        x.split(2, axis=1)
+    with pytest.raises(ValueError, match="do not add up to 3"):
+        x.split([1, 1], axis=1)
+
+
+# --- fused neural-network ops -------------------------------------------------------------
+@pytest.mark.parametrize("shape", [(3, 5), (2, 3, 4), (4, 1)])
+def test_softmax_log_softmax(shape):
+    grads_match(lambda x: F.softmax(x), [rnd(*shape, seed=14)])
+    grads_match(lambda x: F.log_softmax(x), [rnd(*shape, seed=15)])
+    grads_match(lambda x: F.softmax(x, axis=0), [rnd(*shape, seed=16)])
+
+
+def test_softmax_is_stable_and_normalised():
+    x = np.array([[1000.0, 1001.0, 999.0], [-1000.0, -1000.0, -1000.0]])
+    y = F.softmax(Tensor(x)).data
+    np.testing.assert_allclose(y.sum(axis=1), 1.0)
+    np.testing.assert_allclose(y[1], 1 / 3)
+    assert np.isfinite(F.log_softmax(Tensor(x)).data).all()
+
+
+@pytest.mark.parametrize("shape", [(2, 3, 4, 4), (1, 5, 5), (2, 3, 6)])  # last: 3 queries, 6 keys
+def test_scaled_causal_softmax(shape):
+    grads_match(lambda x: F.scaled_causal_softmax(x, scale=0.7), [rnd(*shape, seed=17)])
+    T, S = shape[-2:]
+    x = rnd(*shape, seed=18)
+    y = F.scaled_causal_softmax(Tensor(x), scale=0.7).data
+    # reference: mask future keys (key j visible to query i iff j <= i + S - T)
+    i, j = np.arange(T)[:, None], np.arange(S)[None, :]
+    z = np.where(j <= i + S - T, 0.7 * x, -np.inf)
+    ref = np.exp(z - z.max(-1, keepdims=True))
+    np.testing.assert_allclose(y, ref / ref.sum(-1, keepdims=True), rtol=1e-12)
+
+
+@pytest.mark.parametrize("shape", [(7,), (2, 3, 5)])
+def test_gelu(shape):
+    x = rnd(*shape, seed=19) * 2
+    grads_match(F.gelu, [x])
+    k = np.sqrt(2 / np.pi)
+    np.testing.assert_allclose(F.gelu(Tensor(x)).data, 0.5 * x * (1 + np.tanh(k * (x + 0.044715 * x**3))))
+
+
+@pytest.mark.parametrize("shape", [(4, 6), (2, 3, 5), (3, 1)])
+def test_layer_norm(shape):
+    C = shape[-1]
+    x, w, b = rnd(*shape, seed=20), rnd(C, seed=21), rnd(C, seed=22)
+    grads_match(lambda x, w, b: F.layer_norm(x, w, b), [x, w, b], rtol=1e-5, atol=1e-7)
+    y = F.layer_norm(Tensor(x), Tensor(w), Tensor(b)).data
+    ref = (x - x.mean(-1, keepdims=True)) / np.sqrt(x.var(-1, keepdims=True) + 1e-5) * w + b
+    np.testing.assert_allclose(y, ref, rtol=1e-10, atol=1e-12)
+
+
+def test_layer_norm_non_contiguous():
+    base = rnd(6, 4, seed=23)
+    x = base.T  # (4, 6), transposed view
+    grads_match(lambda x, w, b: F.layer_norm(x, w, b), [x, rnd(6, seed=24), rnd(6, seed=25)],
+                rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.parametrize("xshape,bias", [((4, 3), True), ((2, 5, 3), True), ((2, 5, 3), False)])
+def test_linear(xshape, bias):
+    arrays = [rnd(*xshape, seed=26), rnd(3, 4, seed=27)] + ([rnd(4, seed=28)] if bias else [])
+    grads_match(lambda x, w, *b: F.linear(x, w, *b), arrays)
+
+
+def test_linear_transposed_weight():
+    # GPT's tied head: logits = h @ wte^T, the weight is a transposed view
+    grads_match(lambda h, e: F.linear(h, e.T), [rnd(2, 3, 4, seed=29), rnd(5, 4, seed=30)])
+
+
+def test_embedding_repeated_rows_add():
+    idx = np.array([[0, 2, 2], [4, 0, 2]])
+    w = rnd(5, 3, seed=31)
+    (gw,) = grads_match(lambda w: F.embedding(idx, w), [w])
+    assert np.all(gw[[1, 3]] == 0)  # rows never looked up get no gradient
+
+
+def test_embedding_bad_indices_messages():
+    w = Tensor(np.zeros((5, 3)))
+    with pytest.raises(TypeError, match="embedding index must be an integer array, got float64"):
+        F.embedding(np.array([0.0, 1.0]), w)
+    with pytest.raises(IndexError, match=r"out of range: values span \[0, 5\] but must lie in \[0, 5\)"):
+        F.embedding(np.array([0, 5]), w)
+    with pytest.raises(IndexError, match=r"values span \[-1, 1\]"):
+        F.embedding(np.array([-1, 1]), w)
+
+
+def test_dropout_gradient_and_scaling():
+    x = rnd(4, 5, seed=32)
+    # a fresh generator with the same seed per call, so every evaluation draws the same mask
+    grads_match(lambda t: F.dropout(t, 0.3, rng=np.random.default_rng(7)), [x])
+    y = F.dropout(Tensor(np.ones((200, 50))), 0.3, rng=np.random.default_rng(7)).data
+    kept = y != 0
+    np.testing.assert_allclose(y[kept], 1 / 0.7)
+    assert abs(kept.mean() - 0.7) < 0.02
+
+
+def test_dropout_identity_when_off_and_needs_rng():
+    x = Tensor(np.ones(3))
+    assert F.dropout(x, 0.5, training=False, rng=np.random.default_rng(0)) is x
+    assert F.dropout(x, 0.0) is x
+    with pytest.raises(ValueError, match="explicit rng"):
+        F.dropout(x, 0.5)
+    with pytest.raises(ValueError, match=r"must be in \[0, 1\)"):
+        F.dropout(x, 1.0, rng=np.random.default_rng(0))
+
+
+@pytest.mark.parametrize("shape,ignore", [((6, 5), None), ((2, 3, 5), None), ((2, 4, 5), 1)])
+def test_cross_entropy(shape, ignore):
+    rng = np.random.default_rng(33)
+    t = rng.integers(0, shape[-1], shape[:-1])
+    if ignore is not None:
+        t[0, :2] = ignore
+    z = rnd(*shape, seed=34) * 3
+    grads_match(lambda z: F.cross_entropy(z, t, ignore_index=ignore), [z])
+    # value: mean over counted rows of -log softmax(z)[target]
+    z2, t2 = z.reshape(-1, shape[-1]), t.reshape(-1)
+    lse = np.log(np.exp(z2).sum(1))
+    nll = lse - z2[np.arange(len(t2)), t2]
+    keep = np.ones(len(t2), bool) if ignore is None else t2 != ignore
+    loss = F.cross_entropy(Tensor(z), t, ignore_index=ignore).item()
+    np.testing.assert_allclose(loss, nll[keep].mean(), rtol=1e-12)
+
+
+def test_cross_entropy_stable_for_huge_logits():
+    z = Tensor(np.array([[1e4, 0.0, -1e4]]), requires_grad=True)
+    loss = F.cross_entropy(z, np.array([1]))
+    loss.backward()
+    assert np.isclose(loss.item(), 1e4) and np.isfinite(z.grad).all()
+
+
+def test_cross_entropy_bad_targets_messages():
+    z = Tensor(np.zeros((2, 3, 4)))
+    with pytest.raises(TypeError, match="cross_entropy target must be an integer array, got float64"):
+        F.cross_entropy(z, np.zeros((2, 3)))
+    with pytest.raises(IndexError, match=r"cross_entropy target out of range: .* \[0, 4\)"):
+        F.cross_entropy(z, np.full((2, 3), 4))
+    with pytest.raises(ValueError, match="6 rows of logits but 5 targets"):
+        F.cross_entropy(z, np.zeros(5, dtype=np.int64))
+
+
+def test_mse_loss():
+    p, t = rnd(3, 4, seed=35), rnd(3, 4, seed=36)
+    grads_match(lambda p: nn.mse_loss(p, Tensor(t)), [p])
+    np.testing.assert_allclose(F.mse_loss(Tensor(p), Tensor(t)).item(), ((p - t) ** 2).mean())
+
+
+def test_composite_graph_reuses_a_tensor_many_times():
+    # a diamond: x feeds several paths that meet again
+    def fn(x, w):
+        h = (x @ w).tanh()
+        return F.layer_norm(h + x @ w * h, Tensor(np.ones(4)), Tensor(np.zeros(4))).sum(axis=0) + h.mean()
+    grads_match(fn, [rnd(3, 2, seed=37), rnd(2, 4, seed=38)], rtol=1e-5)
+
+
+# --- autograd mechanics ----------------------------------------------------------------
+def test_gradients_accumulate_until_zero_grad():
+    x = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    (x * x).sum().backward()
+    g1 = x.grad
+    (x * 3.0).sum().backward()
+    assert x.grad is g1  # accumulated in place into the existing array
+    np.testing.assert_allclose(x.grad, 2 * x.data + 3.0)
+    lin = nn.Linear(2, 2, rng=np.random.default_rng(0), dtype="float64")
+    lin(Tensor(np.ones((1, 2)))).sum().backward()
+    lin.zero_grad()
+    assert all(p.grad is None for p in lin.parameters())
+
+
+def test_accumulates_into_a_view_of_a_flat_buffer():
+    flat = np.zeros(6)
+    w = Tensor(np.ones((2, 3)), requires_grad=True)
+    w.grad = flat[:6].reshape(2, 3)  # what a bucketed DDP does
+    (w * 2.0).sum().backward()
+    np.testing.assert_allclose(flat, 2.0)
+
+
+def test_backward_needs_scalar_or_grad():
+    x = Tensor(np.ones(3), requires_grad=True)
+    with pytest.raises(RuntimeError, match="needs a scalar"):
+        (x * 2).backward()
+    (x * 2).backward(np.array([1.0, 2.0, 3.0]))
+    np.testing.assert_allclose(x.grad, [2, 4, 6])
+    with pytest.raises(RuntimeError, match="does not require grad"):
+        Tensor(np.ones(1)).sum().backward()
+
+
+def test_no_grad_builds_no_graph():
+    x = Tensor(np.ones(3), requires_grad=True)
+    with no_grad():
+        y = (x * 2).sum()
+        assert not pdist.is_grad_enabled()
+    assert pdist.is_grad_enabled()
+    assert not y.requires_grad and y.is_leaf
+    with pytest.raises(RuntimeError):
+        y.backward()
+
+
+def test_detach_stops_gradient():
+    x = Tensor(np.array([2.0]), requires_grad=True)
+    (x * x.detach()).sum().backward()
+    np.testing.assert_allclose(x.grad, [2.0])
+
+
+def test_graph_freed_after_backward():
+    x = Tensor(np.ones(2), requires_grad=True)
+    y = (x * 2).sum()
+    y.backward()
+    assert y._ctx is None
+
+
+def test_register_hook_sees_and_replaces_gradient():
+    x = Tensor(np.array([1.0, 2.0]), requires_grad=True)
+    h = x * 3.0
+    seen = []
+    h.register_hook(lambda g: seen.append(g.copy()))
+    h.register_hook(lambda g: g * 10)
+    (h * h).sum().backward()
+    np.testing.assert_allclose(seen[0], 2 * h.data)  # dL/dh before replacement
+    np.testing.assert_allclose(x.grad, 2 * h.data * 10 * 3)
+    # hooks on leaves run before accumulation; handles remove them
+    y = Tensor(np.ones(2), requires_grad=True)
+    handle = y.register_hook(lambda g: g * 0)
+    (y * 2).sum().backward()
+    np.testing.assert_allclose(y.grad, 0)
+    handle.remove()
+    (y * 2).sum().backward()
+    np.testing.assert_allclose(y.grad, 2)
+
+
+def test_post_accumulate_hook_fires_once_after_last_contribution():
+    rng = np.random.default_rng(39)
+    w1 = Tensor(rng.standard_normal((3, 3)), requires_grad=True)
+    w2 = Tensor(rng.standard_normal((3, 3)), requires_grad=True)
+    x = Tensor(rng.standard_normal((2, 3)))
+    events = []
+
+    def hook(t):
+        events.append((t.name, t.grad.copy()))
+    w1.name, w2.name = "w1", "w2"
+    w1.register_post_accumulate_grad_hook(hook)
+    w2.register_post_accumulate_grad_hook(hook)
+    # w1 is used three times (early and late in the graph), w2 once in the middle
+    h = (x @ w1).tanh()
+    h = (h @ w2) @ w1
+    loss = (h @ w1).sum()
+    loss.backward()
+    assert [n for n, _ in events] == ["w2", "w1"]  # each once; w1 after its last (earliest) use
+    np.testing.assert_allclose(events[1][1], w1.grad)  # the complete gradient
+    # and the complete gradient is right
+    grads_match(lambda a, b: ((((Tensor(x.data) @ a).tanh() @ b) @ a) @ a).sum(), [w1.data.copy(), w2.data.copy()])
+    with pytest.raises(RuntimeError, match="leaf"):
+        (w1 * 2).register_post_accumulate_grad_hook(hook)
+
+
+def test_post_accumulate_hooks_fire_in_reverse_layer_order():
+    layers = [nn.Linear(4, 4, rng=np.random.default_rng(i), dtype="float64") for i in range(3)]
+    order = []
+    for i, lin in enumerate(layers):
+        lin.weight.register_post_accumulate_grad_hook(lambda t, i=i: order.append(i))
+    h = Tensor(np.ones((2, 4)))
+    for lin in layers:
+        h = lin(h).tanh()
+    h.sum().backward()
+    assert order == [2, 1, 0]
+
+
+def test_module_forward_hooks():
+    lin = nn.Linear(3, 2, rng=np.random.default_rng(0), dtype="float64")
+    calls = []
+    lin.register_forward_pre_hook(lambda m, args: calls.append(("pre", m)) or (args[0] * 2.0,))
+    lin.register_forward_hook(lambda m, args, out: calls.append(("post", out.shape)) or out + 1.0)
+    x = Tensor(np.ones((4, 3)))
+    y = lin(x)
+    assert calls == [("pre", lin), ("post", (4, 2))]
+    np.testing.assert_allclose(y.data, 2.0 * np.ones((4, 3)) @ lin.weight.data + lin.bias.data + 1.0)

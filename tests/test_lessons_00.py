@@ -1,0 +1,57 @@
+"""lessons/00_autograd.py runs as a script, writes the JSON summary contract, and
+its check fails when the gradients are wrong."""
+import json
+import os
+import subprocess
+import sys
+
+from pdist import data
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LESSON = os.path.join(ROOT, "lessons", "00_autograd.py")
+
+
+def run(tmp_path, *flags, env=None):
+    out = tmp_path / "summary.json"
+    p = subprocess.run([sys.executable, LESSON, "--json", str(out), *flags], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, env={**os.environ, **(env or {})})
+    return p, (json.loads(out.read_text()) if out.exists() else None)
+
+
+def test_lesson_00_json_summary(tmp_path):
+    p, s = run(tmp_path, "--steps", "60", "--seed", "1", "--dtype", "float64")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1].startswith("PASS: 00_autograd")
+    assert "sample:" in p.stdout and "finite diff" in p.stdout
+    assert s["lesson"] == "00_autograd" and s["world_size"] == 1 and s["check"] == "PASS"
+    (r,) = s["runs"]
+    assert r["name"] == "single"
+    assert r["layout"] == {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0}
+    assert r["dtype"] == "float64"
+    V, C, T, L = data.char_dataset()[1].vocab_size, 64, 32, 2  # lesson.gpt_config
+    assert r["params"] == V * C + T * C + L * (12 * C * C + 13 * C) + 2 * C
+    assert len(r["loss"]) == 60 and all(isinstance(v, float) for v in r["loss"])
+    assert r["loss"][-1] < r["loss"][0]
+    assert 0 < r["seconds_per_step"] < 5
+    assert all(abs(g["backward"] - g["finite_difference"]) < 1e-5 * abs(g["finite_difference"]) + 1e-9
+               for g in r["grad_check"])
+
+
+def test_lesson_00_is_deterministic_in_seed(tmp_path):
+    _, a = run(tmp_path, "--steps", "5", "--seed", "3")
+    _, b = run(tmp_path, "--steps", "5", "--seed", "3")
+    assert a["runs"][0]["loss"] == b["runs"][0]["loss"]
+
+
+def test_lesson_00_fails_when_a_gradient_is_wrong(tmp_path):
+    # break GELU's backward in the lesson's process: the finite-difference check must catch it
+    shim = tmp_path / "sitecustomize.py"
+    shim.write_text("import pdist.functional as F\n"
+                    "_b = F.GELU.backward\n"
+                    "F.GELU.backward = lambda self, g: _b(self, g) * 1.01\n")
+    p, s = run(tmp_path, "--steps", "40", env={"PYTHONPATH": str(tmp_path)})
+    assert p.returncode != 0
+    assert p.stdout.strip().splitlines()[-1].startswith("FAIL: 00_autograd")
+    assert s["check"] == "FAIL"
+    assert any(abs(g["backward"] - g["finite_difference"]) > 1e-4 * abs(g["finite_difference"])
+               for g in s["runs"][0]["grad_check"])

@@ -1,0 +1,49 @@
+"""Trace: every rank's events merged into one Chrome/Perfetto JSON."""
+import json
+from pathlib import Path
+
+import pytest
+
+from pdist.testing import mpirun
+
+W = Path(__file__).parent / "workers"
+
+
+def test_local_recorder():
+    from pdist import trace
+    trace.clear()
+    with trace.span("x", cat="compute", k=1):
+        pass
+    trace.record("y", "comm", 1.0, 2.5, op="send")
+    ev = trace.events()
+    assert [e["name"] for e in ev] == ["x", "y"] and ev[1]["end"] - ev[1]["start"] == 1.5
+    assert ev[0]["args"] == {"k": 1}
+    assert trace.comm_seconds() == 1.5
+    trace.disable()
+    trace.record("z", "comm", 0, 1)
+    trace.enable()
+    assert len(trace.events()) == 2
+    trace.clear()
+    assert trace.events() == []
+
+
+@pytest.mark.parametrize("n", [1, 4])
+def test_chrome_trace_merges_ranks(n, tmp_path):
+    path = tmp_path / "trace.json"
+    mpirun(n, W / "comm_trace.py", path, timeout=120)
+    doc = json.loads(path.read_text())
+    ev = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert {e["pid"] for e in ev} == set(range(n))
+    for r in range(n):
+        mine = [e for e in ev if e["pid"] == r]
+        names = [e["name"] for e in mine]
+        assert names[:3] == ["compute", "all_reduce", "all_gather"]
+        ar = mine[1]
+        assert ar["args"]["bytes"] == 8000 and ar["args"]["group"] == "world" and ar["cat"] == "comm"
+        assert mine[0]["dur"] >= 2000 * (r + 1) * 0.9               # slept 2 ms * (rank+1)
+    assert min(e["ts"] for e in ev) >= 0
+    # aligned clocks: the ring all-reduce ends within a few ms on every rank
+    ends = [e["ts"] + e["dur"] for e in ev if e["name"] == "all_reduce"]
+    assert max(ends) - min(ends) < 50_000
+    if n > 1:
+        assert {"send", "recv"} <= {e["name"] for e in ev}

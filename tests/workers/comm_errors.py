@@ -1,0 +1,81 @@
+"""Bad inputs end in a clear error on every rank, never a hang; the group stays
+usable afterwards. Each case runs on all ranks and must raise the expected
+exception type with the expected words on *every* rank."""
+import numpy as np
+
+from pdist import comm
+from pdist.comm import CollectiveMismatchError
+
+
+def expect(g, fn, exc, *words):
+    try:
+        fn()
+    except exc as e:
+        msg = str(e)
+        for w in words:
+            assert w in msg, f"{w!r} not in error message:\n{msg}"
+        ok = 1
+    else:
+        ok = 0
+    oks = g.all_gather_object(ok)
+    assert all(oks), f"not every rank raised {exc.__name__} ({words}): {oks}"
+
+
+def main():
+    g = comm.init()
+    n, r = g.size, g.rank
+    last = n - 1
+    # local errors: one rank's arguments are invalid -> every rank raises
+    a, b = comm.chunk_bounds(10, n)[r]
+    expect(g, lambda: g.reduce_scatter(np.empty(b - a + (2 if r == last else 0)), np.zeros(10)),
+           CollectiveMismatchError, "reduce_scatter", "out.size")
+    expect(g, lambda: g.all_gather(np.zeros(12), np.zeros(12 // n + (5 if r == 0 else 0))),
+           CollectiveMismatchError, "all_gather", "inp.size")
+    expect(g, lambda: g.all_reduce(np.arange(4), op="avg"), CollectiveMismatchError, "avg", "floating")
+    expect(g, lambda: g.all_reduce(np.zeros((4, 4))[:, 1]), CollectiveMismatchError, "contiguous")
+    expect(g, lambda: g.broadcast(np.zeros(3), src=n), CollectiveMismatchError, f"src={n}")
+    expect(g, lambda: g.all_reduce(np.zeros(3), algorithm="tree"), ValueError, "algorithm")
+    expect(g, lambda: g.all_reduce(np.zeros(3), op="prod"), ValueError, "op must be")
+    expect(g, lambda: g.all_to_all(np.zeros(n + 1), np.zeros(n + 1)) if n > 1 else
+           g.all_to_all(np.zeros(2), np.zeros(3)), CollectiveMismatchError, "all_to_all")
+    if n > 1:
+        # ranks disagree: sizes, dtypes, roots, ops, a skipped collective
+        for alg in ("mpi", "ring", "naive"):
+            expect(g, lambda: g.all_reduce(np.zeros(10 if r == 0 else 11), algorithm=alg),
+                   CollectiveMismatchError, "all_reduce", "size", "rank 0", "size=10", "size=11")
+        expect(g, lambda: g.all_reduce(np.zeros(8, np.float32 if r == 0 else np.float64)),
+               CollectiveMismatchError, "dtype", "float32", "float64")
+        expect(g, lambda: g.all_reduce(np.zeros(8, np.int32 if r == 0 else np.float32)),
+               CollectiveMismatchError, "dtype")
+        expect(g, lambda: g.reduce_scatter(np.empty(2), np.zeros(2 * n + (1 if r == last else 0))),
+               CollectiveMismatchError, "reduce_scatter")
+        expect(g, lambda: g.broadcast(np.zeros(4), src=r % 2), CollectiveMismatchError, "root")
+        expect(g, lambda: g.all_reduce(np.zeros(4)) if r == 0 else g.broadcast(np.zeros(4)),
+               CollectiveMismatchError, "op", "all_reduce", "broadcast")
+        expect(g, lambda: g.all_reduce(np.zeros(4), algorithm="ring" if r == 0 else "mpi"),
+               CollectiveMismatchError, "algorithm")
+        def skip_barrier_on_rank0():
+            if r != 0:
+                g.barrier()                               # rank 0 skips the barrier ...
+            g.all_reduce(np.zeros(4))                     # ... caught at its next collective
+        expect(g, skip_barrier_on_rank0, CollectiveMismatchError, "barrier", "all_reduce")
+        # point-to-point: receive size disagrees with the send
+        if r == 0:
+            g.send(np.zeros(5), 1, tag=3)
+        elif r == 1:
+            try:
+                g.recv(np.zeros(8), 0, tag=3)
+                raise AssertionError("short message not detected")
+            except ValueError as e:
+                assert "expected 64 bytes" in str(e) and "got 40" in str(e), e
+        g.barrier()
+    x = np.full(6, r + 1.0)                               # the group still works
+    g.all_reduce(x)
+    assert np.all(x == n * (n + 1) / 2)
+    g.barrier()
+    if r == 0:
+        print(f"comm_errors OK n={n}")
+
+
+if __name__ == "__main__":
+    main()

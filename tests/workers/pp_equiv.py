@@ -1,0 +1,146 @@
+"""Pipeline parallelism equals single-process training (float64, rtol 1e-9).
+
+For every schedule (GPipe, 1F1B, interleaved v=2) and m in {1, p, 2p}: K AdamW
+steps of the pipelined GPT on the global batch of each step, then every rank
+compares each of its parameters with the same parameter of the single-process
+model (lm_head.weight, the last stage's copy of the tied wte, against wte), and
+the loss of every step with the single-process loss. Also: pipeline x data
+parallel (p=2 x dp=2 on 4 ranks), an uneven partition, an nn.Sequential MLP,
+the measured peak stash against the schedule's, freed stashes after the step,
+and bad configs raising on every rank before any collective."""
+import numpy as np
+
+from pdist import comm, data, lesson, nn
+from pdist.backend import set_default_dtype
+from pdist.parallel import schedules as S
+from pdist.parallel.pipeline_parallel import (PipelineParallel, gpt_pipeline, master_name,
+                                              partition_layers, split_sequential)
+
+set_default_dtype("float64")
+K, B, SEED = 3, 8, 0
+TOL = dict(rtol=1e-9, atol=1e-12)
+world = comm.init()
+n, rank = world.size, world.rank
+tokens, tok = data.char_dataset()
+_refs = {}
+
+
+def config(n_layer):
+    return lesson.gpt_config(tok.vocab_size, dtype="float64", n_layer=n_layer, n_embd=16, n_head=2, block_size=8)
+
+
+def reference(cfg):
+    if cfg.n_layer not in _refs:
+        _refs[cfg.n_layer] = lesson.train_reference(cfg, SEED, K, B, tokens)
+    return _refs[cfg.n_layer]
+
+
+def check_gpt(mesh, schedule, m, v=1, n_layer=None, partition=None):
+    p, dp = mesh.pp_world_size, mesh.dp_world_size
+    cfg = config(n_layer or p * v)
+    ref_losses, ref_sd = reference(cfg)
+    pipe = gpt_pipeline(cfg, SEED, mesh.pp_group, m, schedule, n_chunks=v, partition=partition,
+                        dp_group=mesh.dp_group)
+    opt = lesson.make_adamw(pipe.parameters())
+    what = f"{schedule} p={p} dp={dp} m={m} v={v} partition={partition} (pp rank {mesh.pp_rank})"
+    for step in range(K):
+        x, y = data.shard(data.get_batch(tokens, B, cfg.block_size, SEED, step), mesh.dp_rank, dp)
+        loss = pipe.train_step(x, y, opt)
+        assert np.isclose(loss, ref_losses[step], rtol=1e-9, atol=0), f"{what} step {step}: {loss} vs {ref_losses[step]}"
+        assert not pipe._stash and not pipe._recvs and not pipe._grads, f"{what}: stash not freed"
+    sd = pipe.state_dict()
+    mine = set(cfg.param_shapes()) if p == 1 else set()
+    for name, a in sd.items():
+        np.testing.assert_allclose(a, ref_sd[master_name(name)], err_msg=f"{what}: {name}", **TOL)
+    # every parameter of the model lives on exactly one stage (wte also as lm_head on the last)
+    names = mesh.pp_group.all_gather_object(sorted(sd))
+    held = [master_name(k) for ks in names for k in ks]
+    want = sorted(cfg.param_shapes()) + (["transformer.wte.weight"] if p > 1 else [])
+    assert sorted(held) == sorted(want), f"{what}: stages hold {sorted(held)}"
+    assert mine <= set(sd)
+    planned = S.check_schedule(S.make_schedule(schedule, p, m, v), m)[mesh.pp_rank]
+    assert pipe.peak_stash == planned, f"{what}: stashed {pipe.peak_stash} micro-batches, plan says {planned}"
+    if schedule == "gpipe":
+        assert pipe.peak_stash == m
+    if schedule == "1f1b":
+        assert pipe.peak_stash <= p - mesh.pp_rank
+    return what
+
+
+def check_sequential(pg):
+    """An nn.Sequential MLP, uneven split, 1F1B, mse loss, vs single-process training."""
+    H, p, m = 12, pg.size, 4
+    layers = 2 * p + 1
+    partition = [layers - (p - 1)] + [1] * (p - 1)           # uneven: everything but p-1 layers on stage 0
+
+    def build():
+        nn.manual_seed(7)
+        mods = [nn.Linear(5, H), nn.GELU()] + [nn.Linear(H, H) if i % 2 == 0 else nn.GELU()
+                                             for i in range(layers - 3)] + [nn.Linear(H, 3)]
+        return nn.Sequential(*mods)
+    full = build()
+    opt = lesson.make_adamw(full.parameters())
+    chunk = split_sequential(build(), p, pg.rank, partition)
+    pipe = PipelineParallel([chunk], pg, m, "1f1b", act_shape=lambda k, b: (b, H), loss_fn=nn.mse_loss)
+    popt = lesson.make_adamw(pipe.parameters())
+    for step in range(K):
+        x, y = data.regression_batch(B, 5, 3, SEED, step)
+        loss = nn.mse_loss(full(x), y)
+        full.zero_grad()
+        loss.backward()
+        opt.step()
+        got = pipe.train_step(x, y, popt)
+        assert np.isclose(got, loss.item(), rtol=1e-9), (got, loss.item())
+    a, b = partition_layers(layers, p, partition)[pg.rank]
+    ref = full.state_dict()
+    for name, arr in pipe.state_dict().items():
+        assert a <= int(name.split(".")[0]) < b
+        np.testing.assert_allclose(arr, ref[name], err_msg=f"sequential {name}", **TOL)
+
+
+def expect_error(fn, words):
+    try:
+        fn()
+    except ValueError as e:
+        assert all(w in str(e) for w in words), f"unhelpful error: {e}"
+        return
+    raise AssertionError(f"no error raised (expected one mentioning {words})")
+
+
+def check_errors(pg):
+    p = pg.size
+    if p > 1:
+        expect_error(lambda: gpt_pipeline(config(p - 1), SEED, pg, 2), ["stages", "layers"])
+    expect_error(lambda: gpt_pipeline(config(p), SEED, pg, 2, "interleaved", n_chunks=2), ["stages", "layers"])
+    expect_error(lambda: gpt_pipeline(config(p), SEED, pg, 2, "zigzag"), ["unknown pipeline schedule"])
+    expect_error(lambda: gpt_pipeline(config(2 * p), SEED, pg, 2, partition=[1] * p), ["partition"])
+    pipe = gpt_pipeline(config(p), SEED, pg, 3)
+    x, y = data.get_batch(tokens, B, 8, SEED, 0)
+    expect_error(lambda: pipe.train_step(x, y, lesson.make_adamw(pipe.parameters())), ["divisible", "micro-batches"])
+    pg.barrier()                                                # nobody was left inside a collective
+
+
+cases = []
+if n in (1, 2):
+    mesh = comm.DeviceMesh(pp=n)
+    check_errors(mesh.pp_group)
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        for m in sorted({1, n, 2 * n}):
+            cases.append(check_gpt(mesh, schedule, m, 2 if schedule == "interleaved" else 1))
+    cases.append(check_gpt(mesh, "1f1b", 2 * n, n_layer=5, partition=[4, 1][:n] if n == 2 else None))
+    check_sequential(mesh.pp_group)
+    cases.append("sequential MLP 1f1b uneven")
+if n == 4:
+    mesh = comm.DeviceMesh(pp=4)
+    check_errors(mesh.pp_group)
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        for m in (1, 4, 8):
+            cases.append(check_gpt(mesh, schedule, m, 2 if schedule == "interleaved" else 1))
+    mesh = comm.DeviceMesh(dp=2, pp=2)
+    for schedule in ("gpipe", "1f1b", "interleaved"):
+        for m in (1, 2, 4):
+            cases.append(check_gpt(mesh, schedule, m, 2 if schedule == "interleaved" else 1))
+if rank == 0:
+    print(f"pp_equiv OK on {n} ranks: {len(cases)} cases")
+    for c in cases:
+        print("  ", c)

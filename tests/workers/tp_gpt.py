@@ -1,0 +1,127 @@
+"""Whole-model equivalence of TensorParallelGPT with single-process GPT (float64), and its
+communication counted exactly against Megatron's analysis.
+
+For tensor parallelism with and without sequence parallelism (and one run with dropout),
+K AdamW steps on the same global batches: every step's loss equals the single-process
+loss, and afterwards every parameter shard equals tp_slice() of the single-process
+parameter (rtol 1e-9). Replicated parameters' grads are bit-identical on all tp ranks.
+The logits a rank holds are its vocabulary slice only (B, T, V/t).
+
+Communication per step, counted from ProcessGroup.stats (S = B*T*C*8 bytes, N = B*T):
+  TP:  forward 2 all-reduces per layer + 1 (embedding) + 2 (loss: max, sums),
+       backward 2 per layer + 1 (the head's f).
+  SP:  forward 2 all-gathers per layer + 1 (head), 2 reduce-scatters per layer + 1
+       (embedding), 2 all-reduces (loss); backward the conjugates (all-gather <->
+       reduce-scatter) + 1 all-reduce of the sequence-partial grads.
+Bytes follow the ring accounting: all-reduce 2(t-1)/t*S, all-gather/reduce-scatter (t-1)/t*S.
+Counts are checked at n_layer 1 and 2, so the per-layer slope is measured, not assumed."""
+import sys
+
+import numpy as np
+
+from pdist import comm, data, gpt, lesson
+from pdist.backend import set_default_dtype
+from pdist.parallel.tp_gpt import TensorParallelGPT, tp_slice
+
+set_default_dtype("float64")
+world = comm.init()
+t, r = world.size, world.rank
+K = int(sys.argv[1]) if len(sys.argv) > 1 else 3
+B, T, SEED = 4, 16, 7
+RTOL, ATOL = 1e-9, 1e-12
+tokens, _ = data.char_dataset(50_000)
+checks = []
+
+
+def cfg_of(n_layer=2, dropout=0.0):
+    return gpt.GPTConfig(vocab_size=96, block_size=T, n_layer=n_layer, n_head=4, n_embd=32,
+                         dropout=dropout, dtype="float64")
+
+
+def ring(nbytes, factor):
+    return factor * (t - 1) * nbytes // t
+
+
+def expected(cfg, sp):
+    """(forward, backward) {op: (calls, bytes)} from Megatron's per-layer analysis."""
+    L, S, N = cfg.n_layer, B * T * cfg.n_embd * 8, B * T
+    loss = (2, ring(N * 8, 2) + ring(2 * N * 8, 2))  # all-reduce(max) of N, all-reduce(sum) of 2N
+    if not sp:
+        return ({"all_reduce": (2 * L + 1 + loss[0], (2 * L + 1) * ring(S, 2) + loss[1])},
+                {"all_reduce": (2 * L + 1, (2 * L + 1) * ring(S, 2))})
+    C = cfg.n_embd
+    partial = (L * 6 * C + 2 * C + cfg.block_size * C) * 8  # LayerNorms, row biases, wpe
+    half = (2 * L + 1, (2 * L + 1) * ring(S, 1))
+    return ({"all_gather": half, "reduce_scatter": half, "all_reduce": loss},
+            {"all_gather": half, "reduce_scatter": half, "all_reduce": (1, ring(partial, 2))})
+
+
+def measured():
+    return {op: (s["calls"], s["bytes"]) for op, s in world.stats.items()}
+
+
+def check_counts(cfg, sp, fwd, bwd, what):
+    if t == 1:
+        assert fwd == {} and bwd == {}, f"{what}: t=1 must not communicate: {fwd} {bwd}"
+        return
+    ef, eb = expected(cfg, sp)
+    assert fwd == ef, f"{what}: forward collectives {fwd} != Megatron's {ef}"
+    assert bwd == eb, f"{what}: backward collectives {bwd} != Megatron's {eb}"
+
+
+def same_on_all_ranks(a, what):
+    blobs = world.all_gather_object(np.ascontiguousarray(a).tobytes())
+    assert all(x == blobs[0] for x in blobs), f"{what}: tp ranks hold different values"
+
+
+def run(cfg, sp, steps, what):
+    ref = gpt.GPT(cfg, seed=SEED)
+    ref_opt = lesson.make_adamw(ref.parameters())
+    model = TensorParallelGPT(cfg, seed=SEED, group=world, sequence_parallel=sp)
+    opt = lesson.make_adamw(model.parameters())
+    sd0 = ref.state_dict()
+    for n, p in model.named_parameters():  # init: exactly the slice of the single-process weights
+        assert np.array_equal(p.numpy(), tp_slice(n, sd0[n], r, t)), f"{what}: init of {n} differs"
+    for step in range(steps):
+        x, y = data.get_batch(tokens, B, T, SEED, step)
+        _, ref_loss = ref(x, y)
+        ref.zero_grad()
+        ref_loss.backward()
+        ref_opt.step()
+
+        model.zero_grad()
+        world.reset_stats()
+        logits, loss = model(x, y)
+        fwd = measured()
+        world.reset_stats()
+        loss.backward()
+        model.sync_sequence_parallel_grads()
+        bwd = measured()
+        assert logits.shape == (B, T, cfg.vocab_size // t), f"{what}: rank holds logits {logits.shape}"
+        check_counts(cfg, sp, fwd, bwd, f"{what} step {step}")
+        assert np.isclose(loss.item(), ref_loss.item(), rtol=RTOL, atol=ATOL), \
+            f"{what} step {step}: loss {loss.item()!r} != single-process {ref_loss.item()!r}"
+        for n, p in model.named_parameters():
+            if p.shape == cfg.param_shapes()[n]:  # replicated (split shards are smaller)
+                same_on_all_ranks(p.grad, f"{what} grad of replicated {n}")
+        opt.step()
+    sd = ref.state_dict()
+    worst = 0.0
+    for n, p in model.named_parameters():
+        want = tp_slice(n, sd[n], r, t)
+        got = p.numpy()
+        assert got.shape == want.shape, f"{what}: {n} shard {got.shape} != slice {want.shape}"
+        assert np.allclose(got, want, rtol=RTOL, atol=ATOL), \
+            f"{what}: {n} differs from the single-process slice by {np.max(np.abs(got - want)):.3e}"
+        worst = max(worst, float(np.max(np.abs(got - want) / (ATOL + RTOL * np.abs(want)))))
+    checks.append(f"{what}: {steps} steps, worst |err| / (atol + rtol |ref|) = {worst:.2f}")
+
+
+for sp in (False, True):
+    run(cfg_of(2), sp, K, f"TP{' + SP' if sp else ''} n_layer=2")
+    run(cfg_of(1), sp, 1, f"TP{' + SP' if sp else ''} n_layer=1 (counts)")
+run(cfg_of(2, dropout=0.1), True, 2, "TP + SP with dropout 0.1")
+run(cfg_of(2, dropout=0.1), False, 2, "TP with dropout 0.1")
+
+if r == 0:
+    print(f"tp_gpt t={t}:\n  " + "\n  ".join(checks))
