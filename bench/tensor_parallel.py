@@ -81,7 +81,7 @@ def main():
     p.add_argument("--steps", type=int, default=5)
     p.add_argument("--dtype", default="float32", choices=["float32", "float64"])
     p.add_argument("--check", default="1", choices=["0", "1"],
-                   help="PDIST_CHECK_COLLECTIVES for the TP runs (1: the default, one small extra all-reduce each)")
+                   help="PDIST_CHECK_COLLECTIVES (1, the default: one small extra all-reduce per collective)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--size", default="lesson", help=argparse.SUPPRESS)
     p.add_argument("--layout", default="single", help=argparse.SUPPRESS)

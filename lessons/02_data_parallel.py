@@ -57,8 +57,8 @@ n, rank = world.size, world.rank
 if args.steps < 1:
     raise SystemExit(f"--steps must be >= 1, got {args.steps}")
 if args.accum < 1 or args.batch_size % (n * args.accum):
-    raise SystemExit(f"--batch-size {args.batch_size} must divide into {n} ranks x {args.accum} micro-batches "
-                     f"(use a multiple of {n * max(args.accum, 1)})")
+    raise SystemExit(f"--batch-size {args.batch_size} must divide into {n} ranks x {args.accum} "
+                     f"micro-batches (use a multiple of {n * max(args.accum, 1)})")
 set_default_dtype(args.dtype)
 tokens, tok = data.char_dataset()
 cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype)
@@ -97,7 +97,8 @@ def run(name, dp):
         dp.finish_gradient_synchronization()        # wait: p.grad = mean over the global batch
         opt.step()
         if step + 1 == CHECK_STEPS:
-            ok = all(np.allclose(to_numpy(q.data), base_state[nm], **tol) for nm, q in dp.module.named_parameters())
+            ok = all(np.allclose(to_numpy(q.data), base_state[nm], **tol)
+                     for nm, q in dp.module.named_parameters())
         times.append(trace.now() - t0)
         waits.append(dp.last_wait_seconds)
         in_flight.append(trace.comm_seconds())
@@ -108,9 +109,8 @@ def run(name, dp):
     ok = ok and np.allclose(losses[:CHECK_STEPS], base_losses[:CHECK_STEPS], rtol=loss_rtol, atol=0)
     digest = hashlib.sha1(b"".join(to_numpy(q.data).tobytes() for q in dp.parameters())).hexdigest()
     oks, digests = zip(*world.all_gather_object((ok, digest)))
-    grads = getattr(dp, "buckets", None)
     mem = {"rank": rank, "params_bytes": sum(q.data.nbytes for q in dp.parameters()),
-           "grads_bytes": sum(b.buffer.nbytes for b in grads) if grads else sum(q.grad.nbytes for q in dp.parameters()),
+           "grads_bytes": sum(q.grad.nbytes for q in dp.parameters()),   # bucketed: views of the buckets
            "optim_bytes": opt.state_bytes()}
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
            "params": psi, "loss": losses, "baseline_loss": base_losses,
@@ -144,8 +144,9 @@ if rank == 0:
         rows.append((rec["name"], lesson.fmt_bytes(rec["comm_bytes_per_step"][0]), lesson.fmt_bytes(formula),
                      f"{(step_s - wait_s) * 1e3:.1f}", f"{wait_s * 1e3:.1f}", f"{fly_s * 1e3:.1f}",
                      f"{step_s * 1e3:.1f}"))
-    print("\nper step, rank 0 (medians; 'waiting' = blocked in finish_gradient_synchronization, "
-          "'in flight' = issue to completion of the all-reduces)")
+    print("\nper step, rank 0 (medians). waiting: blocked in finish_gradient_synchronization(), the "
+          "communication\nbackward did not hide; compute: the rest of the step (bucketed: includes issuing "
+          "the all-reduces\ninside backward); in flight: issue to completion of the all-reduces")
     print(lesson.table(rows, ["run", "all-reduced", "2(n-1)/n*Psi*bytes", "compute ms", "waiting ms",
                               "in flight ms", "step ms"]))
     print(f"\nreplicas bitwise identical; parameters after {CHECK_STEPS} steps equal 1 process "

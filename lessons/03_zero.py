@@ -6,7 +6,7 @@ parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero.py).
     python lessons/03_zero.py                          # one rank: nothing to shard, same numbers
 
 Every stage trains the same GPT on the same global batches as single-process
-training (pdist.lesson.train_reference) and must end with exactly its weights:
+training (pdist.lesson.train_reference) and must end with its weights (to rounding):
 each rank checks its shard against the same slice of the baseline.
 
 The table (per rank; every rank holds the same amounts, see --json for all):
@@ -33,7 +33,8 @@ equals the same slice of the single-process weights (float64: elementwise, rtol
 1e-9, atol 1e-12; float32: relative 2-norm error of the whole model <= 1e-4, as AdamW
 turns the rounding noise of a gradient that is ~0 (e.g. the key bias, whose true
 gradient is exactly 0) into steps of size lr: single elements differ by up to
-~3e-4 after 5 steps) and so do the losses of those steps (rtol 1e-9 / 1e-5). Why stop at 10: summing a gradient in another order is a 1e-16 relative
+~3e-4 after 5 steps) and so do the losses of those steps (rtol 1e-9 / 1e-5).
+Why stop at 10: summing a gradient in another order is a 1e-16 relative
 difference that training amplifies over many steps (lesson 02 and docs/zero.md).
 """
 import sys
@@ -53,8 +54,10 @@ F32_REL = 1e-4     # float32: |θ - θ_ref| / |θ_ref| over the whole model (all
 
 def formula_bytes(stage, psi, n, b):
     """(params, grads, optim) bytes per rank from the ZeRO paper, one dtype of b bytes, Adam."""
-    return {0: (b * psi, b * psi, 2 * b * psi), 1: (b * psi, b * psi, 2 * b * psi // n),
-            2: (b * psi, b * psi // n, 2 * b * psi // n), 3: (b * psi // n, b * psi // n, 2 * b * psi // n)}[stage]
+    return {0: (b * psi, b * psi, 2 * b * psi),
+            1: (b * psi, b * psi, 2 * b * psi // n),
+            2: (b * psi, b * psi // n, 2 * b * psi // n),
+            3: (b * psi // n, b * psi // n, 2 * b * psi // n)}[stage]
 
 
 def comm_theory(stage, z, n, b):

@@ -129,7 +129,8 @@ def run(name, sp):
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
         if step + 1 == CHECK_STEPS:
-            ok = all(matches(n, q.numpy(), tp_slice(n, base_state[n], rank, t)) for n, q in model.named_parameters())
+            ok = all(matches(n, q.numpy(), tp_slice(n, base_state[n], rank, t))
+                     for n, q in model.named_parameters())
     per_layer_fwd, per_layer_bwd, per_step = megatron(sp)
     counted = {"per_layer_forward": marks["fwd"], "per_layer_backward": marks["bwd"], "per_step": calls()}
     ok = ok and np.allclose(losses, base_losses, rtol=loss_rtol, atol=0) and counted == {
@@ -150,7 +151,8 @@ tp_run, ok_tp = run("tp", False)
 sp_run, ok_sp = run("tp_sp", True)
 
 if rank == 0:
-    print(f"GPT {L} layers, {cfg.n_head} heads, n_embd {C}, vocab {cfg.vocab_size}, Psi = {psi:,} ({args.dtype}); "
+    print(f"GPT {L} layers, {cfg.n_head} heads, n_embd {C}, vocab {cfg.vocab_size}, "
+          f"Psi = {psi:,} ({args.dtype}); "
           f"t = {t} tensor-parallel rank(s), batch {B} x {T} tokens on every rank\n")
     rows = [(s, base_losses[s], tp_run["loss"][s], sp_run["loss"][s],
              max(abs(tp_run["loss"][s] - base_losses[s]), abs(sp_run["loss"][s] - base_losses[s])))
@@ -166,8 +168,8 @@ if rank == 0:
                            ("per_step", "whole step")):
             rows.append((rec["name"], label, fmt(rec["collectives"][key]), fmt(rec["megatron"][key]),
                          FORMULA[rec["sequence_parallel"], key] if t > 1 else "none (t = 1)"))
-    print("\ncollectives (AR all-reduce, AG all-gather, RS reduce-scatter), measured from ProcessGroup.stats,"
-          " per layer with hooks around block 0")
+    print("\ncollectives (AR all-reduce, AG all-gather, RS reduce-scatter) measured from ProcessGroup.stats;"
+          "\none layer = between hooks around block 0")
     print(lesson.table(rows, ["run", "where", "measured", "Megatron", f"formula (L = {L})"]))
     S = B * T * C * np.dtype(args.dtype).itemsize
     act = (4 * L + 2) * 2 * (t - 1) / t * S
@@ -175,9 +177,10 @@ if rank == 0:
              lesson.fmt_bytes(rec["memory_per_rank"][0]["params_bytes"]),
              lesson.fmt_bytes(psi * np.dtype(args.dtype).itemsize), f"{rec['seconds_per_step'] * 1e3:.1f}")
             for rec in (tp_run, sp_run)]
-    print(f"\nper step, rank 0 (activation traffic: (4L+2) all-reduces of S = B*T*C*bytes = {lesson.fmt_bytes(S)}, "
-          "ring accounting 2(t-1)/t*S each; the rest is the loss and, with SP, the LayerNorm-grad all-reduce)")
-    print(lesson.table(rows, ["run", "sent", "(4L+2)*2(t-1)/t*S", "params/rank", "params, 1 process", "step ms"]))
+    print(f"\nper step, rank 0: bytes sent (ring accounting) next to the activation all-reduces alone,"
+          f"\n(4L+2) x 2(t-1)/t x S with S = B*T*C*bytes = {lesson.fmt_bytes(S)} (the rest: the loss's"
+          f"\nall-reduces and, with SP, the one of the LayerNorm/bias/wpe grads); parameter bytes per rank")
+    print(lesson.table(rows, ["run", "sent", "(4L+2)2(t-1)/t S", "params/rank", "params, 1 proc", "step ms"]))
 lesson.finish("04_tensor_parallel", ok_tp and ok_sp, [tp_run, sp_run], args, rank=rank, world_size=t,
               detail=f"-- t = {t}: losses of {args.steps} steps and shards after {CHECK_STEPS} steps equal "
                      f"single-process training; collectives equal Megatron's count")

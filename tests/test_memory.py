@@ -18,7 +18,8 @@ def test_model_state_bytes_of_a_plain_model_and_adamw():
     model = gpt.GPT(cfg, seed=0)
     psi = sum(int(np.prod(s)) for s in cfg.param_shapes().values())
     opt = lesson.make_adamw(model.parameters())
-    assert memory.model_state_bytes(model, opt) == {"params_bytes": 4 * psi, "grads_bytes": 0, "optim_bytes": 0}
+    before = memory.model_state_bytes(model, opt)
+    assert before == {"params_bytes": 4 * psi, "grads_bytes": 0, "optim_bytes": 0}
     _, loss = model(np.zeros((2, 8), dtype=np.int64), np.ones((2, 8), dtype=np.int64))
     loss.backward()
     opt.step()

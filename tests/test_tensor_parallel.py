@@ -33,8 +33,8 @@ def test_gpt_equivalence_and_comm_counts(n):
 
 def test_lesson_04(tmp_path):
     path = tmp_path / "tp.json"
-    out = mpirun(2, "lessons/04_tensor_parallel.py", "--steps", "3", "--dtype", "float64", "--json", str(path),
-                 timeout=300)
+    out = mpirun(2, "lessons/04_tensor_parallel.py", "--steps", "3", "--dtype", "float64",
+                 "--json", str(path), timeout=300)
     assert "PASS: 04_tensor_parallel" in out, out
     s = json.loads(path.read_text())
     assert s["lesson"] == "04_tensor_parallel" and s["world_size"] == 2 and s["check"] == "PASS"
@@ -47,7 +47,7 @@ def test_lesson_04(tmp_path):
         assert run["loss"] == pytest.approx(run["baseline_loss"], rel=1e-9)
         assert len(run["comm_bytes_per_step"]) == 2 and all(b > 0 for b in run["comm_bytes_per_step"])
         assert [m["rank"] for m in run["memory_per_rank"]] == [0, 1]
-        assert all(m["params_bytes"] < run["params"] * 8 for m in run["memory_per_rank"])  # each holds a slice
+        assert all(m["params_bytes"] < run["params"] * 8 for m in run["memory_per_rank"])  # slices only
         assert run["seconds_per_step"] > 0
     tp, sp = s["runs"]
     assert tp["collectives"]["per_layer_forward"] == {"all_reduce": 2}

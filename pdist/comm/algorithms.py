@@ -2,8 +2,8 @@
 
 Every function takes ``t``, a point-to-point transport with ``t.rank``,
 ``t.size``, ``t.send(buf, dst)``, ``t.recv(buf, src)`` and
-``t.sendrecv(sendbuf, dst, recvbuf, src)`` (MPI or NCCL; the algorithm does
-not know which), and flat contiguous arrays of the active backend ``xp``.
+``t.sendrecv(sendbuf, dst, recvbuf, src)`` and its segmented twin
+``t.sendrecv_iter`` (MPI or NCCL; the algorithm does not know which), and flat contiguous arrays of the active backend ``xp``.
 
 Costs use the alpha-beta model: a message of m bytes costs ``alpha + m*beta``.
 n ranks, S bytes in the full tensor. The lower bound for all-reduce is that
@@ -122,7 +122,9 @@ def reduce_scatter_ring(t, out, inp, op):
     its own piece of that chunk. After n-1 steps chunk r holds all n terms.
     Sends (n-1) chunks of S/n: (n-1)/n*S per rank, time ~ (n-1)(alpha + S/n*beta).
     Two chunk-sized buffers only; ``inp`` is read, never written (unless ``out``
-    is ``inp``'s own chunk r, as in-place all-reduce uses it)."""
+    is ``inp``'s own chunk r, as in-place all-reduce uses it). Each step's
+    message travels in segments (``t.sendrecv_iter``), so adding segment k
+    overlaps receiving segment k+1: the step costs ~max(copy, add), not the sum."""
     n, r = t.size, t.rank
     bounds = chunk_bounds(inp.size, n)
     if n == 1:
@@ -135,8 +137,9 @@ def reduce_scatter_ring(t, out, inp, op):
     for s in range(n - 1):
         a, b = bounds[(r - s - 2) % n]
         got = recv_buf[:b - a]
-        t.sendrecv(send, (r + 1) % n, got, (r - 1) % n)
-        reduce_into(op, got, inp[a:b])
+        mine = inp[a:b]
+        for c, d in t.sendrecv_iter(send, (r + 1) % n, got, (r - 1) % n):
+            reduce_into(op, got[c:d], mine[c:d])        # segment k while k+1.. arrive
         send, send_buf, recv_buf = got, recv_buf, send_buf
     out[...] = send                                         # chunk r: all n terms
 

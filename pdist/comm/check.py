@@ -36,28 +36,37 @@ def default_on():
     return os.environ.get("PDIST_CHECK_COLLECTIVES", "1") != "0"
 
 
+_OP, _RED, _ALG = ({k: i for i, k in enumerate(v)} for v in (OPS, REDOPS, ALGOS))
+
+
 def fingerprint(op, seq, size=0, dtype=None, redop="", root=-1, algorithm="", error=None):
-    return np.array([OPS.index(op), seq, size, np.dtype(dtype).num if dtype is not None else -1,
-                     REDOPS.index(redop), root, ALGOS.index(algorithm), 1 if error else 0],
-                    dtype=np.int64)
+    """The 8 integers every rank must agree on (a Python list: cheap to build)."""
+    return [_OP[op], seq, size, dtype.num if dtype is not None else -1,
+            _RED[redop], root, _ALG[algorithm], 1 if error else 0]
 
 
-def agree(comm, group_name, fp, error, describe):
+def agree(comm, group_name, fp, error, describe, buf=None):
     """Raise CollectiveMismatchError on every rank unless all fingerprints match
-    and no rank reported an error. ``describe`` is this rank's argument summary."""
+    and no rank reported an error. ``describe`` is this rank's argument summary;
+    ``buf`` an optional reusable int64 array of 16 elements."""
+    k = len(fp)
     if comm.Get_size() == 1:
         if error:
             raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{group_name}': {error}")
         return
-    both = np.concatenate([fp, -fp])
+    both = np.empty(2 * k, np.int64) if buf is None else buf
+    both[:k] = fp
+    both[k:] = [-v for v in fp]
     if cooperative():
         wait_all([comm.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)])
     else:
         comm.Allreduce(MPI.IN_PLACE, both, MPI.MAX)
-    hi, lo = both[:len(fp)], -both[len(fp):]
-    if np.array_equal(hi, lo) and hi[-1] == 0:
+    res = both.tolist()
+    hi, lo = res[:k], [-v for v in res[k:]]
+    if hi == lo and hi[-1] == 0:
         return
-    infos = comm.allgather((fp.tolist(), describe, error))
+    fp = np.array(fp)
+    infos = comm.allgather((fp.tolist(), describe() if callable(describe) else describe, error))
     bad = [FIELDS[i] for i in range(len(fp) - 1) if hi[i] != lo[i]]
     lines = []
     for r, (f, desc, err) in enumerate(infos):

@@ -23,6 +23,8 @@ full tensor's bytes, n = group size), ``pg.stats[op]["bytes"]``:
 hand-built algorithms and in send/isend (MPI's own collectives are opaque to
 us: they add 0), so a lesson can set an algorithm beside the theory.
 """
+import numpy as np
+
 from pdist import trace
 from pdist.backend import is_device_array
 from pdist.comm import algorithms as alg
@@ -53,6 +55,7 @@ class ProcessGroup:
         self._algo = MPIP2P(comm.Dup())            # hand-built algorithms: own context
         self._nccl = None
         self._seq = 0
+        self._fpbuf = np.empty(16, np.int64)       # the collective check's message
         self.stats = {}
 
     def __repr__(self):
@@ -88,7 +91,7 @@ class ProcessGroup:
         return self._mpi, self._algo
 
     def _run(self, op, arr, theory, native, hand, algorithm, async_op,
-             redop="", root=-1, error=None, describe="", then=None):
+             redop="", root=-1, error=None, then=None):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
         if algorithm not in ALGORITHMS[op]:
@@ -97,7 +100,7 @@ class ProcessGroup:
         size, dtype = (arr.size, arr.dtype) if arr is not None else (0, None)
         if self.check:
             fp = fingerprint(op, self._seq, size, dtype, redop, root, algorithm, error)
-            agree(self.comm, self.name, fp, error, describe or f"size={size} dtype={dtype}")
+            agree(self.comm, self.name, fp, error, lambda: f"size={size} dtype={dtype}", self._fpbuf)
         elif error:
             raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
         args = {"op": op, "bytes": int(arr.nbytes) if arr is not None else 0,

@@ -27,6 +27,7 @@ from pdist.comm.work import Work  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 
+SEGMENT_BYTES = 1 << 19    # ring reduce-scatter pipelines reductions in 512 KiB pieces
 SPIN_ROUNDS = 50           # Test() + sched_yield rounds before the first sleep
 SLEEP_MIN, SLEEP_MAX = 20e-6, 250e-6
 
@@ -138,6 +139,24 @@ class MPIP2P:
             wait_all([self.comm.Irecv(recvbuf, src, tag), self.comm.Isend(sendbuf, dst, tag)])
         else:
             self.comm.Sendrecv(sendbuf, dst, tag, recvbuf, src, tag)
+
+    def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0, segment_bytes=None):
+        """``sendrecv`` in segments, all posted at once, yielding each received
+        segment's (start, stop) as it lands, so the caller can reduce segment k
+        while k+1.. are still in flight. Both sides must pass equal sizes and
+        dtypes (they cut the same segments); consume the generator fully."""
+        self.wire_bytes += sendbuf.nbytes
+
+        def cut(buf):                        # sender and receiver cut a message alike
+            step = max(1, (segment_bytes or SEGMENT_BYTES) // max(1, buf.itemsize))
+            return [(a, min(a + step, buf.size)) for a in range(0, buf.size, step)]
+        bounds = cut(recvbuf)
+        recvs = [self.comm.Irecv(recvbuf[a:b], src, tag) for a, b in bounds]
+        sends = [self.comm.Isend(sendbuf[a:b], dst, tag) for a, b in cut(sendbuf)]
+        for ab, req in zip(bounds, recvs):
+            wait_all([req])
+            yield ab
+        wait_all(sends)
 
 
 def check_count(status, buf):

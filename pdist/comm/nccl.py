@@ -166,3 +166,8 @@ class NCCLP2P:
         if recvbuf.size:
             self.nc.recv(_ptr(recvbuf), recvbuf.size, _dtype(recvbuf), src, s)
         _nccl.groupEnd()
+
+    def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0):
+        """One segment: the GPU already overlaps (kernels queue on the stream)."""
+        self.sendrecv(sendbuf, dst, recvbuf, src, tag)
+        yield 0, recvbuf.size

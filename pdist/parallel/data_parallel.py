@@ -73,7 +73,8 @@ class _DataParallelBase(nn.Module):
     def _check_same_model(self):
         """Every rank must hold the same parameter list (names, shapes, dtypes); raises
         on every rank, before any collective on tensors, when one differs."""
-        sig = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.module.named_parameters() if p.requires_grad]
+        sig = [(n, tuple(p.shape), str(p.dtype))
+               for n, p in self.module.named_parameters() if p.requires_grad]
         sigs = self.group.all_gather_object(sig)
         bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
         if bad:
@@ -90,8 +91,8 @@ class _DataParallelBase(nn.Module):
         bad = sorted({names[i] for d in all_ for i, (a, b) in enumerate(zip(d, all_[0])) if a != b})
         if bad:
             raise ValueError(f"{type(self).__name__}(init_sync='verify'): replicas differ from rank 0 in "
-                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''}. Seed the model identically on every "
-                             f"rank, or use init_sync='broadcast' to copy rank 0's weights.")
+                             f"{bad[:5]}{' ...' if len(bad) > 5 else ''}. Seed the model identically on "
+                             f"every rank, or use init_sync='broadcast' to copy rank 0's weights.")
 
     def forward(self, *args, **kw):
         return self.module(*args, **kw)
@@ -214,15 +215,16 @@ class DataParallel(_DataParallelBase):
             done.work.is_completed()
 
     def _issue(self, b):
-        trace.record("dp.issue_bucket", "dp", trace.now(), trace.now(), bucket=b.index, bytes=int(b.buffer.nbytes))
+        t = trace.now()
+        trace.record("dp.issue_bucket", "dp", t, t, bucket=b.index, bytes=int(b.buffer.nbytes))
         b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
         self._next += 1
 
     def forward(self, *args, **kw):
         if any(b.work is not None for b in self.buckets):
-            raise RuntimeError("forward() while the previous step's gradient all-reduces are still in flight: "
-                               "call model.finish_gradient_synchronization() after loss.backward() and before "
-                               "optimizer.step()")
+            raise RuntimeError("forward() while the previous step's gradient all-reduces are still in "
+                               "flight: call model.finish_gradient_synchronization() after loss.backward() "
+                               "and before optimizer.step()")
         return self.module(*args, **kw)
 
     def finish_gradient_synchronization(self):

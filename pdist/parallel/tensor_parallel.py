@@ -7,23 +7,18 @@ ProcessGroup of t ranks.
                       Y = sum_i X_i A_i + b          (one all-reduce, then the bias once)
 
 An MLP is column then row: GeLU(X A) B = sum_i GeLU(X A_i) B_i, so each rank runs
-its slice with no communication in between; attention is split the same way by
-heads. Two conjugate regions close each block (Megatron's f and g):
+its slice with no communication in between; attention is split the same way, by
+heads. Two conjugate regions close each block (Megatron's f and g; all seven regions,
+with the sequence-parallel ones, are in tp_regions.py and re-exported here):
 
-    region (forward | backward)                       forward            backward
-    copy_to_tensor_parallel_region            (f)     identity           all-reduce
-    reduce_from_tensor_parallel_region        (g)     all-reduce         identity
-    scatter_to_tensor_parallel_region                 own last-axis chunk  all-gather
-    gather_from_tensor_parallel_region                all-gather last axis own chunk
-    scatter_to_sequence_parallel_region               own sequence chunk   all-gather
-    gather_from_sequence_parallel_region              all-gather sequence  reduce-scatter
-    reduce_scatter_to_sequence_parallel_region        reduce-scatter seq.  all-gather
+    f = copy_to_tensor_parallel_region       forward identity     backward all-reduce
+    g = reduce_from_tensor_parallel_region   forward all-reduce   backward identity
 
 Sequence parallelism replaces g by a reduce-scatter along the sequence and f by an
-all-gather: same bytes ((t-1)/t S each; the pair moves 2(t-1)/t S = one all-reduce),
+all-gather: the same bytes ((t-1)/t S each; the pair moves 2(t-1)/t S, one all-reduce),
 but LayerNorm, dropout and the residual stream hold only T/t tokens per rank.
-Activations are (B, T, C); the sequence axis is 1. With t = 1 every region is the
-identity and nothing is communicated (Megatron does the same).
+Activations are (B, T, C). VocabParallelEmbedding and vocab_parallel_cross_entropy
+split the vocabulary so that no rank ever holds the full logits.
 
 The GPT built from these layers is in ``pdist.parallel.tp_gpt``.
 """
@@ -33,150 +28,11 @@ from pdist import functional as F
 from pdist import nn
 from pdist.autograd import Function
 from pdist.backend import asarray, default_dtype, scatter_add, xp
-
-SEQ_AXIS = 1  # activations are (B, T, C)
-
-
-# --- partitioning (host or device arrays) ---------------------------------------------------
-def divide(n, t, what, fix=""):
-    """n / t, or a ValueError that says what does not divide and how to fix it."""
-    if n % t:
-        raise ValueError(f"tensor parallelism: {what} = {n} is not divisible by the tensor-parallel "
-                         f"size {t}. {fix or f'Choose {what} as a multiple of {t}, or a tp size that divides it.'}")
-    return n // t
-
-
-def partition(a, axis, rank, n, stride=1):
-    """Rank's block of ``a`` along ``axis``. The axis is first cut into ``stride`` equal
-    parts (3 for GPT-2's fused [Q | K | V] columns), each part into n chunks; the rank
-    keeps chunk ``rank`` of every part, in order. stride=1: a contiguous 1/n slice."""
-    axis %= a.ndim
-    size = a.shape[axis]
-    chunk = divide(size, n * stride, f"axis {axis} of a {tuple(a.shape)} array (/{stride} parts)")
-    b = a.swapaxes(axis, -1)
-    b = b.reshape(b.shape[:-1] + (stride, n, chunk))[..., rank, :]  # (..., stride, chunk)
-    return b.reshape(b.shape[:-2] + (stride * chunk,)).swapaxes(axis, -1).copy()
-
-
-def _copy(a):
-    return xp.array(a, copy=True, order="C")  # never reduce into a gradient someone else holds
-
-
-def _all_reduce(a, group, op="sum"):
-    buf = _copy(a)
-    group.all_reduce(buf, op=op)
-    return buf
-
-
-def _all_gather(x, axis, group):
-    """(..., d, ...) on each rank -> (..., t d, ...): rank q's block at [q d, (q+1) d)."""
-    t, axis = group.size, axis % x.ndim
-    out = xp.empty((t,) + x.shape, dtype=x.dtype)  # (t, ..., d, ...)
-    group.all_gather(out, xp.ascontiguousarray(x))
-    out = xp.moveaxis(out, 0, axis)  # (..., t, d, ...)
-    return out.reshape(x.shape[:axis] + (t * x.shape[axis],) + x.shape[axis + 1:])
-
-
-def _reduce_scatter(x, axis, group):
-    """(..., t d, ...) partial sums on each rank -> this rank's (..., d, ...) block of the sum."""
-    t, axis = group.size, axis % x.ndim
-    d = divide(x.shape[axis], t, f"the size of axis {axis} to reduce-scatter")
-    parts = x.reshape(x.shape[:axis] + (t, d) + x.shape[axis + 1:])
-    inp = xp.ascontiguousarray(xp.moveaxis(parts, axis, 0))  # (t, ..., d, ...)
-    out = xp.empty(inp.shape[1:], dtype=x.dtype)
-    group.reduce_scatter(out, inp)
-    return out
-
-
-def _split(x, axis, group):
-    return xp.ascontiguousarray(partition(x, axis, group.rank, group.size))
-
-
-# --- the conjugate regions --------------------------------------------------------------------
-class _CopyToTP(Function):
-    """f: forward identity, backward all-reduce (dX = sum_i dX_i over the column shards)."""
-    def forward(self, x, group):
-        self.group = group
-        return x
-
-    def backward(self, g):
-        return _all_reduce(g, self.group)
-
-
-class _ReduceFromTP(Function):
-    """g: forward all-reduce (Y = sum_i Y_i), backward identity."""
-    def forward(self, x, group):
-        return _all_reduce(x, group)
-
-    def backward(self, g):
-        return g
-
-
-class _ScatterToTP(Function):
-    """forward keeps this rank's chunk of the last axis, backward all-gathers it."""
-    def forward(self, x, group):
-        self.group = group
-        return _split(x, -1, group)
-
-    def backward(self, g):
-        return _all_gather(g, -1, self.group)
-
-
-class _GatherFromTP(Function):
-    """forward all-gathers the last axis, backward keeps this rank's chunk."""
-    def forward(self, x, group):
-        self.group = group
-        return _all_gather(x, -1, group)
-
-    def backward(self, g):
-        return _split(g, -1, self.group)
-
-
-class _ScatterToSP(Function):
-    """forward keeps this rank's T/t tokens, backward all-gathers the sequence."""
-    def forward(self, x, group):
-        self.group = group
-        return _split(x, SEQ_AXIS, group)
-
-    def backward(self, g):
-        return _all_gather(g, SEQ_AXIS, self.group)
-
-
-class _GatherFromSP(Function):
-    """forward all-gathers the sequence (B, T/t, C) -> (B, T, C); backward reduce-scatters:
-    the consumer is column-parallel, so each rank's dX is a partial sum over its columns."""
-    def forward(self, x, group):
-        self.group = group
-        return _all_gather(x, SEQ_AXIS, group)
-
-    def backward(self, g):
-        return _reduce_scatter(g, SEQ_AXIS, self.group)
-
-
-class _ReduceScatterToSP(Function):
-    """forward reduce-scatters partial sums (B, T, C) -> (B, T/t, C); backward all-gathers."""
-    def forward(self, x, group):
-        self.group = group
-        return _reduce_scatter(x, SEQ_AXIS, group)
-
-    def backward(self, g):
-        return _all_gather(g, SEQ_AXIS, self.group)
-
-
-def _region(fn):
-    def apply(x, group):
-        return x if group.size == 1 else fn.apply(x, group=group)
-    apply.__name__, apply.__doc__ = fn.__name__, fn.__doc__
-    return apply
-
-
-copy_to_tensor_parallel_region = _region(_CopyToTP)
-reduce_from_tensor_parallel_region = _region(_ReduceFromTP)
-scatter_to_tensor_parallel_region = _region(_ScatterToTP)
-gather_from_tensor_parallel_region = _region(_GatherFromTP)
-scatter_to_sequence_parallel_region = _region(_ScatterToSP)
-gather_from_sequence_parallel_region = _region(_GatherFromSP)
-reduce_scatter_to_sequence_parallel_region = _region(_ReduceScatterToSP)
+from pdist.parallel.tp_regions import (  # noqa: F401  (re-exported: the public API)
+    SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
+    gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
+    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
+    scatter_to_tensor_parallel_region)
 
 
 # --- layers ---------------------------------------------------------------------------------------
@@ -213,20 +69,23 @@ class ColumnParallelLinear(nn.Module):
     ``stride`` > 1 splits each of ``stride`` column groups separately (fused [Q|K|V])."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=True, group=None,
-                 sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None, dtype=None):
+                 sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None,
+                 dtype=None):
         super().__init__()
         self.group = group = _default_group(group)
         t, r = group.size, group.rank
-        divide(out_features, t * stride, "out_features" + (f" / {stride} (fused parts)" if stride > 1 else ""))
+        divide(out_features, t * stride, "out_features" + (f" / {stride} fused parts" if stride > 1 else ""))
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         rng = rng or np.random.default_rng(0)
         dtype = dtype or default_dtype()
         w = _master((in_features, out_features), master_weight, _uniform(in_features), rng)
-        self.weight = nn.Parameter(asarray(partition(np.asarray(w), 1, r, t, stride), dtype=dtype))  # (in, out/t)
+        w = partition(np.asarray(w), 1, r, t, stride)  # (in, out/t)
+        self.weight = nn.Parameter(asarray(w, dtype=dtype))
         self.bias = None
         if bias:
             b = _master((out_features,), master_bias, _uniform(in_features), rng)
-            self.bias = nn.Parameter(asarray(partition(np.asarray(b), 0, r, t, stride), dtype=dtype))  # (out/t,)
+            b = partition(np.asarray(b), 0, r, t, stride)  # (out/t,)
+            self.bias = nn.Parameter(asarray(b, dtype=dtype))
 
     def forward(self, x):
         if self.sequence_parallel:
@@ -301,7 +160,8 @@ class VocabParallelEmbedding(nn.Module):
         self.group = group = _default_group(group)
         t, r = group.size, group.rank
         n = divide(num_embeddings, t, "the vocabulary size",
-                   f"Pad the vocabulary to a multiple of {t} (GPT-2 pads 50257 to 50304) or change the tp size.")
+                   f"Pad the vocabulary to a multiple of {t} (GPT-2 pads 50257 to 50304) "
+                   "or change the tp size.")
         self.num_embeddings, self.sequence_parallel = num_embeddings, sequence_parallel
         self.vocab_start_index, self.vocab_end_index = r * n, (r + 1) * n
         w = _master((num_embeddings, embedding_dim), master_weight, lambda g, s: g.standard_normal(s),
@@ -328,7 +188,8 @@ class _VocabParallelCrossEntropy(Function):
         z = logits.reshape(-1, Vl)  # (N, V/t)
         y = targets.reshape(-1)  # (N,)
         if y.shape[0] != z.shape[0]:
-            raise ValueError(f"vocab_parallel_cross_entropy: {z.shape[0]} rows of logits but {y.shape[0]} targets")
+            raise ValueError(f"vocab_parallel_cross_entropy: {z.shape[0]} rows of logits "
+                             f"but {y.shape[0]} targets")
         zmax = z.max(axis=1)  # (N,)
         if group.size > 1:
             group.all_reduce(zmax, op="max")

@@ -33,9 +33,9 @@ from pdist.autograd import Function
 from pdist.backend import asarray, xp
 from pdist.gpt import _ZEROS, causal_self_attention, gpt_init
 from pdist.parallel import tensor_parallel as tp
-from pdist.parallel.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding,
-                                            copy_to_tensor_parallel_region, gather_from_sequence_parallel_region,
-                                            partition, vocab_parallel_cross_entropy)
+from pdist.parallel.tensor_parallel import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region,
+    gather_from_sequence_parallel_region, partition, vocab_parallel_cross_entropy)
 
 # parameter-name suffix -> (axis, stride) of its split; every other parameter is replicated
 _SPLITS = {"wte.weight": (0, 1), "attn.c_attn.weight": (1, 3), "attn.c_attn.bias": (0, 3),
@@ -167,10 +167,12 @@ class TensorParallelGPT(nn.Module):
         if self.sequence_parallel:
             Ts = tp.divide(T, t, "the sequence length T (sequence parallelism)",
                            f"Use a sequence length that is a multiple of {t}.")
-            x = self.transformer.wte(idx) + self.transformer.wpe(xp.arange(r * Ts, (r + 1) * Ts))  # (B, T/t, C)
+            mine = slice(r * Ts, (r + 1) * Ts)  # this rank's tokens
+            x = self.transformer.wte(idx)  # (B, T/t, C): reduce-scattered along T
+            x = x + self.transformer.wpe(xp.arange(mine.start, mine.stop))
             if self.drop.p > 0 and self.training:
-                full = idx.shape + (self.config.n_embd,)
-                x = _ShardDropout.apply(x, self.drop.p, self.drop.rng, full, (slice(None), slice(r * Ts, (r + 1) * Ts)))
+                full = idx.shape + (self.config.n_embd,)  # (B, T, C)
+                x = _ShardDropout.apply(x, self.drop.p, self.drop.rng, full, (slice(None), mine))
             return x
         return self.drop(self.transformer.wte(idx) + self.transformer.wpe(xp.arange(T)))  # (B, T, C)
 

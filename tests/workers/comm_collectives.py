@@ -93,8 +93,27 @@ def check_group(g, label):
     check_misc(g, label)
 
 
+def check_segments(g, label):
+    """Ring reduce-scatter pipelines its reduction in segments: cut them small
+    so several segments (and a short last one) cross every step."""
+    from pdist.comm import mpi
+    n, r = g.size, g.rank
+    old, mpi.SEGMENT_BYTES = mpi.SEGMENT_BYTES, 4096
+    try:
+        for size, dt in ((20003, np.float64), (5001, np.float32), (3, np.int64)):
+            ins = [data(w, size, dt, salt=1) for w in g.ranks]
+            ref = reduce_ref(ins, "sum")
+            x = ins[r].copy()
+            g.all_reduce(x, algorithm="ring")
+            close(x, ref, f"[{label}] segmented ring all_reduce {size}")
+            same_everywhere(g, x, "segmented ring")
+    finally:
+        mpi.SEGMENT_BYTES = old
+
+
 def check_misc(g, label):
     n, r = g.size, g.rank
+    check_segments(g, label)
     x = np.full((3, 5), g.ranks[r] + 1.0)                               # any shape, read flat
     g.all_reduce(x, algorithm="ring")
     assert x.shape == (3, 5) and np.all(x == sum(w + 1.0 for w in g.ranks))

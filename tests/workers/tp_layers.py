@@ -49,7 +49,8 @@ def cols(a, stride=1):  # this rank's last-axis block
 
 
 def reference_linear(x, w, bias, r_out):
-    xt, wt, bt = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True), Tensor(bias, requires_grad=True)
+    xt, wt = Tensor(x, requires_grad=True), Tensor(w, requires_grad=True)
+    bt = Tensor(bias, requires_grad=True)
     y = F.linear(xt, wt, bt)
     (y * Tensor(r_out)).sum().backward()
     return y.numpy(), xt.grad, wt.grad, bt.grad
@@ -70,7 +71,8 @@ def run(layer, x, r_local, fwd_calls, bwd_calls, what):
 # --- ColumnParallelLinear: Y_i = X A_i + b_i ------------------------------------------------
 Y, dX, dW, db = reference_linear(X, W, b, R)
 for gather in (True, False):
-    layer = tp.ColumnParallelLinear(IN, OUT, gather_output=gather, group=world, master_weight=W, master_bias=b)
+    layer = tp.ColumnParallelLinear(IN, OUT, gather_output=gather, group=world, master_weight=W,
+                                    master_bias=b)
     what = f"ColumnParallelLinear(gather_output={gather})"
     y, gx = run(layer, X, R if gather else cols(R), {"all_gather": 1} if gather else {},
                 {"all_reduce": 1}, what)
@@ -80,7 +82,8 @@ for gather in (True, False):
     close(layer.bias.grad, cols(db), what + " db shard")
 
 # fused [Q | K | V] columns (stride 3): the shard takes its columns of each third
-W3, b3, R3 = rng.standard_normal((IN, 3 * OUT)), rng.standard_normal(3 * OUT), rng.standard_normal((B, T, 3 * OUT))
+W3, b3 = rng.standard_normal((IN, 3 * OUT)), rng.standard_normal(3 * OUT)
+R3 = rng.standard_normal((B, T, 3 * OUT))
 Y3, dX3, dW3, db3 = reference_linear(X, W3, b3, R3)
 layer = tp.ColumnParallelLinear(IN, 3 * OUT, gather_output=False, group=world, stride=3, master_weight=W3,
                                 master_bias=b3)
@@ -183,17 +186,20 @@ if t > 1:
     odd = 13 * t + 1
     expect_error(lambda: tp.ColumnParallelLinear(IN, odd, group=world), ["out_features", str(odd), str(t)],
                  "column out_features")
-    expect_error(lambda: tp.RowParallelLinear(odd, OUT, group=world), ["in_features", str(odd)], "row in_features")
+    expect_error(lambda: tp.RowParallelLinear(odd, OUT, group=world), ["in_features", str(odd)],
+                 "row in_features")
     expect_error(lambda: tp.VocabParallelEmbedding(odd, IN, group=world), ["vocabulary", "Pad"], "vocab")
     expect_error(lambda: tp.RowParallelLinear(IN, OUT, group=world, sequence_parallel=True),
                  ["input_is_parallel=True"], "row SP without parallel input")
-    expect_error(lambda: TensorParallelGPT(GPTConfig(vocab_size=96, n_head=t + 1, n_embd=4 * (t + 1)), group=world),
+    expect_error(lambda: TensorParallelGPT(GPTConfig(vocab_size=96, n_head=t + 1, n_embd=4 * (t + 1)),
+                                           group=world),
                  ["n_head = %d" % (t + 1), "divisible by %d" % t], "GPT n_head")
     expect_error(lambda: TensorParallelGPT(GPTConfig(vocab_size=97, n_head=4, n_embd=16), group=world),
                  ["vocab_size = 97", "Pad the vocabulary"], "GPT vocab")
-    sp_model = TensorParallelGPT(GPTConfig(vocab_size=96, block_size=16, n_head=4, n_embd=16, dtype="float64"),
-                                 group=world, sequence_parallel=True)
-    expect_error(lambda: sp_model(np.zeros((1, 2 * t + 1), dtype=np.int64)), ["sequence length", str(2 * t + 1)],
+    small = GPTConfig(vocab_size=96, block_size=16, n_head=4, n_embd=16, dtype="float64")
+    sp_model = TensorParallelGPT(small, group=world, sequence_parallel=True)
+    expect_error(lambda: sp_model(np.zeros((1, 2 * t + 1), dtype=np.int64)),
+                 ["sequence length", str(2 * t + 1)],
                  "SP sequence length")
     expect_error(lambda: sp_model(np.full((1, 2 * t), 96)), ["out of range"], "embedding id out of range")
 world.barrier()  # every rank got here: nobody hung in a collective

@@ -127,6 +127,10 @@ for stage, prefetch in [(0, True), (1, True), (2, True), (3, True), (3, False)]:
                                ("exp_avg_sq", st["exp_avg_sq"], ref_v)):
             np.testing.assert_allclose(got, u.flatten(ref)[u.lo:u.hi], rtol=RTOL, atol=ATOL,
                                        err_msg=f"{name}, rank {rank}, unit {u.name}: {what}")
+    if stage in (1, 3):   # the gathered full model (a collective; after the counted steps)
+        full = z.full_state_dict()
+        for k, v in ref_sd.items():
+            np.testing.assert_allclose(full[k], v, rtol=RTOL, atol=ATOL, err_msg=f"{name}: full {k}")
     # memory: exactly the formula
     got = memory.model_state_bytes(z, opt)
     want = formula(stage)
@@ -145,8 +149,8 @@ for stage, prefetch in [(0, True), (1, True), (2, True), (3, True), (3, False)]:
         assert gathered.count(most) > 0, (name, "expected", most, "gathered units, saw", gathered)
     results[name] = (got, peak)
     total = sum(got.values())
-    log(f"[n={n}] {name:19s} OK  model states {total:7d} B = formula  sent/step {sum(sent[-1].values()):7d} B  "
-        f"peak {peak} B")
+    log(f"[n={n}] {name:19s} OK  model states {total:7d} B = formula  "
+        f"sent/step {sum(sent[-1].values()):7d} B  peak {peak} B")
 
 # ---- stage 3's peak stays below: formula + gathered units + gradient buffers + activations
 states0 = sum(results["stage 0"][0].values())

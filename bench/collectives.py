@@ -1,0 +1,121 @@
+"""All-reduce bus bandwidth: MPI vs ring vs naive, pdist vs raw mpi4py, memcpy.
+
+    mpirun -n 2 python bench/collectives.py
+    mpirun -n 4 python bench/collectives.py --sizes-mib 1,4,16,64
+
+nccl-tests definitions: algbw = S / t, busbw = algbw * 2(n-1)/n (the bytes a
+bandwidth-optimal all-reduce moves over each rank's link, per second).
+Columns, in-place float32 sum, S bytes per rank:
+
+* raw      mpi4py ``comm.Allreduce(MPI.IN_PLACE, x)``, nothing else
+* mpi      ``pg.all_reduce(x, algorithm="mpi")`` (checks on, the default)
+* mpi-nochk  the same with ``PDIST_CHECK_COLLECTIVES=0`` behaviour
+* ring / naive  the hand-built algorithms (algorithms.py)
+* memcpy   one core's ``np.copyto`` bandwidth (S / t): the physical reference,
+           since on one node every byte moved is a memory copy
+
+Each cell is the best of ``--repeats`` timed loops (methods interleaved, so
+load from other processes hits them alike), each loop's time being the
+slowest rank's. A second table gives small-message latency, where the cost of
+the collective check (one 128-byte all-reduce) shows.
+"""
+import argparse
+import time
+
+import numpy as np
+
+from pdist import comm
+from pdist.comm.mpi import MPI, cooperative, cores_available
+from pdist.lesson import table
+
+
+def timed(g, fn, iters):
+    g.comm.Barrier()
+    t = time.perf_counter()
+    for _ in range(iters):
+        fn()
+    return max(g.comm.allgather(time.perf_counter() - t)) / iters
+
+
+def methods(g, raw, x):
+    def nochk():
+        g.check = False
+        try:
+            g.all_reduce(x, algorithm="mpi")
+        finally:
+            g.check = True
+    return {"raw": lambda: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
+            "mpi": lambda: g.all_reduce(x, algorithm="mpi"),
+            "mpi-nochk": nochk,
+            "ring": lambda: g.all_reduce(x, algorithm="ring"),
+            "naive": lambda: g.all_reduce(x, algorithm="naive")}
+
+
+def memcpy_bw(nbytes, repeats=5):
+    src, dst = np.ones(nbytes // 4, np.float32), np.empty(nbytes // 4, np.float32)
+    np.copyto(dst, src)
+    best = min(_t(lambda: np.copyto(dst, src)) for _ in range(repeats))
+    return nbytes / best / 1e9
+
+
+def _t(fn):
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def bandwidth_table(g, raw, sizes_mib, repeats):
+    n = g.size
+    rows = []
+    for mib in sizes_mib:
+        x = np.ones(mib * (1 << 20) // 4, np.float32)
+        iters = max(2, min(20, 64 // mib))
+        ms = methods(g, raw, x)
+        for fn in ms.values():
+            fn()                                                      # warm-up
+        best = {k: float("inf") for k in ms}
+        for _ in range(repeats):
+            for k, fn in ms.items():
+                best[k] = min(best[k], timed(g, fn, iters))
+        bus = {k: x.nbytes / t / 1e9 * 2 * (n - 1) / n for k, t in best.items()}
+        mem = g.comm.bcast(memcpy_bw(x.nbytes) if g.rank == 0 else None)
+        rows.append([f"{mib} MiB", *(bus[k] for k in ms), mem,
+                     bus["ring"] / bus["raw"], best["raw"] / best["mpi"], best["raw"] / best["mpi-nochk"]])
+    heads = ["size", *(f"{k} busbw" for k in ms), "memcpy GB/s", "ring/raw", "mpi/raw", "nochk/raw"]
+    return table(rows, heads, floatfmt="{:.2f}")
+
+
+def latency_table(g, raw, repeats):
+    rows = []
+    for nbytes in (8, 1024, 65536):
+        x = np.ones(max(1, nbytes // 4), np.float32)
+        ms = methods(g, raw, x)
+        iters = 200 if nbytes < 65536 else 50
+        best = {k: min(timed(g, fn, iters) for _ in range(repeats)) for k, fn in ms.items()}
+        rows.append([f"{nbytes} B", *(best[k] * 1e6 for k in ms)])
+    return table(rows, ["size", *(f"{k} us" for k in methods(g, raw, np.ones(1)))], floatfmt="{:.1f}")
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--sizes-mib", default="1,4,16,64")
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--no-latency", action="store_true")
+    args = p.parse_args()
+    g = comm.init()
+    raw = MPI.COMM_WORLD.Dup()
+    sizes = [int(s) for s in args.sizes_mib.split(",")]
+    bw = bandwidth_table(g, raw, sizes, args.repeats)
+    lat = None if args.no_latency else latency_table(g, raw, args.repeats)
+    if g.rank == 0:
+        print(f"all-reduce, {g.size} ranks on {cores_available()} cores, float32 sum in place, "
+              f"cooperative waits {'on' if cooperative() else 'off'}, best of {args.repeats}")
+        print("busbw GB/s = S/t * 2(n-1)/n\n")
+        print(bw)
+        if lat:
+            print("\nlatency (us per call):")
+            print(lat)
+
+
+if __name__ == "__main__":
+    main()
