@@ -28,7 +28,7 @@ from pdist.comm.work import Work  # noqa: E402
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 
 SEGMENT_BYTES = 1 << 19    # ring reduce-scatter pipelines reductions in 512 KiB pieces
-SPIN_ROUNDS = 50           # Test() + sched_yield rounds before the first sleep
+YIELD_SECONDS = float(os.environ.get("PDIST_WAIT_YIELD_US", "1000")) * 1e-6  # Test + yield phase
 SLEEP_MIN, SLEEP_MAX = 20e-6, 250e-6
 
 
@@ -85,10 +85,11 @@ def wait_all(reqs, statuses=None):
     if not cooperative():
         MPI.Request.Waitall(reqs, statuses)
         return
-    sleep, spins = SLEEP_MIN, 0
+    sleep, t_yield = SLEEP_MIN, None
     while not MPI.Request.Testall(reqs, statuses):
-        if spins < SPIN_ROUNDS:
-            spins += 1
+        if t_yield is None:
+            t_yield = time.perf_counter() + YIELD_SECONDS
+        if time.perf_counter() < t_yield:
             os.sched_yield()
         else:
             time.sleep(sleep)

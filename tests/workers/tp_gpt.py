@@ -6,6 +6,8 @@ K AdamW steps on the same global batches: every step's loss equals the single-pr
 loss, and afterwards every parameter shard equals tp_slice() of the single-process
 parameter (rtol 1e-9). Replicated parameters' grads are bit-identical on all tp ranks.
 The logits a rank holds are its vocabulary slice only (B, T, V/t).
+At 4 ranks the same runs also go through the tp groups of a DeviceMesh(dp=2, tp=2) (two
+independent tp pairs; the world group must see no traffic).
 
 Communication per step, counted from ProcessGroup.stats (S = B*T*C*8 bytes, N = B*T):
   TP:  forward 2 all-reduces per layer + 1 (embedding) + 2 (loss: max, sums),
@@ -25,7 +27,8 @@ from pdist.parallel.tp_gpt import TensorParallelGPT, tp_slice
 
 set_default_dtype("float64")
 world = comm.init()
-t, r = world.size, world.rank
+group = world  # the tp group; at 4 ranks also the tp groups of a DeviceMesh(dp=2, tp=2)
+t, r = group.size, group.rank
 K = int(sys.argv[1]) if len(sys.argv) > 1 else 3
 B, T, SEED = 4, 16, 7
 RTOL, ATOL = 1e-9, 1e-12
@@ -57,7 +60,7 @@ def expected(cfg, sp):
 
 
 def measured():
-    return {op: (s["calls"], s["bytes"]) for op, s in world.stats.items()}
+    return {op: (s["calls"], s["bytes"]) for op, s in group.stats.items()}
 
 
 def check_counts(cfg, sp, fwd, bwd, what):
@@ -70,14 +73,14 @@ def check_counts(cfg, sp, fwd, bwd, what):
 
 
 def same_on_all_ranks(a, what):
-    blobs = world.all_gather_object(np.ascontiguousarray(a).tobytes())
+    blobs = group.all_gather_object(np.ascontiguousarray(a).tobytes())
     assert all(x == blobs[0] for x in blobs), f"{what}: tp ranks hold different values"
 
 
 def run(cfg, sp, steps, what):
     ref = gpt.GPT(cfg, seed=SEED)
     ref_opt = lesson.make_adamw(ref.parameters())
-    model = TensorParallelGPT(cfg, seed=SEED, group=world, sequence_parallel=sp)
+    model = TensorParallelGPT(cfg, seed=SEED, group=group, sequence_parallel=sp)
     opt = lesson.make_adamw(model.parameters())
     sd0 = ref.state_dict()
     for n, p in model.named_parameters():  # init: exactly the slice of the single-process weights
@@ -90,10 +93,10 @@ def run(cfg, sp, steps, what):
         ref_opt.step()
 
         model.zero_grad()
-        world.reset_stats()
+        group.reset_stats()
         logits, loss = model(x, y)
         fwd = measured()
-        world.reset_stats()
+        group.reset_stats()
         loss.backward()
         model.sync_sequence_parallel_grads()
         bwd = measured()
@@ -123,5 +126,13 @@ for sp in (False, True):
 run(cfg_of(2, dropout=0.1), True, 2, "TP + SP with dropout 0.1")
 run(cfg_of(2, dropout=0.1), False, 2, "TP with dropout 0.1")
 
-if r == 0:
-    print(f"tp_gpt t={t}:\n  " + "\n  ".join(checks))
+if world.size == 4:  # two tp groups of 2 side by side (ranks {0,1} and {2,3}), as in a dp x tp mesh
+    mesh = comm.DeviceMesh(dp=2, tp=2)
+    group, (t, r) = mesh.tp_group, (mesh.tp_group.size, mesh.tp_group.rank)
+    world.reset_stats()
+    for sp in (False, True):
+        run(cfg_of(2), sp, 2, f"DeviceMesh(dp=2, tp=2).tp_group{' + SP' if sp else ''}")
+    assert world.stats == {}, f"the tp model used the world group: {world.stats}"
+
+if world.rank == 0:
+    print(f"tp_gpt world={world.size}:\n  " + "\n  ".join(checks))
