@@ -11,9 +11,12 @@ Cooperative waits. MPICH ranks that wait busy-poll: a rank blocked in
 (L > C) those spinning ranks steal time from the ranks doing real work (4 ranks
 on 2 cores with uneven work ran ~2x slower than ideal). In that case every
 blocking operation is issued non-blocking and finished by ``wait_all``:
-``Test()``, and if not done, yield the core (``sched_yield``) for a few rounds,
-then sleep with exponential backoff from 20 us up to 250 us. Otherwise the fast
-path is MPI's own blocking call. Override with ``PDIST_COOPERATIVE_WAIT=0|1``.
+``Test()``, and while not done, yield the core (``sched_yield``) for up to
+``PDIST_WAIT_YIELD_US`` (1000 us: short waits, e.g. a transfer in flight, stay
+fast), then sleep with exponential backoff from 20 us up to 250 us (long waits,
+e.g. for a slower pipeline stage, leave the core to the rank that computes).
+Otherwise the fast path is MPI's own blocking call. Override the choice with
+``PDIST_COOPERATIVE_WAIT=0|1``.
 """
 import os
 import time
