@@ -5,6 +5,7 @@ every matmul) timed alone, with nothing else around them.
 
     python bench/step_time.py                 # both sizes, float32, one BLAS thread
     python bench/step_time.py --sizes large --repeats 5 --dtype float64
+    python bench/step_time.py --no-torch      # without the PyTorch column
 
 Sizes: ``lesson`` is the lessons' model (pdist.lesson.gpt_config: 2 layers, 4 heads,
 n_embd 64, T 32) at batch 16; ``large`` is matmul-heavy (4 layers, 8 heads, n_embd
@@ -31,9 +32,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pdist import gpt, lesson  # noqa: E402
 
 VOCAB = 96  # about the char vocabulary of pdist.data.char_dataset()
-SIZES = {
-    "lesson": (dict(block_size=32, n_layer=2, n_head=4, n_embd=64), 16),
-    "large": (dict(block_size=256, n_layer=4, n_head=8, n_embd=512), 8),
+SIZES = {  # model shape, batch size, default repeats
+    "lesson": (dict(block_size=32, n_layer=2, n_head=4, n_embd=64), 16, 21),
+    "large": (dict(block_size=256, n_layer=4, n_head=8, n_embd=512), 8, 7),
 }
 
 
@@ -136,7 +137,8 @@ def have_torch():
 
 
 def bench(size, dtype, repeats, use_torch):
-    over, B = SIZES[size]
+    over, B, default_repeats = SIZES[size]
+    repeats = repeats or default_repeats
     cfg = gpt.GPTConfig(vocab_size=VOCAB, dtype=dtype, **over)
     T = cfg.block_size
     rng = np.random.default_rng(0)
@@ -146,7 +148,7 @@ def bench(size, dtype, repeats, use_torch):
     if use_torch:
         fns["torch"] = torch_step_fn(cfg, x, y)
     times = {k: [] for k in fns}
-    inner = max(1, int(0.2 / max(1e-4, _once(fns["pdist"]))))  # ~0.2 s per sample
+    inner = max(1, int(0.1 / max(1e-4, _once(fns["pdist"]))))  # ~0.1 s per sample
     for f in fns.values():  # warm-up: first calls allocate optimizer state, caches
         f()
     for _ in range(repeats):
@@ -158,7 +160,7 @@ def bench(size, dtype, repeats, use_torch):
     med = {k: float(np.median(v)) for k, v in times.items()}
     best = {k: float(np.min(v)) for k, v in times.items()}
     spread = max(times["pdist"]) / min(times["pdist"])
-    return cfg, B, med, best, spread
+    return cfg, B, med, best, spread, repeats
 
 
 def _once(f):
@@ -171,7 +173,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", default="lesson,large")
     p.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    p.add_argument("--repeats", type=int, default=7)
+    p.add_argument("--repeats", type=int, default=None, help="default: 21 (lesson), 7 (large)")
     p.add_argument("--no-torch", action="store_true")
     args = p.parse_args()
     use_torch = have_torch() and not args.no_torch
@@ -181,18 +183,18 @@ def main():
     rows = []
     with threadpool_limits(limits=1):
         for size in args.sizes.split(","):
-            cfg, B, med, best, spread = bench(size, args.dtype, args.repeats, use_torch)
+            cfg, B, med, best, spread, n = bench(size, args.dtype, args.repeats, use_torch)
             tt, tb = med.get("torch"), best.get("torch")
-            rows.append([size, f"L{cfg.n_layer} C{cfg.n_embd} T{cfg.block_size} B{B}",
+            rows.append([size, n, f"L{cfg.n_layer} C{cfg.n_embd} T{cfg.block_size} B{B}",
                          f"{med['pdist'] * 1e3:.2f}", f"{tt * 1e3:.2f}" if tt else "n/a",
                          f"{med['pdist'] / tt:.2f}x" if tt else "n/a",
                          f"{best['pdist'] / tb:.2f}x" if tb else "n/a",
                          f"{med['floor'] * 1e3:.2f}", f"{med['pdist'] / med['floor']:.2f}x",
                          f"{best['pdist'] / best['floor']:.2f}x", f"{spread:.2f}"])
     print(f"step = forward + backward + AdamW, {args.dtype}, 1 BLAS thread; times are medians of "
-          f"{args.repeats} interleaved repeats; (min) = the same ratio of the fastest repeats; "
+          f"n interleaved repeats; (min) = the same ratio of the fastest repeats; "
           f"spread = slowest/fastest pdist repeat (noise)")
-    print(lesson.table(rows, ["size", "shape", "pdist ms", "torch ms", "pdist/torch", "(min)",
+    print(lesson.table(rows, ["size", "n", "shape", "pdist ms", "torch ms", "pdist/torch", "(min)",
                               "floor ms", "pdist/floor", "(min)", "spread"]))
 
 

@@ -29,7 +29,7 @@ from pdist import trace
 from pdist.backend import is_device_array
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
-from pdist.comm.check import agree, default_on, fingerprint, CollectiveMismatchError
+from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
 from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
 from pdist.comm.work import Work
 
@@ -55,7 +55,7 @@ class ProcessGroup:
         self._algo = MPIP2P(comm.Dup())            # hand-built algorithms: own context
         self._nccl = None
         self._seq = 0
-        self._fpbuf = np.empty(16, np.int64)       # the collective check's message
+        self._fpbuf = np.empty(18, np.int64)       # the collective check's message
         self.stats = {}
 
     def __repr__(self):
@@ -98,9 +98,15 @@ class ProcessGroup:
             raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
         self._seq += 1
         size, dtype = (arr.size, arr.dtype) if arr is not None else (0, None)
+        pending_check = None
         if self.check:
-            fp = fingerprint(op, self._seq, size, dtype, redop, root, algorithm, error)
-            agree(self.comm, self.name, fp, error, lambda: f"size={size} dtype={dtype}", self._fpbuf)
+            fp = fingerprint(op, self._seq, size, dtype, redop, root, algorithm, error, async_op)
+            describe = lambda: f"size={size} dtype={dtype} async_op={async_op}"  # noqa: E731
+            if async_op and algorithm == "mpi" and error is None:
+                # verified in Work.wait(), so issuing stays non-blocking (DDP overlap)
+                pending_check = agree_start(self.comm, self.name, fp, error, describe)
+            else:
+                agree(self.comm, self.name, fp, error, describe, self._fpbuf)
         elif error:
             raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
         args = {"op": op, "bytes": int(arr.nbytes) if arr is not None else 0,
@@ -116,7 +122,7 @@ class ProcessGroup:
             self._count(op, theory, p2p.wire_bytes - w0)
             work = None
         if work is not None:
-            work._then, work._span = then, (op, t0, args)
+            work._then, work._span, work._check = then, (op, t0, args), pending_check
             return work
         if then is not None:
             then()

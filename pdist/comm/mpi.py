@@ -56,7 +56,8 @@ def local_size(comm=None):
 def setup(comm=None):
     """Once per process: BLAS threads = max(1, cores // local ranks); decide waits.
 
-    Collective over ``comm`` (the node split). Returns (threads, cooperative)."""
+    Collective over ``comm`` (the node split, and the agreement on the wait mode).
+    Returns (threads, cooperative)."""
     if _state["cooperative"] is not None:
         return _state["limits_n"], _state["cooperative"]
     cores, local = cores_available(), local_size(comm)
@@ -68,6 +69,9 @@ def setup(comm=None):
         pass
     env = os.environ.get("PDIST_COOPERATIVE_WAIT", "").strip()
     coop = (env == "1") if env in ("0", "1") else local > cores
+    # every rank must wait the same way: a blocking collective never matches a
+    # non-blocking one in MPI, and nodes may differ in cores or ranks per node
+    coop = bool((comm or MPI.COMM_WORLD).allreduce(int(coop), op=MPI.MAX))
     _state.update(limits_n=threads, cooperative=coop, cores=cores)
     return threads, coop
 

@@ -13,10 +13,11 @@ from pdist import trace
 
 
 class Work:
-    __slots__ = ("_wait", "_test", "_then", "_done", "_span")
+    __slots__ = ("_wait", "_test", "_then", "_done", "_span", "_check")
 
     def __init__(self, wait=None, test=None, then=None, span=None):
         self._wait, self._test, self._then, self._span = wait, test, then, span
+        self._check = None      # the deferred argument check of an async collective
         self._done = wait is None
 
     @classmethod
@@ -25,7 +26,13 @@ class Work:
         run eagerly even when ``async_op=True``)."""
         return cls()
 
+    def _verify(self):
+        if self._check is not None:
+            check, self._check = self._check, None
+            check()          # raises CollectiveMismatchError on every rank on a mismatch
+
     def _finish(self):
+        self._verify()
         self._done = True
         if self._then is not None:
             self._then()
@@ -36,6 +43,7 @@ class Work:
     def wait(self):
         """Block until done; afterwards the output buffers hold the result."""
         if not self._done:
+            self._verify()   # before waiting on data that a mismatch may never deliver
             self._wait()
             self._finish()
 

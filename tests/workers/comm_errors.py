@@ -73,6 +73,13 @@ def main():
     g.all_reduce(x)
     assert np.all(x == n * (n + 1) / 2)
     g.barrier()
+    if n > 1:
+        # async collectives check their arguments in wait() (issuing stays non-blocking):
+        # a mismatch is raised there on every rank, before waiting on the data.
+        # A split of its own, as the mismatched data operation is left behind.
+        h = g.split(0, name="async-check")
+        expect(h, lambda: h.all_reduce(np.zeros(10 if r == 0 else 11), async_op=True).wait(),
+               CollectiveMismatchError, "all_reduce", "size=10", "size=11")
     if r == 0:
         print(f"comm_errors OK n={n}")
 
