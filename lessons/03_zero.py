@@ -47,7 +47,7 @@ from pdist.backend import set_default_dtype, to_numpy
 from pdist.parallel.zero import ZeRO
 
 FORMULA = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}  # in float32 (b = 4)
-COMM = {0: "2Ψ", 1: "2Ψ", 2: "2Ψ", 3: "3Ψ"}
+COMM = {0: "2Ψ·(N-1)/N", 1: "2Ψ·(N-1)/N", 2: "2Ψ·(N-1)/N", 3: "3Ψ·(N-1)/N"}  # ring accounting
 CHECK_STEPS = 10   # horizon of the tight shard check (why: lessons/02_data_parallel.py's docstring)
 F32_REL = 1e-4     # float32: |θ - θ_ref| / |θ_ref| over the whole model (all shards)
 

@@ -400,7 +400,8 @@ def test_post_accumulate_hook_fires_once_after_last_contribution():
     assert [n for n, _ in events] == ["w2", "w1"]  # each once; w1 after its last (earliest) use
     np.testing.assert_allclose(events[1][1], w1.grad)  # the complete gradient
     # and the complete gradient is right
-    grads_match(lambda a, b: ((((Tensor(x.data) @ a).tanh() @ b) @ a) @ a).sum(), [w1.data.copy(), w2.data.copy()])
+    grads_match(lambda a, b: ((((Tensor(x.data) @ a).tanh() @ b) @ a) @ a).sum(),
+                [w1.data.copy(), w2.data.copy()])
     with pytest.raises(RuntimeError, match="leaf"):
         (w1 * 2).register_post_accumulate_grad_hook(hook)
 

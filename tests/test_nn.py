@@ -171,11 +171,13 @@ def test_gpt_init_depends_only_on_seed_and_name():
     # except the residual projections, whose std is 0.02/sqrt(2 n_layer) by GPT-2's rule
     for name in ["transformer.h.1.attn.c_attn.weight", "transformer.wte.weight"]:
         np.testing.assert_array_equal(gpt_init(cfg, name, 3), gpt_init(big, name, 3))
-    r = gpt_init(cfg, "transformer.h.1.mlp.c_proj.weight", 3) / gpt_init(big, "transformer.h.1.mlp.c_proj.weight", 3)
+    proj = "transformer.h.1.mlp.c_proj.weight"
+    r = gpt_init(cfg, proj, 3) / gpt_init(big, proj, 3)
     np.testing.assert_allclose(r, np.sqrt(2 * 4) / np.sqrt(2 * 2))
     # a tensor-parallel rank slicing the master weight gets exactly its columns
     full = gpt_init(cfg, "transformer.h.0.mlp.c_fc.weight", 3)
-    np.testing.assert_array_equal(np.split(full, 2, axis=1)[1], m.transformer.h[0].mlp.c_fc.weight.data[:, 16:])
+    shard = m.transformer.h[0].mlp.c_fc.weight.data[:, 16:]
+    np.testing.assert_array_equal(np.split(full, 2, axis=1)[1], shard)
     # the draw is the name's own generator: (seed, crc32(name)), N(0, 0.02)
     name = "transformer.h.0.attn.c_attn.weight"
     ref = np.random.default_rng([3, zlib.crc32(name.encode())]).standard_normal((8, 24)) * 0.02
@@ -201,8 +203,8 @@ def reference_logits(sd, cfg, idx):
     B, T = idx.shape
 
     def ln(h, p):
-        return (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5) * sd[p + ".weight"] \
-            + sd[p + ".bias"]
+        xhat = (h - h.mean(-1, keepdims=True)) / np.sqrt(h.var(-1, keepdims=True) + 1e-5)
+        return xhat * sd[p + ".weight"] + sd[p + ".bias"]
 
     def lin(h, p):
         return h @ sd[p + ".weight"] + sd[p + ".bias"]
@@ -212,7 +214,8 @@ def reference_logits(sd, cfg, idx):
     for i in range(cfg.n_layer):
         p = f"transformer.h.{i}."
         qkv = lin(ln(h, p + "ln_1"), p + "attn.c_attn")
-        q, k, v = [qkv[..., j * C:(j + 1) * C].reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3) for j in range(3)]
+        q, k, v = [qkv[..., j * C:(j + 1) * C].reshape(B, T, nh, C // nh).transpose(0, 2, 1, 3)
+                   for j in range(3)]
         att = q @ k.transpose(0, 1, 3, 2) / np.sqrt(C // nh)
         att[..., mask] = -np.inf
         att = np.exp(att - att.max(-1, keepdims=True))
@@ -232,7 +235,8 @@ def test_gpt_forward_matches_numpy_reference():
     for n, p in m.named_parameters():
         p.data += 0.1 * rng.standard_normal(p.shape)
     x, _ = batch(m.config, B=3, T=6)
-    np.testing.assert_allclose(m(x).data, reference_logits(m.state_dict(), m.config, x), rtol=1e-10, atol=1e-12)
+    ref = reference_logits(m.state_dict(), m.config, x)
+    np.testing.assert_allclose(m(x).data, ref, rtol=1e-10, atol=1e-12)
 
 
 def test_gpt_is_causal():
@@ -297,7 +301,8 @@ def test_generate_extends_and_is_seeded():
 
 def test_modules_compose_with_functional_losses():
     net = nn.Sequential(nn.Linear(4, 8, rng=np.random.default_rng(0), dtype="float64"), nn.GELU(),
-                        nn.LayerNorm(8, dtype="float64"), nn.Linear(8, 3, rng=np.random.default_rng(1), dtype="float64"))
+                        nn.LayerNorm(8, dtype="float64"),
+                        nn.Linear(8, 3, rng=np.random.default_rng(1), dtype="float64"))
     x = np.random.default_rng(2).standard_normal((5, 4))
     loss = F.cross_entropy(net(Tensor(x)), np.array([0, 1, 2, 1, 0]))
     loss.backward()
