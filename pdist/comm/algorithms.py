@@ -30,10 +30,11 @@ def chunk_bounds(size, n):
     return bounds
 
 
-def reduce_into(op, acc, other):
-    """acc <- acc (op) other, in place (op: "sum"/"avg" add, "max", "min")."""
+def reduce_into(op, acc, other, out=None):
+    """out <- acc (op) other, in place into acc unless ``out`` is given
+    (op: "sum"/"avg" add, "max", "min")."""
     fn = xp.maximum if op == "max" else xp.minimum if op == "min" else xp.add
-    fn(acc, other, out=acc)
+    fn(acc, other, out=acc if out is None else out)
 
 
 # --------------------------------------------------------------------- naive
@@ -122,7 +123,8 @@ def reduce_scatter_ring(t, out, inp, op):
     its own piece of that chunk. After n-1 steps chunk r holds all n terms.
     Sends (n-1) chunks of S/n: (n-1)/n*S per rank, time ~ (n-1)(alpha + S/n*beta).
     Two chunk-sized buffers only; ``inp`` is read, never written (unless ``out``
-    is ``inp``'s own chunk r, as in-place all-reduce uses it). Each step's
+    is ``inp``'s own chunk r, as in-place all-reduce uses it); the last step
+    reduces straight into ``out``. Each step's
     message travels in segments (``t.sendrecv_iter``), so adding segment k
     overlaps receiving segment k+1: the step costs ~max(copy, add), not the sum."""
     n, r = t.size, t.rank
@@ -138,10 +140,12 @@ def reduce_scatter_ring(t, out, inp, op):
         a, b = bounds[(r - s - 2) % n]
         got = recv_buf[:b - a]
         mine = inp[a:b]
+        # the last step's chunk is r itself: reduce straight into ``out`` (no final copy;
+        # out may be mine itself, as in-place all-reduce passes it)
+        dest = out if s == n - 2 else got
         for c, d in t.sendrecv_iter(send, (r + 1) % n, got, (r - 1) % n):
-            reduce_into(op, got[c:d], mine[c:d])        # segment k while k+1.. arrive
+            reduce_into(op, got[c:d], mine[c:d], out=dest[c:d])   # segment k while k+1.. arrive
         send, send_buf, recv_buf = got, recv_buf, send_buf
-    out[...] = send                                         # chunk r: all n terms
 
 
 def all_gather_ring(t, out, inp):
