@@ -30,7 +30,7 @@ from pdist.backend import is_device_array
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
-from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
+from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat, cooperative, wait_all
 from pdist.comm.work import Work
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
@@ -282,14 +282,24 @@ class ProcessGroup:
         return self._backend(buf)[0] if is_device_array(buf) else self._mpi
 
     # -------------------------------------------------- small Python objects
+    def _arrive(self):
+        """Pickled collectives block in MPI (busy-polling). When ranks outnumber cores,
+        meet first in a cooperative barrier, so early ranks sleep instead of spinning
+        and the pickled call finds every rank already there."""
+        if self.size > 1 and cooperative():
+            wait_all([self.comm.Ibarrier()])
+
     def gather_object(self, obj, dst=0):
         """[obj_0, ..., obj_{n-1}] at dst (None elsewhere). Pickled: not for hot paths."""
+        self._arrive()
         return self.comm.gather(obj, root=dst)
 
     def all_gather_object(self, obj):
+        self._arrive()
         return self.comm.allgather(obj)
 
     def broadcast_object(self, obj, src=0):
+        self._arrive()
         return self.comm.bcast(obj, root=src)
 
     def split(self, color, key=None, name=None):
