@@ -31,8 +31,15 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
 
+# every benchmark, each launched the way its docstring says (prints tables; takes a few minutes)
 bench: $(STAMP)
-	for b in bench/*.py; do echo "== $$b"; $(PY) $$b || exit 1; done
+	$(PY) bench/step_time.py
+	$(MPIRUN) -n 2 $(PY) bench/collectives.py
+	$(MPIRUN) -n 4 $(PY) bench/oversubscribed.py
+	$(PY) bench/data_parallel.py
+	$(MPIRUN) -n 2 $(PY) bench/zero.py
+	$(PY) bench/tensor_parallel.py
+	$(PY) bench/pipeline.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache
