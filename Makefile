@@ -41,5 +41,10 @@ bench: $(STAMP)
 	$(PY) bench/tensor_parallel.py
 	$(PY) bench/pipeline.py
 
+# pyflakes-level checks (undefined names, unused variables, syntax)
+lint: $(STAMP)
+	$(PY) -m pip install -q ruff
+	$(VENV)/bin/ruff check --select F,E9 pdist lessons bench tests
+
 clean:
 	rm -rf $(VENV) build *.egg-info .pytest_cache

@@ -252,6 +252,7 @@ def __getattr__(name):  # nn.GPT, nn.GPTConfig, nn.gpt_init live in pdist.gpt
         return getattr(gpt, name)
     raise AttributeError(f"module 'pdist.nn' has no attribute {name!r}")
 
-__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",
+# GPT, GPTConfig and gpt_init come from pdist.gpt through the module __getattr__ above
+__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",  # noqa: F822
            "ModuleList", "Sequential", "cross_entropy", "mse_loss", "functional", "GPT", "GPTConfig",
            "gpt_init", "manual_seed"]

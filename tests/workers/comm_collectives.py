@@ -97,7 +97,7 @@ def check_segments(g, label):
     """Ring reduce-scatter pipelines its reduction in segments: cut them small
     so several segments (and a short last one) cross every step."""
     from pdist.comm import mpi
-    n, r = g.size, g.rank
+    r = g.rank
     old, mpi.SEGMENT_BYTES = mpi.SEGMENT_BYTES, 4096
     try:
         for size, dt in ((20003, np.float64), (5001, np.float32), (3, np.int64)):
