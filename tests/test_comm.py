@@ -2,6 +2,7 @@
 power-of-two assumptions), bad inputs, cooperative waits, the harness itself."""
 import os
 import subprocess
+import uuid
 from pathlib import Path
 
 import numpy as np
@@ -57,9 +58,10 @@ def test_harness_names_failing_rank():
 
 
 def test_harness_kills_a_hang():
+    token = f"launch-{uuid.uuid4().hex}"        # names only this launch's processes
     with pytest.raises(MPIRunError, match="timed out"):
-        mpirun(2, W / "comm_fail.py", "hang", timeout=4)
-    left = subprocess.run(["pgrep", "-f", "comm_fail.py hang"], capture_output=True, text=True).stdout
+        mpirun(2, W / "comm_fail.py", "hang", token, timeout=4)
+    left = subprocess.run(["pgrep", "-f", token], capture_output=True, text=True).stdout
     assert left.strip() == "", f"stray ranks left: {left}"
 
 
