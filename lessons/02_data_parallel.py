@@ -40,7 +40,7 @@ import statistics
 
 import numpy as np
 
-from pdist import comm, data, gpt, lesson, trace
+from pdist import comm, data, gpt, lesson, memory, trace
 from pdist.backend import set_default_dtype, to_numpy
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 
@@ -109,9 +109,7 @@ def run(name, dp):
     ok = ok and np.allclose(losses[:CHECK_STEPS], base_losses[:CHECK_STEPS], rtol=loss_rtol, atol=0)
     digest = hashlib.sha1(b"".join(to_numpy(q.data).tobytes() for q in dp.parameters())).hexdigest()
     oks, digests = zip(*world.all_gather_object((ok, digest)))
-    mem = {"rank": rank, "params_bytes": sum(q.data.nbytes for q in dp.parameters()),
-           "grads_bytes": sum(q.grad.nbytes for q in dp.parameters()),   # bucketed: views of the buckets
-           "optim_bytes": opt.state_bytes()}
+    mem = memory.memory_row(rank, dp.module, opt)   # bucketed: grads are views of the buckets, counted once
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
            "params": psi, "loss": losses, "baseline_loss": base_losses,
            "memory_per_rank": world.all_gather_object(mem),
