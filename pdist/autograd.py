@@ -130,6 +130,16 @@ class Tensor:
         _run_backward(self, grad)
 
 
+def zero_grads(tensors, set_to_none=True):
+    """End gradient accumulation: ``.grad = None`` (PyTorch's default), or zero the
+    existing arrays in place (keeps views, e.g. DDP's bucket views, intact)."""
+    for t in tensors:
+        if set_to_none:
+            t.grad = None
+        elif t.grad is not None:
+            t.grad[...] = 0
+
+
 class _Handle:
     def __init__(self, lst, fn):
         self._lst, self._fn = lst, fn

@@ -18,7 +18,7 @@ from collections import OrderedDict
 import numpy as np
 
 from pdist import functional
-from pdist.autograd import Tensor
+from pdist.autograd import Tensor, zero_grads
 from pdist.backend import asarray, default_dtype, to_numpy, xp
 
 F = functional
@@ -103,11 +103,7 @@ class Module:
         return [p for _, p in self.named_parameters()]
 
     def zero_grad(self, set_to_none=True):
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad[...] = 0
+        zero_grads(self.parameters(), set_to_none)
 
     def train(self, mode=True):
         for m in self.modules():

@@ -15,6 +15,7 @@ import math
 
 import numpy as np
 
+from pdist.autograd import zero_grads
 from pdist.backend import to_numpy, xp
 
 
@@ -37,11 +38,7 @@ class Optimizer:
         return [p for g in self.param_groups for p in g["params"]]
 
     def zero_grad(self, set_to_none=True):
-        for p in self.parameters():
-            if set_to_none:
-                p.grad = None
-            elif p.grad is not None:
-                p.grad[...] = 0
+        zero_grads(self.parameters(), set_to_none)
 
     def state_bytes(self):
         """Bytes of optimizer state arrays held by this process."""
