@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pdist import data, lesson  # noqa: E402
 from pdist.gpt import GPT  # noqa: E402
+from pdist.gradcheck import central_difference  # noqa: E402
 
 BATCH, STEPS = 16, 1000
 # (parameter, index) pairs for the finite-difference check: one from each kind of op
@@ -69,13 +70,8 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
     rows = []
     for name, idx in entries:
         p = params[name]
-        old = p.data[idx]
-        p.data[idx] = old + h
-        lp = m(x, y)[1].item()
-        p.data[idx] = old - h
-        lm = m(x, y)[1].item()
-        p.data[idx] = old
-        num, ana = (lp - lm) / (2 * h), float(p.grad[idx])
+        num = central_difference(lambda: m(x, y)[1].item(), p.data, idx, h)
+        ana = float(p.grad[idx])
         rel = abs(ana - num) / max(abs(num), 1e-30)
         rows.append((name, idx, ana, num, rel, abs(ana - num) <= FD_RTOL * abs(num) + FD_ATOL))
     return rows

@@ -13,6 +13,7 @@ import numpy as np
 
 import pdist
 from pdist import Tensor
+from pdist.gradcheck import central_difference
 
 
 def _loss(out, R):
@@ -24,13 +25,7 @@ def numeric_grads(fn, arrays, R, h=1e-6):
     for a in arrays:
         g = np.zeros(a.shape)
         for idx in np.ndindex(*a.shape):
-            old = a[idx]
-            a[idx] = old + h
-            lp = _loss(fn(*[Tensor(x) for x in arrays]), R)
-            a[idx] = old - h
-            lm = _loss(fn(*[Tensor(x) for x in arrays]), R)
-            a[idx] = old
-            g[idx] = (lp - lm) / (2 * h)
+            g[idx] = central_difference(lambda: _loss(fn(*[Tensor(x) for x in arrays]), R), a, idx, h)
         grads.append(g)
     return grads
 

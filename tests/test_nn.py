@@ -8,6 +8,7 @@ import pytest
 from pdist import Tensor, nn
 from pdist import functional as F
 from pdist.gpt import GPT, GPTConfig, gpt_init
+from pdist.gradcheck import central_difference
 
 CFG = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dtype="float64")
 
@@ -270,14 +271,8 @@ def test_gpt_gradient_spot_checks(name, idx):
     _, loss = m(x, y)
     loss.backward()
     p = dict(m.named_parameters())[name]
-    h = 1e-6
-    old = p.data[idx]
-    p.data[idx] = old + h
-    lp = m(x, y)[1].item()
-    p.data[idx] = old - h
-    lm = m(x, y)[1].item()
-    p.data[idx] = old
-    np.testing.assert_allclose(p.grad[idx], (lp - lm) / (2 * h), rtol=1e-5, atol=1e-9)
+    num = central_difference(lambda: m(x, y)[1].item(), p.data, idx)
+    np.testing.assert_allclose(p.grad[idx], num, rtol=1e-5, atol=1e-9)
 
 
 def test_gpt_loss_and_gradient_shapes():
