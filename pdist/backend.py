@@ -34,6 +34,23 @@ class _XP:
 xp = _XP()
 
 
+_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
+
+
+def env_flag(name, default):
+    """A boolean environment variable: 1/true/yes/on or 0/false/no/off (any case);
+    ``default`` when unset or empty. Anything else raises a ValueError that names
+    the variable and the values it accepts."""
+    raw = os.environ.get(name, "").strip().lower()
+    if raw == "":
+        return bool(default)
+    if raw in _TRUE:
+        return True
+    if raw in _FALSE:
+        return False
+    raise ValueError(f"{name}={os.environ[name]!r}: expected one of 0/1/false/true/no/yes/off/on")
+
+
 def local_rank():
     """This process's rank among the ranks on its node (MPICH, Open MPI, Slurm)."""
     for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):

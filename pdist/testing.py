@@ -68,6 +68,24 @@ def mpirun(n, script, *args, timeout=180, env=None, check=True):
     return out
 
 
+REPORT_PREFIX = "[pdist report] "
+
+
+def report(**results):
+    """Print one JSON object of a worker's results (a test reads them back with
+    ``reports(out)``; every value must be JSON-serialisable). Any rank may call it;
+    include ``rank=`` when the rank matters."""
+    import json
+    print(REPORT_PREFIX + json.dumps(results, sort_keys=True), flush=True)
+
+
+def reports(out):
+    """Every JSON object that ``report()`` printed in a run's output, in order."""
+    import json
+    return [json.loads(line.split(REPORT_PREFIX, 1)[1]) for line in out.splitlines()
+            if REPORT_PREFIX in line]
+
+
 def _failure_message(n, script, rc, out):
     failed = sorted(set(int(r) for r in re.findall(r"\[pdist rank (\d+) FAILED\]", out)))
     head = f"mpirun -n {n} {script} exited with {rc}"
