@@ -25,6 +25,11 @@ Contracts (PyTorch's):
   sharded strategy (ZeRO-3) may free a parameter's full array after forward and
   gather it again before backward.
 * ``with no_grad():`` builds no graph.
+
+The operators and array methods of ``Tensor`` (``x @ w``, ``.sum()``,
+``.reshape``, ...) are attached by ``pdist.ops`` when it is imported; the
+package (``pdist/__init__``) imports both, so importing any pdist module gives
+the full ``Tensor``. This module imports nothing from ``pdist.ops`` (no cycle).
 """
 import contextlib
 
@@ -263,7 +268,3 @@ class Function:
 
     def backward(self, grad):  # pragma: no cover - abstract
         raise NotImplementedError
-
-
-# the operators and methods of Tensor are defined with the ops
-from pdist import ops as _ops  # noqa: E402,F401

@@ -349,6 +349,8 @@ def _rev(fn):
     return lambda self, other: fn(other, self)
 
 
+# Tensor's operators and array methods are registered here, on import (pdist/__init__
+# imports this module), so that pdist.autograd does not import pdist.ops (no cycle).
 Tensor.__add__ = add
 Tensor.__radd__ = _rev(add)
 Tensor.__sub__ = sub

@@ -441,3 +441,30 @@ def test_scatter_add_adds_repeated_rows(index):
         ref[i] += v
     scatter_add(a, index, vals)
     np.testing.assert_allclose(a, ref, rtol=1e-14)
+
+
+def test_autograd_does_not_import_ops():
+    """No import cycle pdist.autograd <-> pdist.ops (lazy imports included): ops
+    attaches Tensor's operators on import, and the package imports both."""
+    import ast
+    import pathlib
+    src = pathlib.Path(pdist.__file__).with_name("autograd.py").read_text()
+    imported = set()
+    for node in ast.walk(ast.parse(src)):
+        if isinstance(node, ast.Import):
+            imported.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            imported.add(node.module or "")
+            imported.update(f"{node.module}.{a.name}" for a in node.names)
+    assert not any(m == "pdist.ops" or m.startswith("pdist.ops.") for m in imported), imported
+
+
+def test_tensor_methods_present_after_importing_only_autograd():
+    import subprocess
+    import sys
+    code = ("import numpy as np\nfrom pdist.autograd import Tensor\n"
+            "x = Tensor(np.ones((2, 3)), requires_grad=True)\n"
+            "(x @ Tensor(np.ones((3, 1)))).reshape(2).sum().backward()\n"
+            "assert float(x.grad.sum()) == 6.0\nprint('ok')\n")
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
