@@ -17,6 +17,7 @@ import numpy as np
 
 from pdist.autograd import zero_grads
 from pdist.backend import to_numpy, xp
+from pdist.errors import NonFiniteError
 
 
 class Optimizer:
@@ -133,17 +134,111 @@ def adamw_update(p, g, s, lr, b1, b2, eps, wd):
     p -= step
 
 
-def clip_grad_norm_(params, max_norm, norm_fn=None):
-    """Scale gradients in place so that their global L2 norm is at most max_norm;
-    returns the norm before clipping. ``norm_fn(local_sq_sum) -> global_sq_sum``
-    lets a sharded strategy all-reduce the squared norm across ranks."""
+def _local_norm_reduction(grads, norm_type):
+    """The local part of a gradient norm, as one device scalar built with one stacked
+    reduction: sum |g|^p over all grads (finite p), or max |g| (p = inf)."""
+    if norm_type == math.inf:
+        parts = [xp.abs(g).max() for g in grads if g.size]  # one 0-d array per grad, no sync
+        return xp.stack(parts).max() if parts else 0.0
+    if norm_type == 2.0:
+        parts = [xp.vdot(g.ravel(), g.ravel()) for g in grads]  # sum g^2 per grad
+    else:
+        parts = [(xp.abs(g) ** norm_type).sum() for g in grads]  # sum |g|^p per grad
+    return xp.stack(parts).sum() if parts else 0.0
+
+
+def _param_label(p, i):
+    return p.name if getattr(p, "name", None) else f"params[{i}]"
+
+
+def clip_grad_norm_(params, max_norm, norm_type=2.0, error_if_nonfinite=False, norm_fn=None):
+    """Scale all gradients by one factor so that their global norm is at most
+    ``max_norm``; returns the total norm before clipping (a float).
+
+    PyTorch's semantics (torch.nn.utils.clip_grad_norm_): the total norm is the
+    ``norm_type``-norm of all gradients taken as one vector (``math.inf``: the
+    largest ``|g|``); every gradient is multiplied in place by
+    ``min(1, max_norm / (total + 1e-6))``. So a non-finite total, without
+    ``error_if_nonfinite``, makes the gradients NaN (inf total: factor 0, and
+    ``inf * 0`` is NaN) -- exactly what PyTorch does.
+
+    ``error_if_nonfinite=True``: a NaN or infinite total norm raises
+    ``pdist.errors.NonFiniteError`` naming the parameters whose gradients are
+    non-finite (``p.name`` when set, else ``params[i]``) and leaves every
+    gradient untouched. PyTorch raises ``RuntimeError`` here; ``NonFiniteError``
+    subclasses ``FloatingPointError``, so catch that (or ``NonFiniteError``).
+
+    ``norm_fn(local) -> global`` lets a sharded strategy combine the local part
+    across ranks: ``local`` is the sum of ``|g|^p`` over this rank's gradients
+    (the sum of squares for the default L2 norm; combine with a SUM) or, for
+    ``norm_type=inf``, the largest ``|g|`` (combine with a MAX).
+
+    Cost: one stacked reduction on the device and one conversion to float (one
+    sync), not one per parameter."""
+    from pdist.autograd import Tensor
+    if isinstance(params, Tensor):
+        params = [params]
+    params = list(params)
+    norm_type = float(norm_type)
+    if not norm_type > 0:
+        raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
     grads = [p.grad for p in params if p.grad is not None]
-    sq = sum(float((g * g).sum()) for g in grads)
-    if norm_fn is not None:
-        sq = norm_fn(sq)
-    total = math.sqrt(sq)
+    local = float(_local_norm_reduction(grads, norm_type))  # the one device sync
+    total_red = norm_fn(local) if norm_fn is not None else local
+    total = float(total_red) if norm_type == math.inf else float(total_red) ** (1.0 / norm_type)
+    if not math.isfinite(total):
+        if error_if_nonfinite:
+            names = nonfinite_report([(_param_label(p, i), p.grad) for i, p in enumerate(params)])
+            where = (", ".join(names) if names else
+                     "no local gradient is non-finite (the norm overflowed, or another rank's is)")
+            raise NonFiniteError(
+                f"clip_grad_norm_: the total {norm_type:g}-norm of the gradients is {total} "
+                f"(non-finite gradients: {where}); no gradient was changed. "
+                "Pass error_if_nonfinite=False to clip anyway (PyTorch's behaviour: the "
+                "gradients become NaN).")
     scale = max_norm / (total + 1e-6)
-    if scale < 1.0:
-        for g in grads:
-            g *= scale
+    if math.isnan(scale) or scale < 1.0:  # torch.clamp(coef, max=1.0) keeps NaN
+        with np.errstate(invalid="ignore"):  # inf * 0 -> NaN is the documented result
+            for g in grads:
+                g *= scale
     return total
+
+
+def nonfinite_report(named_grads, loss=None):
+    """The names of the non-finite (NaN or +-inf) gradients, plus ``"loss"`` when
+    ``loss`` is given and non-finite; ``[]`` when all are finite.
+
+    ``named_grads``: ``(name, grad)`` pairs or a ``{name: grad}`` dict; a grad is
+    an array, a ``Tensor`` (its ``.data``) or ``None`` (skipped). ``loss``: a
+    number, an array or a ``Tensor``.
+
+    Cost: one ``isfinite().all()`` per gradient, stacked into one array and read
+    with one sync; only when something is non-finite is that small array read
+    back to find the names (a second sync)."""
+    from pdist.autograd import Tensor
+    items = named_grads.items() if hasattr(named_grads, "items") else named_grads
+    names, checks = [], []
+    for name, g in items:
+        if g is None:
+            continue
+        if isinstance(g, Tensor):
+            g = g.data
+        names.append(str(name))
+        checks.append(xp.isfinite(g).all())  # 0-d bool on the device, no sync
+    bad_loss = False
+    if loss is not None:
+        if isinstance(loss, Tensor):
+            loss = loss.data
+        if hasattr(loss, "shape"):
+            names.append("loss")
+            checks.append(xp.isfinite(loss).all())
+        else:
+            bad_loss = not math.isfinite(float(loss))
+    bad = []
+    if checks:
+        flags = xp.stack(checks)  # (n,) bool
+        if not bool(flags.all()):  # the one sync when all is finite
+            bad = [n for n, ok in zip(names, to_numpy(flags)) if not ok]
+    if bad_loss:
+        bad.append("loss")
+    return bad

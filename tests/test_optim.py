@@ -1,11 +1,13 @@
 """optim: SGD and AdamW against their formulas recomputed here, step by step;
-clip_grad_norm_; optimizer state_dict round trip."""
+clip_grad_norm_ (PyTorch's semantics, non-finite norms, other norm types);
+nonfinite_report; optimizer state_dict round trip."""
 import math
 
 import numpy as np
 import pytest
 
 from pdist import Tensor, optim
+from pdist.errors import NonFiniteError
 from pdist.nn import Parameter
 
 
@@ -121,6 +123,107 @@ def test_clip_grad_norm():
     n = optim.clip_grad_norm_(ps, 1e6, norm_fn=lambda sq: seen.append(sq) or 4 * sq)
     local = sum((g ** 2).sum() for g in gs)
     assert seen[0] == pytest.approx(local) and n == pytest.approx(2 * math.sqrt(local))
+
+
+def grads_of(*arrays, names=()):
+    ps = [Parameter(np.zeros(len(a)), dtype="float64") for a in arrays]
+    for p, a in zip(ps, arrays):
+        p.grad = np.array(a, dtype="float64")
+    for p, n in zip(ps, names):
+        p.name = n
+    return ps
+
+
+@pytest.mark.parametrize("bad", [math.inf, -math.inf, math.nan])
+def test_clip_error_if_nonfinite_raises_and_leaves_grads(bad):
+    ps = grads_of([bad, 4.0], [1.0, 2.0], [3.0], names=("blocks.0.w", None))
+    before = [p.grad.copy() for p in ps]
+    ids = [id(p.grad) for p in ps]
+    with pytest.raises(NonFiniteError) as e:
+        optim.clip_grad_norm_(ps, max_norm=1.0, error_if_nonfinite=True)
+    msg = str(e.value)
+    assert "blocks.0.w" in msg and "params[1]" not in msg and "params[2]" not in msg
+    assert isinstance(e.value, FloatingPointError)
+    for p, b, i in zip(ps, before, ids):
+        assert id(p.grad) == i
+        np.testing.assert_array_equal(p.grad, b)  # NaN-aware: untouched
+    # an unnamed parameter is named by its index in the list
+    ps = grads_of([1.0], [2.0, math.nan])
+    with pytest.raises(NonFiniteError, match=r"params\[1\]"):
+        optim.clip_grad_norm_(ps, 1.0, error_if_nonfinite=True)
+
+
+def test_clip_nonfinite_without_error_behaves_like_pytorch():
+    # inf total: factor max_norm / inf = 0, so inf * 0 = NaN and finite entries become 0
+    ps = grads_of([math.inf, 4.0])
+    n = optim.clip_grad_norm_(ps, max_norm=1.0)
+    assert n == math.inf
+    assert np.isnan(ps[0].grad[0]) and ps[0].grad[1] == 0.0
+    # NaN total: the factor is NaN (clamp keeps NaN), every gradient becomes NaN
+    ps = grads_of([math.nan, 4.0], [1.0])
+    n = optim.clip_grad_norm_(ps, max_norm=1.0)
+    assert math.isnan(n) and all(np.isnan(p.grad).all() for p in ps)
+
+
+def test_clip_norm_types():
+    g = [np.array([3.0, -4.0]), np.array([12.0])]
+    for norm_type, total in [(2.0, 13.0), (1, 19.0), (math.inf, 12.0), (3, (27 + 64 + 1728) ** (1 / 3))]:
+        ps = grads_of(*g)
+        n = optim.clip_grad_norm_(ps, max_norm=total / 4, norm_type=norm_type)
+        assert n == pytest.approx(total, rel=1e-12)
+        after = np.concatenate([p.grad for p in ps])
+        if norm_type == math.inf:
+            assert np.abs(after).max() == pytest.approx(total / 4, rel=1e-5)
+        else:
+            assert (np.abs(after) ** norm_type).sum() ** (1 / norm_type) == pytest.approx(total / 4, rel=1e-5)
+    # norm_fn for the inf norm sees the local max |g| (a sharded strategy combines with MAX)
+    seen = []
+    n = optim.clip_grad_norm_(grads_of(*g), 1e6, norm_type="inf", norm_fn=lambda m: seen.append(m) or 20.0)
+    assert seen == [12.0] and n == 20.0
+    with pytest.raises(ValueError, match="norm_type"):
+        optim.clip_grad_norm_(grads_of(*g), 1.0, norm_type=0)
+
+
+def test_clip_single_tensor_and_no_grads():
+    p = grads_of([3.0, 4.0])[0]
+    assert optim.clip_grad_norm_(p, 1.0) == pytest.approx(5.0)
+    np.testing.assert_allclose(p.grad, [0.6, 0.8], rtol=1e-5)
+    q = Parameter(np.zeros(2), dtype="float64")
+    assert optim.clip_grad_norm_([q], 1.0) == 0.0 and q.grad is None
+
+
+CLIP_CASES = {"finite": [[3.0, -4.0], [12.0, 0.5]], "inf": [[math.inf, 4.0], [1.0, 2.0]],
+              "nan": [[math.nan, 4.0], [1.0, 2.0]], "small": [[1e-3], [2e-3]]}
+
+
+@pytest.mark.parametrize("case", sorted(CLIP_CASES))
+@pytest.mark.parametrize("norm_type", [2.0, 1.0, math.inf])
+def test_clip_matches_torch(case, norm_type):
+    torch = pytest.importorskip("torch")
+    arrays = CLIP_CASES[case]
+    ps = grads_of(*arrays)
+    ts = [torch.zeros(len(a), dtype=torch.float64, requires_grad=True) for a in arrays]
+    for t, a in zip(ts, arrays):
+        t.grad = torch.tensor(a, dtype=torch.float64)
+    n = optim.clip_grad_norm_(ps, max_norm=1.0, norm_type=norm_type)
+    tn = torch.nn.utils.clip_grad_norm_(ts, max_norm=1.0, norm_type=norm_type)
+    np.testing.assert_allclose(n, tn.item(), rtol=1e-12)
+    for p, t in zip(ps, ts):
+        np.testing.assert_allclose(p.grad, t.grad.numpy(), rtol=1e-12)  # NaNs in the same places
+
+
+def test_nonfinite_report():
+    ok = {"a": np.ones(3), "b": np.zeros((2, 2))}
+    assert optim.nonfinite_report(ok) == []
+    assert optim.nonfinite_report(ok, loss=1.5) == []
+    assert optim.nonfinite_report(ok, loss=math.nan) == ["loss"]
+    bad = [("a", np.ones(3)), ("b", np.array([1.0, np.inf])), ("c", None),
+           ("d", Tensor(np.array([[np.nan]]))), ("e", np.array([-np.inf], dtype="float32"))]
+    assert optim.nonfinite_report(bad) == ["b", "d", "e"]
+    assert optim.nonfinite_report(bad, loss=Tensor(np.array(np.inf))) == ["b", "d", "e", "loss"]
+    assert optim.nonfinite_report(ok, loss=np.float32(2.0)) == []
+    assert optim.nonfinite_report([], loss=np.array(-np.inf)) == ["loss"]
+    assert optim.nonfinite_report([]) == []
 
 
 def test_optimizer_state_dict_round_trip():
