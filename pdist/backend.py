@@ -60,7 +60,10 @@ def local_rank():
 
 
 def use_device(device):
-    """Choose ``"cpu"`` (NumPy) or ``"gpu"`` (CuPy on GPU ``local_rank % n_gpus``)."""
+    """Choose ``"cpu"`` (NumPy) or ``"gpu"`` (CuPy on GPU ``local_rank % n_gpus``).
+
+    ``"gpu"`` without CuPy, or with CuPy but no usable CUDA driver/GPU, raises a
+    RuntimeError that says so (not a raw CUDA error from deep inside CuPy)."""
     if device == "cpu":
         _state.update(module=_np, device="cpu")
         return
@@ -70,11 +73,29 @@ def use_device(device):
         import cupy
     except ImportError as e:  # pragma: no cover - depends on the machine
         raise RuntimeError("PDIST_DEVICE=gpu needs CuPy: pip install 'pdist[gpu]'") from e
-    n = cupy.cuda.runtime.getDeviceCount()
-    if n == 0:  # pragma: no cover
-        raise RuntimeError("PDIST_DEVICE=gpu but no CUDA device is visible")
+    cuda_error = getattr(cupy.cuda.runtime, "CUDARuntimeError", RuntimeError)
+    try:
+        n = cupy.cuda.runtime.getDeviceCount()
+    except (cuda_error, RuntimeError, OSError, ImportError) as e:  # no driver, no libcudart, ...
+        raise RuntimeError(f"PDIST_DEVICE=gpu but CuPy finds no CUDA driver/GPU: {e} "
+                           "(set PDIST_DEVICE=cpu to run on NumPy)") from e
+    if n == 0:
+        raise RuntimeError("PDIST_DEVICE=gpu but CuPy finds no CUDA driver/GPU: 0 devices visible "
+                           "(check CUDA_VISIBLE_DEVICES; set PDIST_DEVICE=cpu to run on NumPy)")
     cupy.cuda.Device(local_rank() % n).use()
     _state.update(module=cupy, device="gpu")
+
+
+def device_from_env():
+    """The device named by ``PDIST_DEVICE``: ``"cpu"`` (also when unset or empty)
+    or ``"gpu"``, any case, surrounding spaces ignored. Any other value raises a
+    ValueError naming the variable and the accepted values (a typo such as
+    ``PDIST_DEVICE=cuda`` must not silently train on the CPU)."""
+    raw = os.environ.get("PDIST_DEVICE", "")
+    value = raw.strip().lower()
+    if value in ("", "cpu", "gpu"):
+        return value or "cpu"
+    raise ValueError(f"PDIST_DEVICE={raw!r}: expected 'cpu' or 'gpu' (any case)")
 
 
 def device():
@@ -124,9 +145,10 @@ def tune_malloc():
     (bench/step_time.py). Raising M_TOP_PAD / M_TRIM_THRESHOLD / M_MMAP_THRESHOLD
     (what MALLOC_TOP_PAD_=... etc. would set) keeps those pages mapped; memory is
     still reused, only not returned to the OS until the heap's free top exceeds
-    256 MiB. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` turns it off.
+    256 MiB. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or off/false/no)
+    turns it off, and a value that is not a boolean raises a ValueError.
     Returns True when the settings were applied."""
-    if os.environ.get("PDIST_MALLOC_TUNE", "1") == "0" or not sys.platform.startswith("linux"):
+    if not env_flag("PDIST_MALLOC_TUNE", True) or not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
@@ -142,7 +164,7 @@ def tune_malloc():
 
 tune_malloc()
 
-if os.environ.get("PDIST_DEVICE", "cpu").lower() == "gpu":  # pragma: no cover
+if device_from_env() == "gpu":
     use_device("gpu")
 
 
