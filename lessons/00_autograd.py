@@ -78,7 +78,8 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
 
 
 def main():
-    args = lesson.parser(__doc__, steps=STEPS).parse_args()
+    p = lesson.parser(__doc__, steps=STEPS)
+    args = lesson.validate(p, p.parse_args())  # bad flags: usage message, exit 2, before training
     # under mpirun (MPICH, Open MPI) this single-process lesson runs on rank 0 only
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
     if rank != 0:

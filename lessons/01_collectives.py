@@ -106,15 +106,26 @@ def bandwidth(g, sizes, iters, dtype):
     return rows, runs
 
 
+def parse_sizes_kib(p, text):
+    """--sizes-kib "64,1024": bytes per size; anything but positive integers is a usage error."""
+    try:
+        kib = [int(s) for s in text.split(",")]
+    except ValueError:
+        kib = []
+    if not kib or min(kib) < 1:
+        p.error(f"--sizes-kib must be comma-separated integers >= 1, got {text!r}")
+    return [k * 1024 for k in kib]
+
+
 def main():
     p = lesson.parser(__doc__, steps=5, dtype="float64")
     p.add_argument("--sizes-kib", default="64,1024,4096", help="all-reduce sizes for the table")
-    args = p.parse_args()
+    args = lesson.validate(p, p.parse_args())  # on every rank, before any collective
+    sizes = parse_sizes_kib(p, args.sizes_kib)
     g = comm.init()
     demo(g)
     passed = check_all(g, args.seed, args.dtype)
     passed = all(g.all_gather_object(passed))
-    sizes = [int(s) * 1024 for s in args.sizes_kib.split(",")]
     rows, runs = bandwidth(g, sizes, args.steps, args.dtype)
     if g.rank == 0:
         n = g.size

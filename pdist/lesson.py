@@ -7,7 +7,10 @@ tables, the JSON summary (a contract, see DESIGN.md) and the PASS/FAIL line.
 """
 import argparse
 import json
+import math
+import os
 import sys
+import tempfile
 
 
 def parser(doc=None, steps=20, seed=0, dtype="float32"):
@@ -43,13 +46,18 @@ def fmt_bytes(n):
 
 
 def finish(name, passed, runs, args, rank=0, world_size=1, detail=""):
-    """Write the JSON summary (rank 0), print the PASS/FAIL line, exit non-zero on FAIL."""
+    """Write the JSON summary (rank 0), print the PASS/FAIL line, exit non-zero on FAIL.
+
+    The summary (``--json PATH``) is written atomically -- a temporary file in the
+    same directory, flushed and fsync'ed, then ``os.replace``d over PATH -- so a
+    reader never sees half a file, and as strict JSON (``allow_nan=False``): NaN
+    and +-Infinity floats, at any depth, are written as ``null`` (a diverged loss
+    is ``null`` in the file, never the non-standard ``NaN`` token)."""
     check = "PASS" if passed else "FAIL"
     if rank == 0:
         if args is not None and getattr(args, "json", None):
             summary = {"lesson": name, "world_size": world_size, "check": check, "runs": runs}
-            with open(args.json, "w") as f:
-                json.dump(summary, f, indent=1, default=_jsonable)
+            write_json_atomic(args.json, summary)
         print(f"{check}: {name} {detail}".rstrip())
         sys.stdout.flush()
     if not passed:
@@ -57,14 +65,24 @@ def finish(name, passed, runs, args, rank=0, world_size=1, detail=""):
 
 
 def _jsonable(v):
+    """``v`` as plain Python (NumPy scalars and arrays, tuples, dicts, recursively),
+    with every non-finite float replaced by ``None``; TypeError for other objects."""
+    if isinstance(v, float):  # also np.float64, a float subclass
+        return float(v) if math.isfinite(v) else None
+    if v is None or isinstance(v, (str, bool, int)):
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
     try:
         import numpy as np
-        if isinstance(v, np.generic):
-            return v.item()
-        if isinstance(v, np.ndarray):
-            return v.tolist()
+        if isinstance(v, (np.generic, np.ndarray)):
+            return _jsonable(v.tolist())
     except ImportError:  # pragma: no cover
         pass
+    if hasattr(v, "get") and hasattr(v, "shape"):  # a CuPy array or scalar
+        return _jsonable(v.get().tolist())
     raise TypeError(f"not JSON serialisable: {type(v)}")
 
 
@@ -103,3 +121,88 @@ def train_reference(cfg, seed, steps, batch_size, tokens=None):
         opt.step()
         losses.append(loss.item())
     return losses, model.state_dict()
+
+
+# --- checks and files shared by every lesson ---------------------------------------------------
+POSITIVE_INT_FLAGS = ("steps", "batch_size", "micro_batches", "n_layer", "n_head", "n_embd", "block_size")
+NON_NEGATIVE_INT_FLAGS = ("seed",)
+
+
+def validate(parser, args):
+    """Reject bad flags before any training or collective, with argparse's usage
+    message and exit code 2 (``parser.error``). Every rank parses the same command
+    line, so every rank stops here, and none is left waiting in a collective.
+
+    Generic: checks only the attributes ``args`` has (``None`` means "default",
+    skipped): ``steps``, ``batch_size``, ``micro_batches``, ``n_layer``, ``n_head``,
+    ``n_embd``, ``block_size`` >= 1; ``seed`` >= 0; ``n_embd`` divisible by
+    ``n_head``; ``json``: its directory exists and a file can be created there
+    (checked by creating and removing a temporary file, which also catches
+    read-only file systems and runs as root). Returns ``args``."""
+    def flag(attr):
+        return "--" + attr.replace("_", "-")
+    for attr in POSITIVE_INT_FLAGS:
+        v = getattr(args, attr, None)
+        if v is not None and v < 1:
+            parser.error(f"{flag(attr)} must be >= 1, got {v}")
+    for attr in NON_NEGATIVE_INT_FLAGS:
+        v = getattr(args, attr, None)
+        if v is not None and v < 0:
+            parser.error(f"{flag(attr)} must be >= 0, got {v}")
+    n_embd, n_head = getattr(args, "n_embd", None), getattr(args, "n_head", None)
+    if n_embd is not None and n_head is not None and n_embd % n_head:
+        parser.error(f"--n-embd ({n_embd}) must be divisible by --n-head ({n_head})")
+    path = getattr(args, "json", None)
+    if path:
+        problem = json_path_problem(path)
+        if problem:
+            parser.error(f"--json {path}: {problem}")
+    return args
+
+
+def json_path_problem(path):
+    """Why the summary could not be written to ``path`` (a string), or ``None``."""
+    d = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        return "is a directory"
+    if not os.path.isdir(d):
+        return f"directory {d} does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(dir=d, prefix=".pdist-probe-")
+    except OSError as e:
+        return f"cannot create a file in directory {d} ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
+
+
+def write_json_atomic(path, obj):
+    """Write ``obj`` as strict JSON to ``path`` so that readers see the old file or
+    the whole new one: a temporary file in the same directory (same file system,
+    so the rename is atomic), flushed and fsync'ed, then ``os.replace``. Non-finite
+    floats become ``null`` (see ``_jsonable``)."""
+    path = os.fspath(path)
+    d = os.path.dirname(os.path.abspath(path))
+    text = json.dumps(_jsonable(obj), indent=1, allow_nan=False)
+    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
+    try:
+        umask = os.umask(0)
+        os.umask(umask)
+        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a summary is an ordinary file
+        with os.fdopen(fd, "w") as f:
+            f.write(text + "\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+        raise
+    try:  # make the rename itself durable
+        dfd = os.open(d, os.O_RDONLY)
+        try:
+            os.fsync(dfd)
+        finally:
+            os.close(dfd)
+    except OSError:  # pragma: no cover - file systems without directory fsync
+        pass

@@ -55,3 +55,18 @@ def test_lesson_00_fails_when_a_gradient_is_wrong(tmp_path):
     assert s["check"] == "FAIL"
     assert any(abs(g["backward"] - g["finite_difference"]) > 1e-4 * abs(g["finite_difference"])
                for g in s["runs"][0]["grad_check"])
+
+
+def test_lesson_00_rejects_bad_flags_before_training(tmp_path):
+    """Every bad flag: argparse's usage message, exit code 2, no training, no summary."""
+    cases = [(["--steps", "0"], "--steps must be >= 1, got 0"),
+             (["--steps", "-1"], "--steps must be >= 1, got -1"),
+             (["--seed", "-1"], "--seed must be >= 0, got -1")]
+    for flags, words in cases:
+        p, s = run(tmp_path, *flags)
+        assert p.returncode == 2 and words in p.stderr and "usage:" in p.stderr, p.stderr
+        assert s is None and "GPT:" not in p.stdout
+    missing = tmp_path / "no" / "such" / "dir" / "s.json"
+    p = subprocess.run([sys.executable, LESSON, "--json", str(missing)], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT)
+    assert p.returncode == 2 and "does not exist" in p.stderr and "GPT:" not in p.stdout

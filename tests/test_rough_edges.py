@@ -79,3 +79,111 @@ def test_malloc_tune_flag(monkeypatch):
     p = import_pdist({"PDIST_MALLOC_TUNE": "2"})
     assert p.returncode != 0 and "PDIST_MALLOC_TUNE='2'" in p.stderr
     assert import_pdist({"PDIST_MALLOC_TUNE": "No"}).returncode == 0
+
+
+# --- lesson.validate: bad flags stop every rank before training, exit code 2 -------------------
+def make_parser():
+    p = argparse.ArgumentParser(prog="lesson")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--json", default=None)
+    return p
+
+
+def check_rejected(p, argv, capsys, words):
+    with pytest.raises(SystemExit) as e:
+        lesson.validate(p, p.parse_args(argv))
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "usage:" in err and all(w in err for w in words), err
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--steps", "0"], ["--steps must be >= 1, got 0"]),
+    (["--steps", "-1"], ["--steps must be >= 1, got -1"]),
+    (["--seed", "-3"], ["--seed must be >= 0, got -3"]),
+    (["--json", "/no/such/dir/out.json"], ["--json /no/such/dir/out.json", "does not exist"]),
+    (["--json", "/proc/out.json"], ["cannot create a file"]),
+])
+def test_validate_rejects_shared_flags(argv, words, capsys):
+    check_rejected(make_parser(), argv, capsys, words)
+
+
+def test_validate_rejects_json_dir_and_file_parent(tmp_path, capsys):
+    check_rejected(make_parser(), ["--json", str(tmp_path)], capsys, ["is a directory"])
+    (tmp_path / "f").write_text("x")
+    check_rejected(make_parser(), ["--json", str(tmp_path / "f" / "s.json")], capsys, ["does not exist"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root can write anywhere")
+def test_validate_rejects_read_only_dir(tmp_path, capsys):
+    d = tmp_path / "ro"
+    d.mkdir(mode=0o555)
+    check_rejected(make_parser(), ["--json", str(d / "s.json")], capsys, ["cannot create a file"])
+
+
+def test_validate_checks_only_the_flags_args_has(tmp_path, capsys):
+    p = make_parser()
+    for name in ("--batch-size", "--n-layer", "--n-head", "--n-embd", "--block-size", "--micro-batches"):
+        p.add_argument(name, type=int, default=None)
+    args = lesson.validate(p, p.parse_args(["--json", str(tmp_path / "s.json"), "--n-head", "4",
+                                            "--n-embd", "64"]))
+    assert args.n_head == 4 and list(tmp_path.iterdir()) == []  # the probe file is removed
+    for name in ("--batch-size", "--n-layer", "--n-head", "--n-embd", "--block-size", "--micro-batches"):
+        check_rejected(p, [name, "0"], capsys, [f"{name} must be >= 1, got 0"])
+    check_rejected(p, ["--batch-size", "-2"], capsys, ["--batch-size must be >= 1"])
+    check_rejected(p, ["--n-embd", "30", "--n-head", "4"], capsys, ["divisible"])
+    # a namespace without any of the checked attributes passes untouched
+    assert lesson.validate(p, argparse.Namespace(dtype="float32")).dtype == "float32"
+
+
+def run_lesson_01(*flags):
+    mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    return subprocess.run([mpirun, "-n", "2", sys.executable, os.path.join(ROOT, "lessons", "01_collectives.py"),
+                           *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+
+
+@pytest.mark.parametrize("flags,words", [
+    (["--steps", "0"], "--steps must be >= 1"),
+    (["--sizes-kib", "64,0"], "--sizes-kib must be comma-separated integers >= 1"),
+    (["--sizes-kib", "big"], "--sizes-kib must be comma-separated integers >= 1"),
+])
+def test_lesson_01_rejects_bad_flags_on_every_rank(flags, words):
+    p = run_lesson_01(*flags)
+    assert p.returncode != 0
+    assert p.stderr.count(words) == 2, p.stdout + p.stderr  # both ranks, before any collective
+    assert "==" not in p.stdout  # no demo or table ran
+
+
+# --- lesson.finish: strict JSON, written atomically --------------------------------------------
+def test_finish_writes_strict_json_with_null_for_non_finite(tmp_path, capsys):
+    out = tmp_path / "s.json"
+    runs = [{"loss": [2.0, math.nan, np.float32(np.inf)], "arr": np.array([1.0, -np.inf]),
+             "nested": {"x": (np.float64(np.nan), 3)}, "n": np.int64(7)}]
+    lesson.finish("x", True, runs, argparse.Namespace(json=str(out)))
+    text = out.read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    s = json.loads(text, parse_constant=lambda c: pytest.fail(f"non-standard constant {c}"))
+    assert s["runs"] == [{"loss": [2.0, None, None], "arr": [1.0, None], "nested": {"x": [None, 3]}, "n": 7}]
+    assert s["check"] == "PASS" and "PASS: x" in capsys.readouterr().out
+    assert os.stat(out).st_mode & 0o044  # an ordinary, readable file (not mkstemp's 0600)
+
+
+def test_finish_is_atomic(tmp_path, monkeypatch):
+    out = tmp_path / "s.json"
+    out.write_text('{"old": true}')
+    # a value that cannot be written: the old file stays whole, no temporary file is left
+    with pytest.raises(TypeError):
+        lesson.finish("x", True, [{"bad": object()}], argparse.Namespace(json=str(out)))
+    assert json.loads(out.read_text()) == {"old": True} and os.listdir(tmp_path) == ["s.json"]
+    # the new file is a temporary in the same directory, fsync'ed, then renamed over the old one
+    calls = []
+    real_replace, real_fsync = os.replace, os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: calls.append(("fsync", fd)) or real_fsync(fd))
+    monkeypatch.setattr(os, "replace", lambda a, b: calls.append(("replace", a, b)) or real_replace(a, b))
+    lesson.finish("x", True, [], argparse.Namespace(json=str(out)))
+    kinds = [c[0] for c in calls]
+    assert "fsync" in kinds and "replace" in kinds and kinds.index("fsync") < kinds.index("replace")
+    _, src, dst = calls[kinds.index("replace")]
+    assert os.path.dirname(src) == str(tmp_path) and dst == str(out)
+    assert json.loads(out.read_text())["lesson"] == "x" and os.listdir(tmp_path) == ["s.json"]
