@@ -7,7 +7,9 @@ algorithm file ever branches on NumPy vs CuPy (DESIGN.md, principle 3).
 
     PDIST_DEVICE=gpu mpirun -n 4 python lessons/03_zero.py
 
-places rank r on GPU ``local_rank % n_gpus``. Host-side code that needs a NumPy
+places rank r on GPU ``local_rank % n_gpus``. ``PDIST_DEVICE`` is ``cpu`` (the default)
+or ``gpu``, any case; any other value stops the import with a ValueError, and
+``gpu`` where CuPy sees no driver or GPU stops it with a RuntimeError saying so. Host-side code that needs a NumPy
 array (printing, files, comparisons) calls ``to_numpy(a)``.
 
 The default floating dtype is float32 (``set_default_dtype("float64")`` for the

@@ -139,8 +139,9 @@ def test_validate_checks_only_the_flags_args_has(tmp_path, capsys):
 
 def run_lesson_01(*flags):
     mpirun = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    return subprocess.run([mpirun, "-n", "2", sys.executable, os.path.join(ROOT, "lessons", "01_collectives.py"),
-                           *flags], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    script = os.path.join(ROOT, "lessons", "01_collectives.py")
+    return subprocess.run([mpirun, "-n", "2", sys.executable, script, *flags], capture_output=True, text=True,
+                          timeout=120, cwd=ROOT)
 
 
 @pytest.mark.parametrize("flags,words", [
