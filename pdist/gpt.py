@@ -12,6 +12,12 @@ Parameter names: ``transformer.wte.weight`` (V, C), ``transformer.wpe.weight``
 ``transformer.ln_f.weight/bias``. The tied ``lm_head.weight`` is not a separate
 parameter; ``load_state_dict`` ignores it and GPT-2's ``attn.bias`` mask buffers.
 
+Tensor and pipeline parallelism transform this one model (pdist.parallel): TP
+swaps its Linear/Embedding layers, its head and its loss for the parallel ones;
+a pipeline stage keeps its blocks (and the first/last stage the embedding/head).
+So ``forward`` is written in the parts they replace: ``embed`` (wte, wpe,
+dropout), the blocks, ``lm_head`` (x wte^T, tied) and ``loss_fn``.
+
 Init (GPT-2's): weights N(0, 0.02), the two residual projections
 N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1 and 0; each parameter from
 its own generator seeded by (seed, crc32(name)) -- ``gpt_init``.
@@ -24,6 +30,7 @@ import numpy as np
 
 from pdist import functional as F
 from pdist import nn
+from pdist.autograd import Tensor
 from pdist.backend import asarray, xp
 
 
@@ -60,6 +67,10 @@ class GPTConfig:
                            h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,)})
         shapes.update({"transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)})
         return shapes
+
+    def num_params(self):
+        """Ψ: the number of parameters (the tied lm_head counted once, as wte)."""
+        return sum(math.prod(s) for s in self.param_shapes().values())
 
 
 def gpt_init(cfg, name, seed):
@@ -144,30 +155,51 @@ class Transformer(nn.Module):
         self.ln_f = nn.LayerNorm(cfg.n_embd)
 
 
+class LMHead(nn.Module):
+    """logits = x W^T with W = wte (tied): (B, T, C) -> (B, T, V). ``weight`` is the
+    embedding's own Parameter (so it is listed once, as ``transformer.wte.weight``),
+    or, on a pipeline's last stage, a copy kept equal to it (``lm_head.weight``)."""
+
+    def __init__(self, weight):
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x):
+        return F.linear(x, self.weight.T)  # (B, T, V)
+
+
+class CrossEntropyLoss(nn.Module):
+    """loss = mean_n -log softmax(z_n)[y_n] over every token (PyTorch's name)."""
+
+    def forward(self, logits, targets):
+        return F.cross_entropy(logits, targets)
+
+
 class GPT(nn.Module):
     """GPT-2; see the module docstring. ``GPT(cfg, seed)`` draws every weight with gpt_init."""
 
     def __init__(self, cfg, seed=0):
         super().__init__()
-        self.config = cfg
+        self.config, self.seed = cfg, seed
         self.transformer = Transformer(cfg)
         self.drop = nn.Dropout(cfg.dropout, seed=seed)
         for name, p in self.named_parameters():
             p.data = asarray(gpt_init(cfg, name, seed), dtype=cfg.dtype)
             p.name = name
+        self.lm_head = LMHead(self.transformer.wte.weight)
+        self.loss_fn = CrossEntropyLoss()
 
     def embed(self, idx):
-        """x_0 = wte[idx] + wpe[0..T) -> (B, T, C)"""
-        idx = getattr(idx, "data", idx)
+        """x_0 = drop(wte[idx] + wpe[0..T)) -> (B, T, C)"""
+        idx = idx.data if isinstance(idx, Tensor) else xp.asarray(idx)
         T = idx.shape[-1]
         if T > self.config.block_size:
             raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
-        pos = xp.arange(T)
-        return self.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
+        return self.drop(self.transformer.wte(idx) + self.transformer.wpe(xp.arange(T)))  # (B, T, C)
 
     def head(self, x):
-        """logits = ln_f(x) @ wte^T -> (B, T, V)"""
-        return F.linear(self.transformer.ln_f(x), self.transformer.wte.weight.T)
+        """logits = ln_f(x) wte^T -> (B, T, V)"""
+        return self.lm_head(self.transformer.ln_f(x))
 
     def forward(self, idx, targets=None):
         x = self.embed(idx)
@@ -176,7 +208,7 @@ class GPT(nn.Module):
         logits = self.head(x)
         if targets is None:
             return logits
-        return logits, F.cross_entropy(logits, targets)
+        return logits, self.loss_fn(logits, targets)
 
     def load_state_dict(self, state_dict, strict=True, ignore=("lm_head.weight", ".attn.bias",
                                                                ".attn.masked_bias")):

@@ -242,13 +242,5 @@ def mse_loss(pred, target):
     return F.mse_loss(pred, target)
 
 
-def __getattr__(name):  # nn.GPT, nn.GPTConfig, nn.gpt_init live in pdist.gpt
-    if name in ("GPT", "GPTConfig", "gpt_init"):
-        from pdist import gpt
-        return getattr(gpt, name)
-    raise AttributeError(f"module 'pdist.nn' has no attribute {name!r}")
-
-# GPT, GPTConfig and gpt_init come from pdist.gpt through the module __getattr__ above
-__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",  # noqa: F822
-           "ModuleList", "Sequential", "cross_entropy", "mse_loss", "functional", "GPT", "GPTConfig",
-           "gpt_init", "manual_seed"]
+__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",
+           "ModuleList", "Sequential", "cross_entropy", "mse_loss", "functional", "manual_seed"]

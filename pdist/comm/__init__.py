@@ -41,5 +41,17 @@ def get_world():
     return _world["group"] or init()
 
 
+_step = {"step": 0}
+
+
+def set_step(step):
+    """The training step this process is in (stamped into every collective's check)."""
+    _step["step"] = int(step)
+
+
+def get_step():
+    return _step["step"]
+
+
 def is_initialized():
     return _world["group"] is not None

@@ -17,15 +17,16 @@ Communication: an all-reduce of S bytes costs 2(n-1)/n * S per rank in a ring, s
 one step sends 2(n-1)/n * Psi * bytes_per_param per rank (the ZeRO paper's "2 Psi",
 Rajbhandari et al. 2020), however the gradients are grouped.
 
-Two implementations, both used the same way:
+Two implementations, with the one shape of every strategy (base.py, docs/design.md):
 
-    model = DataParallel(GPT(cfg, seed), bucket_cap_mb=25)   # or DataParallelNaive(...)
-    x, y = model.shard(data.get_batch(tokens, B, T, seed, step))
-    model.zero_grad()
-    _, loss = model(x, y)
-    loss.backward()                          # DataParallel: bucket all-reduces start in here
-    model.finish_gradient_synchronization()  # wait: now every p.grad is the global mean
-    opt.step()
+    model = DataParallel(GPT(cfg, seed), dp_group, bucket_cap_mb=25)   # or DataParallelNaive(...)
+    opt = AdamW(model.parameters())
+    x, y = model.local_batch(*data.get_batch(tokens, B, T, seed, step))   # rows [r B/n, (r+1) B/n)
+    loss = model.forward_backward(x, y)     # backward; every p.grad is now the global-batch mean
+    opt.step(); opt.zero_grad()
+
+``microbatches=k`` on the wrapped strategy (or ``parallelize``) is gradient
+accumulation: k backward passes, and the all-reduce follows the last one.
 
 * ``DataParallelNaive`` -- for learning: after backward, all-reduce every gradient,
   one by one, nothing overlapped.
@@ -35,46 +36,44 @@ Two implementations, both used the same way:
   reverse order of parameter registration (about the order backward produces
   gradients); the first one is small (``first_bucket_cap_mb``) so communication
   starts early; a bucket's asynchronous all-reduce is issued from the
-  post-accumulate-grad hook of its last gradient, while backward goes on computing
-  the next buckets. Buckets are issued strictly in bucket order, so every rank
-  issues the same collectives in the same order.
+  post-accumulate-grad hook of its last gradient (of the last micro-batch), while
+  backward goes on computing the next buckets. Buckets are issued strictly in bucket
+  order, so every rank issues the same collectives in the same order. When the
+  wrapped strategy still changes gradients after backward (sequence parallelism's
+  LayerNorm grads, a pipeline's tied embedding), every bucket is issued after that.
 """
-import contextlib
 import hashlib
 
-from pdist import nn, trace
+from pdist import trace
 from pdist.backend import to_numpy, xp
+from pdist.data import shard
+from pdist.parallel.base import ParallelModule
 
 MB = 1024 * 1024
 
 
-class _DataParallelBase(nn.Module):
+class _DataParallelBase(ParallelModule):
     """What both implementations share: the group, the start-up check and sync of the
-    replicas, the batch shard, forward, and the ``no_sync()`` switch."""
+    replicas, this rank's rows of the batch, and the loss's weight 1/n."""
 
-    def __init__(self, module, group=None, init_sync="broadcast"):
-        super().__init__()
-        if group is None:
-            from pdist import comm
-            group = comm.get_world()
+    def __init__(self, module, group=None, init_sync="broadcast", check_finite=False):
         if init_sync not in ("broadcast", "verify"):
             raise ValueError(f"init_sync must be 'broadcast' or 'verify', got {init_sync!r}")
-        self.module, self.group = module, group
-        self.dp_rank, self.dp_world_size = group.rank, group.size
-        self._require_sync = True
-        self._param_list = [p for p in module.parameters() if p.requires_grad]
+        super().__init__(module, group, check_finite)
+        self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
+        self.loss_weight = 1.0 / self.dp_world_size
+        self._param_list = self.parameters()
         self._check_same_model()
         if init_sync == "broadcast":
             for p in self._param_list:      # rank 0's weights everywhere (PyTorch DDP does the same)
-                group.broadcast(p.data, src=0)
+                self.group.broadcast(p.data, src=0)
         else:
             self._verify_identical()
 
     def _check_same_model(self):
         """Every rank must hold the same parameter list (names, shapes, dtypes); raises
         on every rank, before any collective on tensors, when one differs."""
-        sig = [(n, tuple(p.shape), str(p.dtype))
-               for n, p in self.module.named_parameters() if p.requires_grad]
+        sig = [(n, tuple(p.shape), str(p.dtype)) for n, p in self.named_parameters()]
         sigs = self.group.all_gather_object(sig)
         bad = [r for r, s in enumerate(sigs) if s != sigs[0]]
         if bad:
@@ -87,49 +86,32 @@ class _DataParallelBase(nn.Module):
         """init_sync="verify": a digest of every parameter's bytes, compared across ranks."""
         mine = [hashlib.sha1(to_numpy(p.data).tobytes()).hexdigest() for p in self._param_list]
         all_ = self.group.all_gather_object(mine)
-        names = [n for n, p in self.module.named_parameters() if p.requires_grad]
+        names = [n for n, _ in self.named_parameters()]
         bad = sorted({names[i] for d in all_ for i, (a, b) in enumerate(zip(d, all_[0])) if a != b})
         if bad:
             raise ValueError(f"{type(self).__name__}(init_sync='verify'): replicas differ from rank 0 in "
                              f"{bad[:5]}{' ...' if len(bad) > 5 else ''}. Seed the model identically on "
                              f"every rank, or use init_sync='broadcast' to copy rank 0's weights.")
 
-    def forward(self, *args, **kw):
-        return self.module(*args, **kw)
-
-    def shard(self, batch):
-        """This rank's rows of a global batch (tuple of arrays of B rows): [r B/n, (r+1) B/n).
-        Raises the same clear error on every rank when B does not divide by n."""
-        from pdist.data import shard
-        return shard(batch, self.dp_rank, self.dp_world_size)
-
-    @contextlib.contextmanager
-    def no_sync(self):
-        """Backward passes inside this block only accumulate into ``p.grad`` locally; the
-        first backward after it (outside) all-reduces the accumulated sum once."""
-        prev, self._require_sync = self._require_sync, False
-        try:
-            yield
-        finally:
-            self._require_sync = prev
-
-    def _not_in_no_sync(self, what):
-        if not self._require_sync:
-            raise RuntimeError(f"{what} inside no_sync(): run the last micro-batch's backward "
-                               f"outside the no_sync() block, then synchronize")
+    def local_batch(self, x, y):
+        """This rank's rows of the global batch: [r B/n, (r+1) B/n). Raises the same clear
+        error on every rank when B does not divide by n."""
+        return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
 
 
 class DataParallelNaive(_DataParallelBase):
     """For learning: g_p <- (1/n) sum_r g_p^(r) for every parameter p, one blocking
     all-reduce per parameter, all after backward (no buckets, no overlap)."""
 
-    def finish_gradient_synchronization(self):
+    def finish_grad_sync(self):
         """All-reduce (average) each parameter's gradient, one after the other."""
-        self._not_in_no_sync("finish_gradient_synchronization()")
+        self.inner.finish_grad_sync()
         t0 = trace.now()
         for p in self._param_list:
             if p.grad is None:      # unused on this rank: contributes zeros (another rank may use it)
                 p.grad = xp.zeros_like(p.data)
+            elif not p.grad.flags.c_contiguous:   # a transposed use (the tied head) leaves an F-order grad
+                p.grad = xp.ascontiguousarray(p.grad)
             self.group.all_reduce(p.grad, op="avg")
         self.last_wait_seconds = trace.now() - t0
 
@@ -144,8 +126,11 @@ class _Bucket:
         for p in params:
             self.views[id(p)] = self.buffer[off:off + p.size].reshape(p.shape)
             off += p.size
-        self.ready = set()     # ids of params whose gradient is complete in this backward
+        self.ready = {}        # id(param) -> backward passes that completed its gradient this step
         self.work = None       # the in-flight all-reduce
+
+    def complete(self, passes):
+        return len(self.ready) == len(self.params) and min(self.ready.values()) >= passes
 
 
 def build_buckets(params, bucket_cap_bytes, first_bucket_cap_bytes):
@@ -168,21 +153,23 @@ def build_buckets(params, bucket_cap_bytes, first_bucket_cap_bytes):
 class DataParallel(_DataParallelBase):
     """Bucketed, overlapped data parallelism (PyTorch DDP's design; see the module doc).
 
-    Invariant after ``finish_gradient_synchronization()``: for every parameter p,
-    p.grad = (1/n) sum_r g_p^(r) (the global-batch mean) and p.grad is a view into
-    its bucket's buffer. ``bucket_cap_mb`` / ``first_bucket_cap_mb`` in MiB (PyTorch's
+    Invariant after ``finish_grad_sync()``: for every parameter p, p.grad =
+    (1/n) sum_r g_p^(r) (the global-batch mean) and p.grad is a view into its
+    bucket's buffer. ``bucket_cap_mb`` / ``first_bucket_cap_mb`` in MiB (PyTorch's
     defaults, 25 and 1). ``last_wait_seconds``: time the last synchronization spent
     waiting for communication that backward had not hidden."""
 
-    def __init__(self, module, group=None, bucket_cap_mb=25, first_bucket_cap_mb=1, init_sync="broadcast"):
+    def __init__(self, module, group=None, bucket_cap_mb=25, first_bucket_cap_mb=1, init_sync="broadcast",
+                 check_finite=False):
         if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
             raise ValueError(f"bucket caps must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb}, "
                              f"first_bucket_cap_mb={first_bucket_cap_mb}")
-        super().__init__(module, group, init_sync)
+        super().__init__(module, group, init_sync, check_finite)
         groups = build_buckets(self._param_list, bucket_cap_mb * MB, first_bucket_cap_mb * MB)
         self.buckets = [_Bucket(i, ps) for i, ps in enumerate(groups)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
-        self._next = 0         # buckets [0, _next) are issued in this backward
+        self._next = 0         # buckets [0, _next) are issued in this step
+        self._overlap = not self.inner.has_late_grads
         for p in self._param_list:
             p.grad = self._bucket_of[id(p)].views[id(p)]
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -198,18 +185,15 @@ class DataParallel(_DataParallelBase):
             p.grad = view
 
     def _on_grad_ready(self, p):
-        """Post-accumulate-grad hook: p.grad is complete for this backward."""
+        """Post-accumulate-grad hook: p.grad is complete for this backward pass; after the
+        last micro-batch's pass it is complete for the step."""
         b = self._bucket_of[id(p)]
-        if b.work is not None:
-            raise RuntimeError("backward() ran again while this step's gradient all-reduces are in flight: "
-                               "call model.finish_gradient_synchronization() after each backward, or wrap "
-                               "all but the last micro-batch's backward in model.no_sync()")
         self._into_bucket(p)
-        if not self._require_sync:
+        b.ready[id(p)] = b.ready.get(id(p), 0) + 1
+        if not self._overlap:
             return
-        b.ready.add(id(p))
-        while self._next < len(self.buckets) and \
-                len(self.buckets[self._next].ready) == len(self.buckets[self._next].params):
+        k = self.microbatches
+        while self._next < len(self.buckets) and self.buckets[self._next].complete(k):
             self._issue(self.buckets[self._next])
         for done in self.buckets[:self._next]:      # let MPI progress the in-flight ones
             done.work.is_completed()
@@ -220,17 +204,10 @@ class DataParallel(_DataParallelBase):
         b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
         self._next += 1
 
-    def forward(self, *args, **kw):
-        if any(b.work is not None for b in self.buckets):
-            raise RuntimeError("forward() while the previous step's gradient all-reduces are still in "
-                               "flight: call model.finish_gradient_synchronization() after loss.backward() "
-                               "and before optimizer.step()")
-        return self.module(*args, **kw)
-
-    def finish_gradient_synchronization(self):
+    def finish_grad_sync(self):
         """Issue the buckets backward did not complete (parameters that got no gradient on
-        this rank contribute their current .grad, zeros after zero_grad), wait for all."""
-        self._not_in_no_sync("finish_gradient_synchronization()")
+        this rank contribute zeros), wait for all."""
+        self.inner.finish_grad_sync()
         for b in self.buckets[self._next:]:
             for p in b.params:
                 self._into_bucket(p)
@@ -243,10 +220,13 @@ class DataParallel(_DataParallelBase):
         self._next = 0
         self.last_wait_seconds = trace.now() - t0
 
-    def zero_grad(self, set_to_none=False):
+    def zero_grad(self):
         """Zero the bucket buffers in place; every p.grad stays a view into its bucket
-        (PyTorch's gradient_as_bucket_view). ``set_to_none`` is accepted and ignored."""
+        (PyTorch's gradient_as_bucket_view)."""
+        self.inner.zero_grad()
         for b in self.buckets:
             b.buffer[...] = 0
+            b.ready.clear()
         for p in self._param_list:
             self._into_bucket(p)
+        self._next = 0

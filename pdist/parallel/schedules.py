@@ -48,6 +48,11 @@ class Instr(namedtuple("Instr", ["op", "mb", "chunk", "peer"])):
         return f"{self.op}({self.mb}.{self.chunk}{peer})"
 
 
+def virtual_stage(chunk, p, s):
+    """k = chunk * p + s: the model chunk ``chunk`` of pp rank s is virtual stage k."""
+    return chunk * p + s
+
+
 class DeadlockError(RuntimeError):
     pass
 
@@ -64,7 +69,7 @@ def _program(p, s, v, order):
     the compute that produced it."""
     V, prog = p * v, []
     for op, mb, c in order:
-        k = c * p + s                                   # virtual stage of this chunk
+        k = virtual_stage(c, p, s)
         if op == FORWARD:
             if k > 0:
                 prog.append(Instr(RECV_ACT, mb, c, (k - 1) % p))
@@ -150,7 +155,7 @@ def make_schedule(name, p, m, v=1):
 # ------------------------------------------------------------------ checking
 def _msg_key(s, ins, p):
     """What identifies a message: (kind, mb, receiving virtual stage)."""
-    k = ins.chunk * p + s
+    k = virtual_stage(ins.chunk, p, s)
     if ins.op == SEND_ACT:
         return ("act", ins.mb, k + 1), (ins.peer, (k + 1) // p)
     if ins.op == RECV_ACT:
@@ -180,7 +185,7 @@ def simulate(schedule, t_f=1.0, t_b=2.0, t_comm=0.0):
                 elif ins.op in (RECV_ACT, RECV_GRAD):
                     posted[s][_msg_key(s, ins, p)[0]] = True
                 elif ins.op in COMPUTE:
-                    k = ins.chunk * p + s
+                    k = virtual_stage(ins.chunk, p, s)
                     need = None
                     if ins.op == FORWARD and k > 0:
                         need = ("act", ins.mb, k)

@@ -1,231 +1,229 @@
-"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019) and sequence parallelism
-(Korthikanti et al. 2022), built as autograd Functions over a tensor-parallel
-ProcessGroup of t ranks.
+"""Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), optionally sequence-parallel
+(Korthikanti et al. 2022): ``TensorParallel(model, tp_group)`` transforms the one
+``pdist.gpt.GPT`` in place, swapping its layers for the parallel ones (tp_layers.py).
 
-    Column parallel:  Y = X A + b,  A = [A_1 ... A_t] split by columns,  rank i: Y_i = X A_i + b_i
-    Row parallel:     Y = X A + b,  A = [A_1; ...; A_t] split by rows, X = [X_1 ... X_t],
-                      Y = sum_i X_i A_i + b          (one all-reduce, then the bias once)
+Per block, on tp rank i of t (activations (B, T, C), C = n_head * hs; f and g are
+Megatron's conjugate regions, tp_regions.py):
 
-An MLP is column then row: GeLU(X A) B = sum_i GeLU(X A_i) B_i, so each rank runs
-its slice with no communication in between; attention is split the same way, by
-heads. Two conjugate regions close each block (Megatron's f and g; all seven regions,
-with the sequence-parallel ones, are in tp_regions.py and re-exported here):
+    h     = ln_1(x)                                 replicated LayerNorm
+    qkv_i = f(h) [Wq_i | Wk_i | Wv_i] + b_i         column parallel: heads [i nh/t, (i+1) nh/t)
+    a_i   = attention(qkv_i, n_head / t)            (B, T, C/t), no communication
+    x     = x + g(a_i Wo_i) + bo                    row parallel: one all-reduce, bias once
+    x     = x + g(gelu(f(ln_2(x)) W1_i + b1_i) W2_i) + b2
 
-    f = copy_to_tensor_parallel_region       forward identity     backward all-reduce
-    g = reduce_from_tensor_parallel_region   forward all-reduce   backward identity
+The embedding becomes vocab-parallel (one all-reduce), the tied head reuses the wte
+shard (logits_i = f(ln_f(x)) wte_i^T, (B, T, V/t)) and the loss becomes the
+vocab-parallel cross-entropy: no rank ever holds the full logits. All-reduces per
+training step: 2 per layer forward + 2 per layer backward (Megatron's count), plus 1
+(embedding, forward), 1 (the head's f, backward) and 2 (loss: max, sums) = 4L + 4.
 
-Sequence parallelism replaces g by a reduce-scatter along the sequence and f by an
-all-gather: the same bytes ((t-1)/t S each; the pair moves 2(t-1)/t S, one all-reduce),
-but LayerNorm, dropout and the residual stream hold only T/t tokens per rank.
-Activations are (B, T, C). VocabParallelEmbedding and vocab_parallel_cross_entropy
-split the vocabulary so that no rank ever holds the full logits.
+``sequence_parallel=True``: the residual stream, LayerNorms and dropout hold T/t tokens
+(B, T/t, C); f becomes an all-gather along T (backward: reduce-scatter), g a
+reduce-scatter (backward: all-gather). Per step 4L + 2 all-gathers, 4L + 2
+reduce-scatters and 3 all-reduces: the loss's 2, and in ``finish_grad_sync`` one for
+the replicated parameters that saw only this rank's tokens (LayerNorms, row-parallel
+biases, wpe), whose grads are partial sums.
 
-The GPT built from these layers is in ``pdist.parallel.tp_gpt``.
+Every shard is sliced from the model's own full weights, so the layout never
+changes the initial values; each parameter records where it sits in the full tensor
+(``local_pieces``, layout.py).
 """
-import numpy as np
-
 from pdist import functional as F
 from pdist import nn
 from pdist.autograd import Function
-from pdist.backend import asarray, default_dtype, scatter_add, xp
-from pdist.parallel.tp_regions import (  # noqa: F401  (re-exported: the public API)
-    SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
-    gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
-    reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
-    scatter_to_tensor_parallel_region)
+from pdist.backend import to_numpy, xp
+from pdist.parallel.base import ParallelModule
+from pdist.parallel.tp_layers import (
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region, divide,
+    gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
+
+# replicated parameters whose grads are partial (one sequence shard each) under sequence parallelism
+SEQUENCE_PARTIAL = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias",
+                    "attn.c_proj.bias", "mlp.c_proj.bias", "wpe.weight")
 
 
-# --- layers ---------------------------------------------------------------------------------------
-def _master(shape, given, draw, rng):
-    """The full (master) array: the one given, else drawn from rng the way nn.Linear draws it,
-    so the layout never changes the initial weights (DESIGN.md principle 2)."""
-    if given is not None:
-        if tuple(np.shape(given)) != tuple(shape):
-            raise ValueError(f"master weight has shape {tuple(np.shape(given))}, expected {tuple(shape)}")
-        return given
-    return draw(rng, shape)
+def check_tp_config(cfg, tp_world_size):
+    """Raise one ValueError listing every size that does not divide by the tp size (call on
+    every rank before any collective: the config is the same everywhere, so all raise)."""
+    t = tp_world_size
+    bad = [f"{what} = {n}" for what, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
+                                           ("4*n_embd", 4 * cfg.n_embd), ("vocab_size", cfg.vocab_size))
+           if n % t]
+    if bad:
+        pad = (f" Pad the vocabulary to a multiple of {t} (GPT-2 pads 50257 to 50304); the padded model is "
+               "then the single-process reference." if cfg.vocab_size % t else "")
+        raise ValueError(f"tensor parallelism over {t} ranks needs n_head, n_embd, 4*n_embd and vocab_size "
+                         f"divisible by {t}; not divisible: {', '.join(bad)}. Use a tp size that divides "
+                         f"them (heads are split whole: n_head = {cfg.n_head}), or change the model.{pad}")
 
 
-def _uniform(fan_in):
-    k = 1.0 / np.sqrt(fan_in)
-    return lambda rng, shape: rng.uniform(-k, k, shape)
+def split_pieces(global_shape, axis, rank, t, stride=1):
+    """[(local slices, global offsets)] of a tensor split along ``axis`` into t parts, each
+    of ``stride`` column groups split separately (the fused [Q|K|V] has stride 3)."""
+    n = global_shape[axis]
+    c = n // (t * stride)
+    out = []
+    for j in range(stride):
+        sl = [slice(0, d) for d in global_shape]
+        sl[axis] = slice(j * c, (j + 1) * c)
+        off = [0] * len(global_shape)
+        off[axis] = j * (n // stride) + rank * c
+        out.append((tuple(sl[:axis]) + (sl[axis],) + tuple(sl[axis + 1:]), tuple(off)))
+    return out
 
 
-def _default_group(group):
-    if group is None:
-        from pdist import comm
-        group = comm.get_world()
-    return group
+class _ShardDropout(Function):
+    """Dropout on a sequence shard that equals the single-process dropout: draw the full
+    (B, T, C) mask from the same generator, keep this rank's tokens."""
+    def forward(self, x, p, rng, full_shape, index):
+        self.m = (rng.random(full_shape)[index] >= p).astype(x.dtype) / (1.0 - p)  # (B, T/t, C)
+        return x * self.m
+
+    def backward(self, g):
+        return g * self.m
 
 
-class ColumnParallelLinear(nn.Module):
-    """Y = X A + b, A (in, out) split by columns: rank i holds A_i (in, out/t) and b_i and
-    computes Y_i = X A_i + b_i (Megatron-LM, Shoeybi et al. 2019, section 3).
+class SequenceShardDropout(nn.Module):
+    """The model's dropout on (B, T/t, C): this rank's tokens of the full-sequence mask."""
 
-    The input enters through f (identity; backward all-reduces dX = sum_i dY_i A_i^T), or
-    with ``sequence_parallel`` as sequence shards (B, T/t, in) that are all-gathered
-    (backward: reduce-scatter; Korthikanti et al. 2022). ``gather_output`` all-gathers
-    Y = [Y_1 ... Y_t]; otherwise the output stays (..., out/t) for a RowParallelLinear.
-    ``stride`` > 1 splits each of ``stride`` column groups separately (fused [Q|K|V])."""
-
-    def __init__(self, in_features, out_features, bias=True, gather_output=True, group=None,
-                 sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None,
-                 dtype=None):
+    def __init__(self, drop, group):
         super().__init__()
-        self.group = group = _default_group(group)
-        t, r = group.size, group.rank
-        divide(out_features, t * stride, "out_features" + (f" / {stride} fused parts" if stride > 1 else ""))
-        self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        rng = rng or np.random.default_rng(0)
-        dtype = dtype or default_dtype()
-        w = _master((in_features, out_features), master_weight, _uniform(in_features), rng)
-        w = partition(np.asarray(w), 1, r, t, stride)  # (in, out/t)
-        self.weight = nn.Parameter(asarray(w, dtype=dtype))
-        self.bias = None
-        if bias:
-            b = _master((out_features,), master_bias, _uniform(in_features), rng)
-            b = partition(np.asarray(b), 0, r, t, stride)  # (out/t,)
-            self.bias = nn.Parameter(asarray(b, dtype=dtype))
+        self.p, self.rng, self.group = drop.p, drop.rng, group
+
+    def forward(self, x):
+        if self.p == 0 or not self.training:
+            return x
+        t, r, Ts = self.group.size, self.group.rank, x.shape[1]
+        full = (x.shape[0], Ts * t) + tuple(x.shape[2:])  # (B, T, C)
+        return _ShardDropout.apply(x, self.p, self.rng, full, (slice(None), slice(r * Ts, (r + 1) * Ts)))
+
+
+class SequenceShardPositions(nn.Module):
+    """wpe on this rank's tokens: positions [r T/t, (r+1) T/t) -> (T/t, C). Same Parameter."""
+
+    def __init__(self, wpe, group):
+        super().__init__()
+        self.weight, self.group = wpe.weight, group
+
+    def forward(self, pos):
+        Ts = divide(len(pos), self.group.size, "the sequence length T (sequence parallelism)")
+        r = self.group.rank
+        return F.embedding(pos[r * Ts:(r + 1) * Ts], self.weight)  # (T/t, C)
+
+
+class ParallelLMHead(nn.Module):
+    """logits_i = f(x) wte_i^T: (B, T, C) -> (B, T, V/t); with SP the f is an all-gather."""
+
+    def __init__(self, weight, group, sequence_parallel):
+        super().__init__()
+        self.weight, self.group, self.sequence_parallel = weight, group, sequence_parallel
 
     def forward(self, x):
         if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
+            x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, C) -> (B, T, C)
         else:
-            x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
-        y = F.linear(x, self.weight, self.bias)  # (..., out/t)
-        return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+            x = copy_to_tensor_parallel_region(x, self.group)  # (B, T, C)
+        return F.linear(x, self.weight.T)  # (B, T, V/t)
 
 
-class RowParallelLinear(nn.Module):
-    """Y = X A + b, A (in, out) split by rows, X = [X_1 ... X_t] by columns:
-    Y = sum_i X_i A_i + b. Rank i holds A_i (in/t, out); the sum is one all-reduce (g),
-    or with ``sequence_parallel`` a reduce-scatter to (B, T/t, out) (Korthikanti et al. 2022).
-    The bias is replicated and added once, after the reduction. ``input_is_parallel=False``
-    takes the full X and keeps this rank's columns (backward all-gathers dX)."""
-
-    def __init__(self, in_features, out_features, bias=True, input_is_parallel=False, group=None,
-                 sequence_parallel=False, master_weight=None, master_bias=None, rng=None, dtype=None):
+class VocabParallelCrossEntropyLoss(nn.Module):
+    def __init__(self, group, vocab_start):
         super().__init__()
-        self.group = group = _default_group(group)
-        t, r = group.size, group.rank
-        divide(in_features, t, "in_features")
-        if sequence_parallel and not input_is_parallel:
-            raise ValueError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True "
-                             "(its input is the output of a ColumnParallelLinear)")
-        self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        rng = rng or np.random.default_rng(0)
-        dtype = dtype or default_dtype()
-        w = _master((in_features, out_features), master_weight, _uniform(in_features), rng)
-        self.weight = nn.Parameter(asarray(partition(np.asarray(w), 0, r, t), dtype=dtype))  # (in/t, out)
-        self.bias = None
-        if bias:
-            b = _master((out_features,), master_bias, _uniform(in_features), rng)
-            self.bias = nn.Parameter(asarray(np.asarray(b), dtype=dtype))  # (out,) replicated
+        self.group, self.vocab_start = group, vocab_start
 
-    def forward(self, x):
-        if not self.input_is_parallel:
-            x = scatter_to_tensor_parallel_region(x, self.group)  # (..., in) -> (..., in/t)
-        y = F.linear(x, self.weight)  # (..., out) partial sum
-        if self.sequence_parallel:
-            y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, out)
-        else:
-            y = reduce_from_tensor_parallel_region(y, self.group)  # (..., out)
-        return y + self.bias if self.bias is not None else y
+    def forward(self, logits, targets):
+        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start)
 
 
-class _VocabParallelEmbedding(Function):
-    """y = W_i[idx - start] where start <= idx < start + V/t, else 0: a partial sum whose
-    sum over ranks is W[idx]. Backward scatter-adds dY into this rank's rows only."""
-    def forward(self, w, idx, start):
-        outside = (idx < start) | (idx >= start + w.shape[0])
-        self.local = xp.where(outside, 0, idx - start)  # (B, T)
-        self.keep, self.wshape = ~outside, w.shape
-        return w[self.local] * self.keep[..., None]  # (B, T, C)
+class TensorParallel(ParallelModule):
+    """``TensorParallel(GPT(cfg, seed), tp_group, sequence_parallel=False)``: this rank's
+    column/row/vocabulary shards of the one GPT (see the module docstring)."""
 
-    def backward(self, g):
-        gw = xp.zeros(self.wshape, dtype=g.dtype)
-        g = g * self.keep[..., None]
-        scatter_add(gw, self.local.reshape(-1), g.reshape(-1, self.wshape[1]))
-        return gw, None, None
+    def __init__(self, module, group=None, sequence_parallel=False, check_finite=False):
+        super().__init__(module, group, check_finite)
+        g, t = self.group, self.group.size
+        self.tp_rank, self.tp_world_size, self.sequence_parallel = g.rank, t, bool(sequence_parallel)
+        self.loss_weight = 1.0 / t
+        gpt = self.module
+        check_tp_config(gpt.config, t)
+        if t > 1:
+            self._transform(gpt, g, self.sequence_parallel)
+
+    has_late_grads = property(lambda self: (self.sequence_parallel and self.tp_world_size > 1)
+                              or self.inner.has_late_grads)
+    seq_shards = property(lambda self: self.tp_world_size if self.sequence_parallel else 1)
+
+    def _transform(self, gpt, g, sp):
+        cfg, C = gpt.config, gpt.config.n_embd
+
+        def swap(parent, name, make, splits):
+            old = getattr(parent, name)
+            w, b = to_numpy(old.weight.data), (to_numpy(old.bias.data) if getattr(old, "bias", None) is not None else None)
+            new = make(w, b)
+            prefix = old.weight.name.rsplit(".", 1)[0]
+            for pname, axis, stride, full in splits(w, b):
+                p = getattr(new, pname)
+                p.name = p.global_name = f"{prefix}.{pname}"
+                p.global_shape = full.shape
+                if axis is not None:
+                    p.local_pieces = split_pieces(full.shape, axis, g.rank, g.size, stride)
+            setattr(parent, name, new)
+            return new
+
+        def col(stride):
+            return lambda w, b: [("weight", 1, stride, w), ("bias", 0, stride, b)]
+
+        def row(w, b):
+            return [("weight", 0, 1, w), ("bias", None, 1, b)]
+
+        for block in gpt.transformer.h:
+            a, m = block.attn, block.mlp
+            swap(a, "c_attn", lambda w, b: ColumnParallelLinear(
+                C, 3 * C, gather_output=False, group=g, sequence_parallel=sp, stride=3, master_weight=w,
+                master_bias=b, dtype=w.dtype), col(3))
+            swap(a, "c_proj", lambda w, b: RowParallelLinear(
+                C, C, input_is_parallel=True, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
+                dtype=w.dtype), row)
+            a.n_head = cfg.n_head // g.size   # heads on this rank
+            swap(m, "c_fc", lambda w, b: ColumnParallelLinear(
+                C, 4 * C, gather_output=False, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
+                dtype=w.dtype), col(1))
+            swap(m, "c_proj", lambda w, b: RowParallelLinear(
+                4 * C, C, input_is_parallel=True, group=g, sequence_parallel=sp, master_weight=w,
+                master_bias=b, dtype=w.dtype), row)
+        tr = gpt.transformer
+        wte = swap(tr, "wte", lambda w, b: VocabParallelEmbedding(
+            cfg.vocab_size, C, group=g, sequence_parallel=sp, master_weight=w, dtype=w.dtype),
+            lambda w, b: [("weight", 0, 1, w)])
+        gpt.lm_head = ParallelLMHead(wte.weight, g, sp)
+        gpt.loss_fn = VocabParallelCrossEntropyLoss(g, wte.vocab_start_index)
+        if sp:
+            tr.wpe = SequenceShardPositions(tr.wpe, g)
+            gpt.drop = SequenceShardDropout(gpt.drop, g)
+
+    def local_batch(self, x, y):
+        if self.sequence_parallel and x.shape[-1] % self.tp_world_size:
+            raise ValueError(f"sequence parallelism over {self.tp_world_size} ranks needs a sequence length "
+                             f"divisible by {self.tp_world_size}, got T = {x.shape[-1]}")
+        return self.inner.local_batch(x, y)
+
+    def finish_grad_sync(self):
+        """Sequence parallelism: all-reduce (sum) the grads of the replicated parameters that
+        saw only this rank's tokens, in one flat all-reduce."""
+        self.inner.finish_grad_sync()
+        if not self.has_late_grads:
+            return
+        ps = [p for n, p in self.module.named_parameters() if n.endswith(SEQUENCE_PARTIAL)]
+        for p in ps:
+            if p.grad is None:
+                p.grad = xp.zeros_like(p.data)
+        flat = xp.concatenate([p.grad.reshape(-1) for p in ps])
+        self.group.all_reduce(flat)
+        lo = 0
+        for p in ps:
+            p.grad[...] = flat[lo:lo + p.size].reshape(p.shape)
+            lo += p.size
 
 
-class VocabParallelEmbedding(nn.Module):
-    """y = W[idx], W (V, C) split by rows: rank i holds rows [i V/t, (i+1) V/t); each rank
-    looks up the ids it owns (zeros elsewhere) and g (all-reduce) sums them, or with
-    ``sequence_parallel`` a reduce-scatter leaves (B, T/t, C) (Megatron-LM section 3)."""
-
-    def __init__(self, num_embeddings, embedding_dim, group=None, sequence_parallel=False,
-                 master_weight=None, rng=None, dtype=None):
-        super().__init__()
-        self.group = group = _default_group(group)
-        t, r = group.size, group.rank
-        n = divide(num_embeddings, t, "the vocabulary size",
-                   f"Pad the vocabulary to a multiple of {t} (GPT-2 pads 50257 to 50304) "
-                   "or change the tp size.")
-        self.num_embeddings, self.sequence_parallel = num_embeddings, sequence_parallel
-        self.vocab_start_index, self.vocab_end_index = r * n, (r + 1) * n
-        w = _master((num_embeddings, embedding_dim), master_weight, lambda g, s: g.standard_normal(s),
-                    rng or np.random.default_rng(0))
-        self.weight = nn.Parameter(asarray(partition(np.asarray(w), 0, r, t), dtype=dtype or default_dtype()))
-
-    def forward(self, idx):
-        idx = xp.asarray(getattr(idx, "data", idx))
-        F.check_indices(idx, self.num_embeddings, "embedding index")  # same ids, same error on every rank
-        y = _VocabParallelEmbedding.apply(self.weight, idx, self.vocab_start_index)  # (B, T, C) partial
-        if self.sequence_parallel:
-            return reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, C)
-        return reduce_from_tensor_parallel_region(y, self.group)  # (B, T, C)
-
-
-class _VocabParallelCrossEntropy(Function):
-    """loss = mean_n (log sum_v exp(z_nv - m_n) - (z_n,y_n - m_n)) with z split by vocabulary:
-    m = all-reduce(max) of the local maxima; [sum_v exp, the target's shifted logit] =
-    all-reduce(sum) of the local parts (Megatron issues the two sums as two all-reduces; they
-    are stacked into one here). No rank holds the full logits. Backward is local:
-    dz_i = (softmax(z)_i - onehot(y)_i) / N on this rank's vocabulary slice."""
-    def forward(self, logits, targets, group, vocab_start):
-        Vl = logits.shape[-1]
-        z = logits.reshape(-1, Vl)  # (N, V/t)
-        y = targets.reshape(-1)  # (N,)
-        if y.shape[0] != z.shape[0]:
-            raise ValueError(f"vocab_parallel_cross_entropy: {z.shape[0]} rows of logits "
-                             f"but {y.shape[0]} targets")
-        zmax = z.max(axis=1)  # (N,)
-        if group.size > 1:
-            group.all_reduce(zmax, op="max")
-        s = z - zmax[:, None]  # (N, V/t)
-        e = xp.exp(s)
-        mine = (y >= vocab_start) & (y < vocab_start + Vl)  # (N,) targets in my slice
-        local_y = xp.where(mine, y - vocab_start, 0)
-        rows = xp.arange(z.shape[0])
-        sums = xp.stack([e.sum(axis=1), s[rows, local_y] * mine])  # (2, N)
-        if group.size > 1:
-            group.all_reduce(sums, op="sum")
-        nll = xp.log(sums[0]) - sums[1]  # (N,)
-        self.p = e / sums[0][:, None]  # softmax on my slice (N, V/t)
-        self.rows, self.local_y, self.mine, self.shape = rows, local_y, mine, logits.shape
-        return xp.asarray(nll.sum() / z.shape[0], dtype=logits.dtype)
-
-    def backward(self, g):
-        d = self.p
-        d[self.rows, self.local_y] -= self.mine.astype(d.dtype)
-        d *= g / d.shape[0]
-        return d.reshape(self.shape), None
-
-
-def vocab_parallel_cross_entropy(logits, targets, group=None, vocab_start=None):
-    """Mean token cross-entropy of vocabulary-sharded logits (..., V/t) on this rank and
-    int targets (...) with ids in [0, V). ``vocab_start`` defaults to rank * V/t."""
-    group = _default_group(group)
-    targets = xp.asarray(getattr(targets, "data", targets))
-    Vl = logits.shape[-1]
-    F.check_indices(targets, Vl * group.size, "cross_entropy target")
-    start = group.rank * Vl if vocab_start is None else vocab_start
-    return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=start)
-
-
-__all__ = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
-           "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
-           "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
-           "reduce_scatter_to_sequence_parallel_region", "ColumnParallelLinear", "RowParallelLinear",
-           "VocabParallelEmbedding", "vocab_parallel_cross_entropy", "partition", "divide"]
+__all__ = ["TensorParallel", "check_tp_config", "split_pieces", "ColumnParallelLinear", "RowParallelLinear",
+           "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]

@@ -48,12 +48,24 @@ backward all-gather lands in that same buffer (FlatParamUnit.gather_buffer) and
 no second copy is made. The all-gather itself is kept, so the count is the
 paper's 3Ψ.
 
-Limits: one backward per step (no gradient accumulation across micro-batches);
-a unit module runs once per forward.
+The one shape (base.py): ``ZeRO(model, stage, dp_group)`` wraps a model or another
+strategy; ``parameters()`` are this rank's flat shards (what the optimizer updates);
+``forward_backward`` reduces the gradients and, at stages 1 and 2, the next
+``forward_backward`` first all-gathers the parameters the optimizer updated (as
+FSDP re-gathers at the next forward), so every step sends the paper's 2Ψ.
+With micro-batches (gradient accumulation, or a pipeline inside) a unit's gradient
+is complete after the last micro-batch's backward; its reduction starts then.
+ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
+interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
+refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
 """
+import math
+
 from pdist.autograd import is_grad_enabled
 from pdist.backend import xp
+from pdist.parallel.base import ParallelModule
 from pdist.parallel.flat_param import FlatParamUnit
+from pdist.parallel.layout import reshard_flat
 
 STAGES = (0, 1, 2, 3)
 
@@ -66,30 +78,39 @@ def default_units(model):
     return []
 
 
-class ZeRO:
-    """model = ZeRO(GPT(cfg, seed), stage=3); opt = AdamW(model.parameters())
-    each step: model.zero_grad(); loss = ...model(x)...; loss.backward(); model.step(opt)
+class ZeRO(ParallelModule):
+    """model = ZeRO(GPT(cfg, seed), stage=3, group=dp_group); opt = AdamW(model.parameters())
+    each step: loss = model.forward_backward(*model.local_batch(x, y)); opt.step(); opt.zero_grad()
 
     ``parameters()`` are this rank's flat shards, one Tensor per unit: the
     optimizer is built over them (stage 0: the whole flat buffers)."""
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True):
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=False):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
-        if group is None:
-            from pdist.comm import get_world
-            group = get_world()
-        self.module, self.stage, self.group, self.prefetch = module, stage, group, bool(prefetch)
-        unit_modules = default_units(module) if units is None else list(units)
-        self.units = self._build_units(module, unit_modules)
+        super().__init__(module, group, check_finite)
+        if stage == 3 and self.inner.pipeline:
+            raise ValueError("ZeRO-3 does not compose with pipeline parallelism: it gathers each unit around "
+                             "its forward and its backward, and a pipeline's interleaved micro-batches would "
+                             "gather every unit 2m times per step (DeepSpeed refuses this too). Use "
+                             "zero_stage <= 2 with pp > 1, or pp = 1 with ZeRO-3.")
+        self.stage, self.prefetch = stage, bool(prefetch)
+        self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
+        self.loss_weight = 1.0 / self.dp_world_size
+        inner_pieces = self.inner.pieces()
+        unit_modules = default_units(self.module) if units is None else list(units)
+        self.units = self._build_units(self.module, unit_modules)
         self._check_same_on_all_ranks()
+        self._pieces = self._shard_pieces(inner_pieces)
         self._inflight = None          # (unit, out, Work) of the one reduction in flight
         self._reduced = set()          # ids of units whose reduction started this step
+        self._overlap = not self.inner.has_late_grads
+        self._stale = stage in (1, 2)  # full params to re-gather before the next forward
         self._install_hooks(unit_modules)
 
     # ---------------------------------------------------------------- setup
     def _build_units(self, module, unit_modules):
-        names = {id(p): n for n, p in module.named_parameters()}
+        names = {id(p): n for n, p in self.inner.named_parameters()}
         owner, groups = {}, []
         for i, m in enumerate(unit_modules):
             if m is module:
@@ -106,7 +127,7 @@ class ZeRO:
                 owner[id(p)] = i
                 named.append((names[id(p)], p))
             groups.append((f"unit{i}", named))
-        root = [(n, p) for n, p in module.named_parameters() if id(p) not in owner]
+        root = [(n, p) for n, p in self.inner.named_parameters() if id(p) not in owner]
         sharded, keep_full = self.stage >= 1, self.stage <= 2
         units = [FlatParamUnit(name, named, self.group, sharded, keep_full) for name, named in groups]
         self.root = FlatParamUnit("root", root, self.group, sharded, keep_full) if root else None
@@ -136,45 +157,73 @@ class ZeRO:
             m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
             m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
 
-    # ------------------------------------------------------ the user's API
-    def __call__(self, *args, **kw):
-        return self.module(*args, **kw)
+    def _shard_pieces(self, inner_pieces):
+        """Where each unit's shard sits in the single-process tensors (layout.py): the
+        shard's flat range cut into boxes of each parameter it overlaps; no padding."""
+        by_tensor = {}
+        for pc in inner_pieces:
+            by_tensor.setdefault(id(pc.tensor), []).append(pc)
+        out = []
+        for u in self.units:
+            for p, o, shape in zip(u.params, u.offsets, u.shapes):
+                a, b = max(u.lo, o), min(u.hi, o + math.prod(shape))
+                if a < b:
+                    out += reshard_flat(by_tensor[id(p)], shape, a - o, b - o, u.shard, u.lo - o)
+        return out
 
-    def parameters(self):
+    # ------------------------------------------------------ the one shape
+    def named_parameters(self):
         """This rank's shards (what its optimizer updates), one per unit."""
-        return [u.shard for u in self.units]
+        return [(f"{u.name}.flat_shard", u.shard) for u in self.units]
+
+    def pieces(self):
+        return list(self._pieces)
 
     def zero_grad(self):
+        self.inner.zero_grad()
+        self._refresh()
         for u in self.units:
             u.zero_grad()
         self._reduced.clear()
 
-    def step(self, optimizer):
-        """Finish the gradient reductions, update this rank's shards, and (stages
-        1, 2) all-gather the updated parameters."""
-        mine = {id(p) for p in optimizer.parameters()}
-        if mine != {id(s) for s in self.parameters()}:
-            raise ValueError("ZeRO.step: the optimizer must be built over zero_model.parameters() "
-                             "(this rank's flat shards), not over the original model's parameters")
-        for u in self.units:                      # units that got no gradient at all: reduce zeros
+    def _refresh(self):
+        """Stages 1, 2: all-gather the parameters the optimizer updated (shard -> full)."""
+        if not self._stale:
+            return
+        works = [self.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
+        for w in works:
+            w.wait()
+        self._stale = False
+
+    def finish_grad_sync(self):
+        """Reduce every unit not reduced during backward (units that got no gradient on this
+        rank reduce zeros), and wait: each shard's .grad is the global-batch mean."""
+        self.inner.finish_grad_sync()
+        for u in self.units:
             if id(u) not in self._reduced:
                 u.ensure_grad_views()
                 self._reduce(u)
         self._finish_reduction()
-        optimizer.step()
-        if self.stage in (1, 2):
-            works = [self.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
-            for w in works:
-                w.wait()
         for u in self.units:
             u.ready = 0
-        self._reduced.clear()
+        self._stale = self.stage in (1, 2)      # the optimizer step is next
+
+    def after_load(self):
+        self.inner.after_load()
+        self._stale = self.stage in (1, 2)
+
+    def __call__(self, *args, **kw):
+        self._refresh()
+        return self.module(*args, **kw)
 
     # ------------------------------------------------- gradients (all stages)
     def _grad_ready(self, u):
         u.ready += 1
-        if u.ready == len(u.params):
-            self._reduce(u)
+        if u.ready == len(u.params) * self.microbatches:   # the last micro-batch's gradient
+            if self.stage == 3:
+                u.free()                          # its backward is done: drop the full params
+            if self._overlap:
+                self._reduce(u)
 
     def _reduce(self, u):
         """Start the unit's gradient reduction: all-reduce (stage 0) or reduce-scatter."""
@@ -259,13 +308,3 @@ class ZeRO:
         """Σ_units Ψ_pad: the elements the flat buffers hold (= Ψ at stage 0)."""
         return sum(u.padded for u in self.units)
 
-    def full_state_dict(self):
-        """name -> full NumPy array on every rank (collective: one all-gather per unit)."""
-        from pdist.backend import to_numpy
-        out = {}
-        for u in self.units:
-            flat = u.full if u.full is not None else xp.empty(u.padded, dtype=u.dtype)
-            if u.full is None:
-                self.group.all_gather(flat, u.shard.data)
-            out.update({n: to_numpy(a).copy() for n, a in u.unflatten(flat).items()})
-        return out

@@ -1,0 +1,279 @@
+"""The one shape of every strategy (docs/design.md).
+
+    model = parallelize(GPT(cfg, seed), mesh, zero_stage=1)   # or DataParallel(GPT(cfg, seed)), ...
+    opt = AdamW(model.parameters(), lr=3e-4)                   # this rank's tensors (ZeRO: flat shards)
+    for step in range(steps):                                  # pdist.training.train
+        x, y = model.local_batch(*get_batch(step))             # this rank's rows of the global batch
+        loss = model.forward_backward(x, y)                    # global-batch mean; grads synchronized
+        opt.step(); opt.zero_grad()
+
+A strategy wraps another strategy, or the plain model (which ``Local`` wraps):
+``DataParallel(PipelineParallel(TensorParallel(GPT)))``. TP and PP transform the
+one ``nn.Module`` in place (``model.module``); DP and ZeRO hook its gradients.
+``forward_backward`` runs the same five phases for every layout, each phase a
+chain through the wrappers:
+
+    zero_grad()          inner first, then this wrapper (DDP re-points its bucket views)
+    compute(x, y)        the innermost runner: Local's micro-batch loop, or the pipeline schedule
+    finish_grad_sync()   inner first: TP's sequence-parallel grads, PP's tied embedding, then DP/ZeRO
+    reduce_stats(v)      v = [loss, #non-finite]: each wrapper weights the loss and sums over its group
+    check                every rank raises NonFiniteError together when any count is non-zero
+
+so L = (1/B) Σ_i l_i and every gradient equal single-process training on the global
+batch. ``pieces()`` says where each piece of each single-process tensor lives
+(layout.py): ``full_state_dict``, ``load_full_state_dict`` and
+``sharded_state_dict`` follow from it for every layout.
+"""
+import numpy as np
+
+from pdist import comm
+from pdist.backend import to_numpy, xp
+from pdist.errors import NonFiniteError
+from pdist.parallel.layout import box_slices, shards_of, whole
+
+def default_group(group):
+    """``group``, or the world group when it is None (the one place that defaults it)."""
+    return comm.get_world() if group is None else group
+
+
+class Strategy:
+    """What every layer of the chain answers. ``Local`` ends the chain; wrappers
+    (``ParallelModule``) delegate to ``inner`` and add their own part."""
+
+    check_finite = False
+    microbatches = 1          # backward passes per step (each parameter's grad completes this often)
+    has_late_grads = False    # True when finish_grad_sync() still changes gradients after backward
+    pipeline = False          # True when a pipeline runs the micro-batches (it replaces compute)
+    seq_shards = 1            # activations between blocks hold T / seq_shards tokens (sequence parallel)
+
+    def named_parameters(self):
+        """(name, tensor) for what this rank's optimizer updates."""
+        raise NotImplementedError
+
+    def parameters(self):
+        return [t for _, t in self.named_parameters()]
+
+    def forward_backward(self, x, y):
+        """One step's forward and backward on this rank's rows (x, y) (from ``local_batch``).
+        Returns the loss, the mean over the global batch, on every rank; afterwards every
+        tensor in ``parameters()`` holds its gradient of that loss, synchronized."""
+        comm.set_step(self.steps)
+        self.zero_grad()
+        local = self.compute(x, y)
+        self.finish_grad_sync()
+        bad = self._nonfinite(local) if self.check_finite else []
+        v = self.reduce_stats(np.array([local, float(len(bad))]))
+        if v[1] > 0:
+            self._raise_nonfinite(bad)
+        self.steps += 1
+        return float(v[0])
+
+    steps = 0
+
+    def _nonfinite(self, loss):
+        names = [] if np.isfinite(loss) else ["loss"]
+        return names + [n for n, t in self.named_parameters()
+                        if t.grad is not None and not bool(xp.isfinite(t.grad).all())]
+
+    def _raise_nonfinite(self, bad):
+        me = comm.get_world().rank
+        found = self.collect([(me, n) for n in bad])
+        where = "; ".join(f"rank {r}: {n}" for r, n in sorted(set(found))) or "(another rank)"
+        raise NonFiniteError(f"non-finite loss or gradient at step {self.steps} (check_finite=True): {where}")
+
+    # ------------------------------------------------------------------- state
+    def pieces(self):
+        """[Piece]: where this rank's tensors sit in the single-process model (layout.py)."""
+        raise NotImplementedError
+
+    def span_group(self):
+        """The ranks that together hold the whole model (state-dict collectives)."""
+        return comm.get_world()
+
+    def sharded_state_dict(self, optimizer=None):
+        """{key: [Shard(data, global_shape, offsets)]}: this rank's pieces of every
+        parameter (HF GPT-2 names) and, with ``optimizer``, of Adam's m, v and step
+        (``optimizer.exp_avg.<name>``, ...). No padding; replicas appear on every rank
+        that holds them. Local: no communication."""
+        return shards_of(self.pieces(), optimizer)
+
+    def full_state_dict(self):
+        """{name: full NumPy array}, exactly the single-process model's, on every rank.
+        Collective over ``span_group()``: one object all-gather (who owns which piece),
+        one all-reduce (sum) of a flat buffer where each piece is written by its owner."""
+        group, pieces = self.span_group(), self.pieces()
+        keys = [(p.name, p.offsets, p.shape, p.global_shape) for p in pieces]
+        everyone = group.all_gather_object(keys) if group.size > 1 else [keys]
+        owner, shapes = {}, {}
+        for r, ks in enumerate(everyone):
+            for name, off, shape, gshape in ks:
+                owner.setdefault((name, off, shape), r)
+                shapes[name] = gshape
+        names = self._ordered(shapes)
+        starts, n = {}, 0
+        for name in names:
+            starts[name] = n
+            n += int(np.prod(shapes[name]))
+        dtype = pieces[0].tensor.data.dtype if pieces else np.float64
+        flat = xp.zeros(n, dtype=dtype)
+        done = set()
+        for p in pieces:
+            if owner[p.key()] == group.rank and p.key() not in done:
+                done.add(p.key())
+                full = flat[starts[p.name]:starts[p.name] + int(np.prod(shapes[p.name]))]
+                full.reshape(shapes[p.name])[box_slices(p)] = p.view(p.tensor.data)
+        if group.size > 1:
+            group.all_reduce(flat)
+        flat = to_numpy(flat)
+        return {name: flat[starts[name]:starts[name] + int(np.prod(shapes[name]))].reshape(shapes[name]).copy()
+                for name in names}
+
+    def _ordered(self, shapes):
+        cfg = getattr(self.module, "config", None)
+        order = list(cfg.param_shapes()) if cfg is not None and hasattr(cfg, "param_shapes") else []
+        return [k for k in order if k in shapes] + sorted(k for k in shapes if k not in order)
+
+    def load_full_state_dict(self, state_dict):
+        """The inverse of ``full_state_dict``: each rank copies its pieces out of the full
+        arrays (HF GPT-2 names; ``lm_head.weight`` and attention masks are ignored).
+        Raises one error listing missing or misshaped keys before anything is written."""
+        pieces = self.pieces()
+        problems = sorted({f"missing {p.name}" for p in pieces if p.name not in state_dict} |
+                          {f"{p.name}: {tuple(np.shape(state_dict[p.name]))} vs {p.global_shape}"
+                           for p in pieces if p.name in state_dict
+                           and tuple(np.shape(state_dict[p.name])) != p.global_shape})
+        if problems:
+            raise KeyError(f"load_full_state_dict into {type(self).__name__}: " + "; ".join(problems))
+        for p in pieces:
+            p.view(p.tensor.data)[...] = xp.asarray(np.asarray(state_dict[p.name])[box_slices(p)],
+                                                    dtype=p.tensor.data.dtype)
+        self.after_load()
+
+    def after_load(self):
+        """Refresh anything derived from the loaded tensors (ZeRO: its gathered params)."""
+
+
+class Local(Strategy):
+    """The end of every chain: the plain model on this process. ``compute`` runs
+    ``microbatches`` forward/backward passes, each on 1/k of the rows with its loss
+    scaled by 1/k (gradient accumulation: the sum is the gradient of the mean)."""
+
+    def __init__(self, module, microbatches=1):
+        if not isinstance(microbatches, int) or microbatches < 1:
+            raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+        self.module, self.microbatches, self.inner = module, microbatches, None
+
+    def named_parameters(self):
+        return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
+
+    def pieces(self):
+        out = []
+        for name, p in self.named_parameters():
+            out += whole(getattr(p, "global_name", name), p, getattr(p, "global_shape", None),
+                         getattr(p, "local_pieces", None))
+        return out
+
+    def local_batch(self, x, y):
+        return x, y
+
+    def zero_grad(self):
+        self.module.zero_grad()
+
+    def compute(self, x, y):
+        k = self.microbatches
+        if len(x) % k:
+            raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
+                             f"use a global batch divisible by dp * microbatches")
+        b, total = len(x) // k, 0.0
+        for i in range(k):
+            _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
+            (loss * (1.0 / k)).backward() if k > 1 else loss.backward()
+            total += loss.item() / k
+        return total
+
+    def finish_grad_sync(self):
+        pass
+
+    def reduce_stats(self, v):
+        return v
+
+    def collect(self, items):
+        return list(items)
+
+    def after_load(self):
+        pass
+
+    def state_arrays(self):
+        ps = self.parameters()
+        return [p.data for p in ps], [p.grad for p in ps if p.grad is not None]
+
+    def __call__(self, *args, **kw):
+        return self.module(*args, **kw)
+
+
+class ParallelModule(Strategy):
+    """A wrapper of the chain: ``inner`` (a strategy, or a module that ``Local`` wraps)
+    and the ``group`` of ranks this strategy spans. Subclasses add their part to the
+    phases; ``_aux`` is a private copy of the group for the per-step loss reduction, so
+    the group's own byte counts hold only the strategy's traffic."""
+
+    def __init__(self, inner, group=None, check_finite=False):
+        self.inner = inner if isinstance(inner, Strategy) else Local(inner)
+        self.group = default_group(group)
+        self.module = self.inner.module
+        self.check_finite = bool(check_finite) or self.inner.check_finite
+        self._aux = self.group.split(0, name=f"{self.group.name}.step") if self.group.size > 1 else None
+
+    microbatches = property(lambda self: self.inner.microbatches)
+    has_late_grads = property(lambda self: self.inner.has_late_grads)
+    pipeline = property(lambda self: self.inner.pipeline)
+    seq_shards = property(lambda self: self.inner.seq_shards)
+
+    def named_parameters(self):
+        return self.inner.named_parameters()
+
+    def pieces(self):
+        return self.inner.pieces()
+
+    def span_group(self):
+        return self.group if isinstance(self.inner, Local) else comm.get_world()
+
+    def local_batch(self, x, y):
+        return self.inner.local_batch(x, y)
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+
+    def compute(self, x, y):
+        return self.inner.compute(x, y)
+
+    def finish_grad_sync(self):
+        self.inner.finish_grad_sync()
+
+    loss_weight = 1.0         # this rank's share of the loss in the sum over the group
+
+    def reduce_stats(self, v):
+        v = self.inner.reduce_stats(v)
+        if self._aux is None:
+            return v
+        v = np.array([v[0] * self.loss_weight, v[1]])
+        self._aux.all_reduce(v)
+        return v
+
+    def collect(self, items):
+        items = self.inner.collect(items)
+        if self._aux is None:
+            return items
+        return [tuple(i) for part in self._aux.all_gather_object(items) for i in part]
+
+    def after_load(self):
+        self.inner.after_load()
+
+    def state_arrays(self):
+        return self.inner.state_arrays()
+
+    def __call__(self, *args, **kw):
+        return self.inner(*args, **kw)
+
+
+__all__ = ["Strategy", "Local", "ParallelModule", "default_group"]

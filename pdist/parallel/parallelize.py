@@ -1,0 +1,78 @@
+"""``parallelize``: one GPT, any (dp, tp, pp) mesh, one model of the one shape.
+
+    mesh = DeviceMesh(dp=2, tp=2, pp=2)
+    model = parallelize(GPT(cfg, seed), mesh, zero_stage=1, sequence_parallel=True,
+                        schedule="1f1b", microbatches=8)
+
+builds, from the inside out (each strategy wraps the one before; base.py):
+
+    TensorParallel(GPT, mesh.tp_group, sequence_parallel)    swaps layers: shards of every matrix
+    PipelineParallel(.., mesh.pp_group, schedule, m, chunks) keeps this stage's blocks, runs the schedule
+    DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
+
+Each layer is left out where its size is 1 (microbatches then go to the plain model
+as gradient accumulation). Per rank, Megatron's 3-D parallelism (Narayanan et al.,
+2021): the tp group splits every layer, the pp group every stack of layers, the dp
+group every batch; the gradient of each piece is complete after its tp and pp syncs
+and is then averaged over dp. Every bad layout raises on every rank, before any
+collective, with one clear message.
+"""
+from pdist.parallel.base import Local
+from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
+from pdist.parallel.pipeline_parallel import PipelineParallel, partition_layers
+from pdist.parallel.schedules import make_schedule
+from pdist.parallel.tensor_parallel import TensorParallel, check_tp_config
+from pdist.parallel.zero import STAGES, ZeRO
+
+
+def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
+                 chunks=1, data_parallel="bucketed"):
+    """Every error a layout can have, raised the same on every rank before any collective."""
+    dp, tp, pp = mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size
+    if zero_stage not in STAGES:
+        raise ValueError(f"zero_stage must be one of {STAGES}, got {zero_stage!r}")
+    if data_parallel not in ("bucketed", "naive"):
+        raise ValueError(f"data_parallel must be 'bucketed' or 'naive', got {data_parallel!r}")
+    if not isinstance(microbatches, int) or microbatches < 1:
+        raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    check_tp_config(cfg, tp)
+    if sequence_parallel and cfg.block_size % tp:
+        raise ValueError(f"sequence parallelism over tp = {tp} needs block_size ({cfg.block_size}) divisible "
+                         f"by {tp}")
+    if pp > 1 or chunks > 1:
+        make_schedule(schedule, pp, microbatches, chunks)
+        partition_layers(cfg.n_layer, pp * chunks)
+        if zero_stage == 3:
+            raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it would gather "
+                             "every unit 2m times per step. Use zero_stage <= 2 with pp > 1.")
+    if cfg.dropout and (dp > 1 or pp > 1 or microbatches > 1):
+        raise ValueError("dropout > 0 needs dp = pp = 1 and microbatches = 1: the masks of split batches "
+                         "would differ from single-process training (tensor parallelism keeps them equal)")
+
+
+def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
+                chunks=1, data_parallel="bucketed", bucket_cap_mb=25, first_bucket_cap_mb=1,
+                check_finite=False):
+    """The GPT ``model`` on this rank of ``mesh`` (a DeviceMesh), as one strategy of the one
+    shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
+    used when zero_stage = 0; ZeRO stages 1-3 replace it."""
+    check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
+                 data_parallel)
+    pipelined = mesh.pp_world_size > 1 or chunks > 1
+    s = Local(model, 1 if pipelined else microbatches)
+    s.check_finite = bool(check_finite)
+    if mesh.tp_world_size > 1:
+        s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)
+    if pipelined:
+        s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
+    if zero_stage:
+        s = ZeRO(s, zero_stage, mesh.dp_group)
+    elif data_parallel == "naive" and mesh.dp_world_size > 1:
+        s = DataParallelNaive(s, mesh.dp_group)
+    elif mesh.dp_world_size > 1:
+        s = DataParallel(s, mesh.dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    s.mesh = mesh
+    return s
+
+
+__all__ = ["parallelize", "check_layout"]
