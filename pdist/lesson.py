@@ -13,14 +13,29 @@ import sys
 import tempfile
 
 
-def parser(doc=None, steps=20, seed=0, dtype="float32"):
-    """An ArgumentParser with the flags every training lesson accepts."""
+MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
+
+
+def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
+    """An ArgumentParser with the flags every training lesson accepts: --steps --seed
+    --dtype --json, and the model and batch size (--n-layer --n-head --n-embd
+    --block-size --batch-size; ``model`` overrides the lesson's defaults). Call
+    ``validate(p, p.parse_args())`` right after parsing."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=seed, help="seed for weights and batches")
     p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON summary here (rank 0)")
+    sizes = dict(MODEL_DEFAULTS, **model)
+    for k, v in sizes.items():
+        p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"GPT {k} (default %(default)s)")
+    p.add_argument("--batch-size", type=int, default=batch_size, help="global batch in rows (default %(default)s)")
     return p
+
+
+def config_from_args(args, vocab_size):
+    """The lesson's GPTConfig from the size flags of ``parser()``."""
+    return gpt_config(vocab_size, dtype=args.dtype, **{k: getattr(args, k) for k in MODEL_DEFAULTS})
 
 
 def table(rows, headers, floatfmt="{:.4g}"):
@@ -93,7 +108,7 @@ LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
 def gpt_config(vocab_size, dtype="float32", **overrides):
     """The lessons' small GPT: 2 layers, 4 heads, 64 wide, 32 tokens of context."""
     from pdist.gpt import GPTConfig
-    kw = dict(vocab_size=vocab_size, block_size=32, n_layer=2, n_head=4, n_embd=64, dtype=dtype)
+    kw = dict(vocab_size=vocab_size, dtype=dtype, **MODEL_DEFAULTS)
     kw.update(overrides)
     return GPTConfig(**kw)
 
@@ -105,27 +120,18 @@ def make_adamw(params):
 
 
 def train_reference(cfg, seed, steps, batch_size, tokens=None):
-    """Single-process training, the baseline every strategy must equal:
-    returns (losses per step, final state_dict). Batches: data.get_batch(tokens, B, T, seed, step)."""
+    """Single-process training, the baseline every strategy must equal, through the one
+    loop (pdist.training.train): returns (losses per step, final state_dict).
+    Batches: data.get_batch(tokens, B, T, seed, step)."""
     from pdist import data, gpt
+    from pdist.parallel.base import Local
+    from pdist.training import train
     if tokens is None:
         tokens, _ = data.char_dataset()
-    model = gpt.GPT(cfg, seed=seed)
+    model = Local(gpt.GPT(cfg, seed=seed))
     opt = make_adamw(model.parameters())
-    losses = []
-    for step in range(steps):
-        x, y = data.get_batch(tokens, batch_size, cfg.block_size, seed, step)
-        _, loss = model(x, y)
-        model.zero_grad()
-        loss.backward()
-        opt.step()
-        losses.append(loss.item())
-    return losses, model.state_dict()
-
-
-# --- checks and files shared by every lesson ---------------------------------------------------
-POSITIVE_INT_FLAGS = ("steps", "batch_size", "micro_batches", "n_layer", "n_head", "n_embd", "block_size")
-NON_NEGATIVE_INT_FLAGS = ("seed",)
+    losses = train(model, opt, lambda step: data.get_batch(tokens, batch_size, cfg.block_size, seed, step), steps)
+    return losses, model.module.state_dict()
 
 
 def validate(parser, args):

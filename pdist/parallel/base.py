@@ -99,29 +99,35 @@ class Strategy:
 
     def full_state_dict(self):
         """{name: full NumPy array}, exactly the single-process model's, on every rank.
-        Collective over ``span_group()``: one object all-gather (who owns which piece),
-        one all-reduce (sum) of a flat buffer where each piece is written by its owner."""
+        Collective over ``span_group()``: the names and shapes (an object all-gather),
+        then each element's owner, the highest rank holding it (an all-reduce, max), and
+        the values each owner writes (an all-reduce, sum: exact, one non-zero term)."""
         group, pieces = self.span_group(), self.pieces()
-        keys = [(p.name, p.offsets, p.shape, p.global_shape) for p in pieces]
-        everyone = group.all_gather_object(keys) if group.size > 1 else [keys]
-        owner, shapes = {}, {}
-        for r, ks in enumerate(everyone):
-            for name, off, shape, gshape in ks:
-                owner.setdefault((name, off, shape), r)
-                shapes[name] = gshape
+        mine = {p.name: p.global_shape for p in pieces}
+        shapes = {}
+        for d in (group.all_gather_object(mine) if group.size > 1 else [mine]):
+            shapes.update(d)
         names = self._ordered(shapes)
         starts, n = {}, 0
         for name in names:
             starts[name] = n
             n += int(np.prod(shapes[name]))
+
+        def box(flat, p):
+            return flat[starts[p.name]:starts[p.name] + int(np.prod(shapes[p.name]))].reshape(
+                shapes[p.name])[box_slices(p)]
         dtype = pieces[0].tensor.data.dtype if pieces else np.float64
-        flat = xp.zeros(n, dtype=dtype)
-        done = set()
+        owner, me = xp.zeros(n, dtype=dtype), group.rank + 1
         for p in pieces:
-            if owner[p.key()] == group.rank and p.key() not in done:
-                done.add(p.key())
-                full = flat[starts[p.name]:starts[p.name] + int(np.prod(shapes[p.name]))]
-                full.reshape(shapes[p.name])[box_slices(p)] = p.view(p.tensor.data)
+            box(owner, p)[...] = me
+        if group.size > 1:
+            group.all_reduce(owner, op="max")
+        if not bool((owner > 0).all()):
+            raise RuntimeError("full_state_dict: some elements are held by no rank (a strategy lost a piece)")
+        flat = xp.zeros(n, dtype=dtype)
+        for p in pieces:
+            dst = box(flat, p)
+            xp.copyto(dst, p.view(p.tensor.data), where=box(owner, p) == me)
         if group.size > 1:
             group.all_reduce(flat)
         flat = to_numpy(flat)
@@ -174,6 +180,9 @@ class Local(Strategy):
         return out
 
     def local_batch(self, x, y):
+        if len(x) % self.microbatches:
+            raise ValueError(f"this rank's batch of {len(x)} rows does not split into {self.microbatches} "
+                             f"micro-batches; use a global batch divisible by dp * microbatches")
         return x, y
 
     def zero_grad(self):

@@ -171,6 +171,13 @@ class PipelineParallel(ParallelModule):
                         "or load full_state_dict() into a GPT for inference")
 
     # ------------------------------------------------------------------ step
+    def local_batch(self, x, y):
+        """Every stage takes the whole batch of its pipeline (the first uses x, the last y)."""
+        if len(x) % self.num_microbatches:
+            raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into "
+                             f"{self.num_microbatches} micro-batches; use a batch size divisible by m (x dp)")
+        return self.inner.local_batch(x, y)
+
     def compute(self, x, y):
         """Run this rank's program over the m micro-batches of (x, y); returns the sum of
         the micro-batch losses / m on the last stage (0 elsewhere)."""

@@ -213,16 +213,14 @@ class TensorParallel(ParallelModule):
         self.inner.finish_grad_sync()
         if not self.has_late_grads:
             return
-        ps = [p for n, p in self.module.named_parameters() if n.endswith(SEQUENCE_PARTIAL)]
-        for p in ps:
-            if p.grad is None:
-                p.grad = xp.zeros_like(p.data)
-        flat = xp.concatenate([p.grad.reshape(-1) for p in ps])
+        grads = [p.grad for n, p in self.module.named_parameters()   # (ZeRO-3 may have freed p.data)
+                 if n.endswith(SEQUENCE_PARTIAL) and p.grad is not None]
+        flat = xp.concatenate([g.reshape(-1) for g in grads])
         self.group.all_reduce(flat)
         lo = 0
-        for p in ps:
-            p.grad[...] = flat[lo:lo + p.size].reshape(p.shape)
-            lo += p.size
+        for g in grads:
+            g[...] = flat[lo:lo + g.size].reshape(g.shape)
+            lo += g.size
 
 
 __all__ = ["TensorParallel", "check_tp_config", "split_pieces", "ColumnParallelLinear", "RowParallelLinear",

@@ -74,7 +74,7 @@ def default_units(model):
     """GPT: [block_0, ..., block_{L-1}, ln_f]; any other model: [] (one root unit)."""
     tr = getattr(model, "transformer", None)
     if tr is not None and hasattr(tr, "h") and hasattr(tr, "ln_f"):
-        return list(tr.h) + [tr.ln_f]
+        return [m for m in list(tr.h) + [tr.ln_f] if m is not None]   # (a pipeline stage holds some)
     return []
 
 
