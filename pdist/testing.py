@@ -80,10 +80,11 @@ def report(**results):
 
 
 def reports(out):
-    """Every JSON object that ``report()`` printed in a run's output, in order."""
+    """Every JSON object that ``report()`` printed in a run's output, in order (ranks
+    printing at once may share a line: each object is decoded where its prefix starts)."""
     import json
-    return [json.loads(line.split(REPORT_PREFIX, 1)[1]) for line in out.splitlines()
-            if REPORT_PREFIX in line]
+    dec = json.JSONDecoder()
+    return [dec.raw_decode(part.lstrip())[0] for part in out.split(REPORT_PREFIX)[1:]]
 
 
 def _failure_message(n, script, rc, out):

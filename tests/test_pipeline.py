@@ -4,13 +4,14 @@ import json
 
 import pytest
 
-from pdist.testing import mpirun
+from pdist.testing import mpirun, reports
 
 
 @pytest.mark.parametrize("n", [1, 2, 4])
 def test_pipeline_equals_single_process(n):
     out = mpirun(n, "tests/workers/pp_equiv.py", timeout=300)
-    assert f"pp_equiv OK on {n} ranks" in out, out
+    (got,) = reports(out)
+    assert got["n"] == n and len(got["cases"]) == {1: 8, 2: 11, 4: 18}[n], out
 
 
 def test_lesson_05_json(tmp_path):

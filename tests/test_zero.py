@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdist.testing import MPIRunError, mpirun
+from pdist.testing import MPIRunError, mpirun, reports
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "zero_check.py"
@@ -19,9 +19,12 @@ LESSON = ROOT / "lessons" / "03_zero.py"
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_zero_stages_equal_single_process_and_formulas(n):
     out = mpirun(n, WORKER, timeout=300)
-    for case in ("stage 0 ", "stage 1 ", "stage 2 ", "stage 3 ", "stage 3 no prefetch"):
-        assert f"[n={n}] {case}" in out and "OK" in out, out
-    assert f"[n={n}] stage 3 peak" in out and f"[n={n}] bad input OK" in out, out
+    got = {r["case"]: r for r in reports(out)}
+    assert set(got) == {"stage 0", "stage 1", "stage 2", "stage 3", "stage 3 no prefetch", "stage 3 peak",
+                        "bad input"}, out
+    for case in ("stage 0", "stage 1", "stage 2", "stage 3"):
+        assert got[case]["model_state_bytes"] == got[case]["formula_bytes"] and got[case]["n"] == n
+    assert got["stage 3 peak"]["peak_bytes"] <= got["stage 3 peak"]["bound_bytes"]
 
 
 def test_lesson_03_json_contract(tmp_path):

@@ -26,7 +26,7 @@ batch. ``pieces()`` says where each piece of each single-process tensor lives
 """
 import numpy as np
 
-from pdist import comm
+from pdist import comm, trace
 from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
 from pdist.parallel.layout import box_slices, shards_of, whole
@@ -71,15 +71,28 @@ class Strategy:
     steps = 0
 
     def _nonfinite(self, loss):
+        """Names of what is non-finite on this rank: "loss", and the single-process names
+        of the parameters whose gradient piece here is (one check per tensor first)."""
         names = [] if np.isfinite(loss) else ["loss"]
-        return names + [n for n, t in self.named_parameters()
-                        if t.grad is not None and not bool(xp.isfinite(t.grad).all())]
+        bad = {id(t) for t in self.parameters() if t.grad is not None and not bool(xp.isfinite(t.grad).all())}
+        if bad:
+            names += sorted({p.name for p in self.pieces() if id(p.tensor) in bad
+                             and not bool(xp.isfinite(p.view(p.tensor.grad)).all())})
+        return names
 
     def _raise_nonfinite(self, bad):
+        """Every rank: gather who saw what (only on this rare path) and raise the same error."""
         me = comm.get_world().rank
-        found = self.collect([(me, n) for n in bad])
-        where = "; ".join(f"rank {r}: {n}" for r, n in sorted(set(found))) or "(another rank)"
-        raise NonFiniteError(f"non-finite loss or gradient at step {self.steps} (check_finite=True): {where}")
+        found = sorted(set(self.collect([(me, n) for n in bad])))
+        losses = sorted({r for r, n in found if n == "loss"})
+        grads = [(r, n) for r, n in found if n != "loss"]
+        parts = [f"loss on rank(s) {losses}"] if losses else []
+        if grads:
+            shown = ", ".join(f"rank {r}: {n}" for r, n in grads[:6])
+            parts.append(f"gradients of {len(grads)} tensor(s) ({shown}{', ...' if len(grads) > 6 else ''})")
+        raise NonFiniteError(f"step {self.steps}: non-finite " + "; ".join(parts or ["values on another rank"])
+                             + " (check_finite=True; a non-finite value on one rank reaches every rank "
+                             "through the gradient averaging).")
 
     # ------------------------------------------------------------------- state
     def pieces(self):
@@ -196,7 +209,8 @@ class Local(Strategy):
         b, total = len(x) // k, 0.0
         for i in range(k):
             _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
-            (loss * (1.0 / k)).backward() if k > 1 else loss.backward()
+            with trace.span("backward", cat="compute"):
+                (loss * (1.0 / k)).backward() if k > 1 else loss.backward()
             total += loss.item() / k
         return total
 

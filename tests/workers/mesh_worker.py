@@ -7,6 +7,7 @@ import itertools
 import numpy as np
 
 from pdist import comm
+from pdist.testing import report
 
 
 def factorizations(n):
@@ -61,7 +62,7 @@ def main():
         assert f"dp*tp*pp = {n + 1}" in str(e) and f"mpirun -n {n + 1}" in str(e), str(e)
     world.barrier()
     if world.rank == 0:
-        print(f"mesh OK n={n} shapes={factorizations(n)}")
+        report(n=n, shapes=[list(f) for f in factorizations(n)])
 
 
 if __name__ == "__main__":

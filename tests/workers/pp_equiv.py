@@ -12,9 +12,13 @@ import numpy as np
 
 from pdist import comm, data, lesson, nn
 from pdist.backend import set_default_dtype
+from pdist.gpt import GPT
+from pdist.parallel import PipelineParallel, parallelize
 from pdist.parallel import schedules as S
-from pdist.parallel.pipeline_parallel import (PipelineParallel, gpt_pipeline, master_name,
-                                              partition_layers, split_sequential)
+from pdist.parallel.layout import box_slices
+from pdist.parallel.pipeline_parallel import partition_layers
+from pdist.testing import report
+from pdist.training import train
 
 set_default_dtype("float64")
 K, B, SEED = 3, 8, 0
@@ -35,29 +39,34 @@ def reference(cfg):
     return _refs[cfg.n_layer]
 
 
+def pipe_of(model):
+    while not isinstance(model, PipelineParallel):
+        model = model.inner
+    return model
+
+
 def check_gpt(mesh, schedule, m, v=1, n_layer=None, partition=None):
     p, dp = mesh.pp_world_size, mesh.dp_world_size
     cfg = config(n_layer or p * v)
     ref_losses, ref_sd = reference(cfg)
-    pipe = gpt_pipeline(cfg, SEED, mesh.pp_group, m, schedule, n_chunks=v, partition=partition,
-                        dp_group=mesh.dp_group)
-    opt = lesson.make_adamw(pipe.parameters())
+    if dp > 1:   # pipeline x data parallel, composed by parallelize
+        model = parallelize(GPT(cfg, SEED), mesh, schedule=schedule, microbatches=m, chunks=v)
+    else:
+        model = PipelineParallel(GPT(cfg, SEED), mesh.pp_group, schedule, m, v, partition=partition)
+    pipe = pipe_of(model)
+    opt = lesson.make_adamw(model.parameters())
     what = f"{schedule} p={p} dp={dp} m={m} v={v} partition={partition} (pp rank {mesh.pp_rank})"
-    for step in range(K):
-        x, y = data.shard(data.get_batch(tokens, B, cfg.block_size, SEED, step), mesh.dp_rank, dp)
-        loss = pipe.train_step(x, y, opt)
-        assert np.isclose(loss, ref_losses[step], rtol=1e-9, atol=0), f"{what} step {step}: {loss} vs {ref_losses[step]}"
-        assert not pipe._stash and not pipe._recvs and not pipe._grads, f"{what}: stash not freed"
-    sd = pipe.state_dict()
-    mine = set(cfg.param_shapes()) if p == 1 else set()
-    for name, a in sd.items():
-        np.testing.assert_allclose(a, ref_sd[master_name(name)], err_msg=f"{what}: {name}", **TOL)
+    losses = train(model, opt, lambda step: data.get_batch(tokens, B, cfg.block_size, SEED, step), K)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg=what)
+    assert not pipe._stash and not pipe._recvs and not pipe._grads, f"{what}: stash not freed"
+    for pc in model.pieces():
+        np.testing.assert_allclose(pc.view(pc.tensor.data), ref_sd[pc.name][box_slices(pc)],
+                                   err_msg=f"{what}: {pc.name}", **TOL)
     # every parameter of the model lives on exactly one stage (wte also as lm_head on the last)
-    names = mesh.pp_group.all_gather_object(sorted(sd))
-    held = [master_name(k) for ks in names for k in ks]
-    want = sorted(cfg.param_shapes()) + (["transformer.wte.weight"] if p > 1 else [])
-    assert sorted(held) == sorted(want), f"{what}: stages hold {sorted(held)}"
-    assert mine <= set(sd)
+    names = mesh.pp_group.all_gather_object(sorted(n for n, _ in model.module.named_parameters()))
+    held = sorted(k for ks in names for k in ks)
+    want = sorted(cfg.param_shapes()) + (["lm_head.weight"] if p > 1 else [])
+    assert held == sorted(want), f"{what}: stages hold {held}"
     planned = S.check_schedule(S.make_schedule(schedule, p, m, v), m)[mesh.pp_rank]
     assert pipe.peak_stash == planned, f"{what}: stashed {pipe.peak_stash} micro-batches, plan says {planned}"
     if schedule == "gpipe":
@@ -80,8 +89,8 @@ def check_sequential(pg):
         return nn.Sequential(*mods)
     full = build()
     opt = lesson.make_adamw(full.parameters())
-    chunk = split_sequential(build(), p, pg.rank, partition)
-    pipe = PipelineParallel([chunk], pg, m, "1f1b", act_shape=lambda k, b: (b, H), loss_fn=nn.mse_loss)
+    pipe = PipelineParallel(build(), pg, "1f1b", m, partition=partition, act_shape=lambda k, rows, x: (rows, H),
+                            loss_fn=nn.mse_loss)
     popt = lesson.make_adamw(pipe.parameters())
     for step in range(K):
         x, y = data.regression_batch(B, 5, 3, SEED, step)
@@ -89,11 +98,11 @@ def check_sequential(pg):
         full.zero_grad()
         loss.backward()
         opt.step()
-        got = pipe.train_step(x, y, popt)
+        got = train(pipe, popt, lambda s: (x, y), 1)[0]
         assert np.isclose(got, loss.item(), rtol=1e-9), (got, loss.item())
     a, b = partition_layers(layers, p, partition)[pg.rank]
     ref = full.state_dict()
-    for name, arr in pipe.state_dict().items():
+    for name, arr in pipe.module.state_dict().items():
         assert a <= int(name.split(".")[0]) < b
         np.testing.assert_allclose(arr, ref[name], err_msg=f"sequential {name}", **TOL)
 
@@ -110,13 +119,14 @@ def expect_error(fn, words):
 def check_errors(pg):
     p = pg.size
     if p > 1:
-        expect_error(lambda: gpt_pipeline(config(p - 1), SEED, pg, 2), ["stages", "layers"])
-    expect_error(lambda: gpt_pipeline(config(p), SEED, pg, 2, "interleaved", n_chunks=2), ["stages", "layers"])
-    expect_error(lambda: gpt_pipeline(config(p), SEED, pg, 2, "zigzag"), ["unknown pipeline schedule"])
-    expect_error(lambda: gpt_pipeline(config(2 * p), SEED, pg, 2, partition=[1] * p), ["partition"])
-    pipe = gpt_pipeline(config(p), SEED, pg, 3)
+        expect_error(lambda: PipelineParallel(GPT(config(p - 1), SEED), pg, microbatches=2), ["stages", "layers"])
+    expect_error(lambda: PipelineParallel(GPT(config(p), SEED), pg, "interleaved", 2, chunks=2), ["stages", "layers"])
+    expect_error(lambda: PipelineParallel(GPT(config(p), SEED), pg, "zigzag", 2), ["unknown pipeline schedule"])
+    expect_error(lambda: PipelineParallel(GPT(config(2 * p), SEED), pg, microbatches=2, partition=[1] * p),
+                 ["partition"])
+    pipe = PipelineParallel(GPT(config(p), SEED), pg, microbatches=3)
     x, y = data.get_batch(tokens, B, 8, SEED, 0)
-    expect_error(lambda: pipe.train_step(x, y, lesson.make_adamw(pipe.parameters())), ["divisible", "micro-batches"])
+    expect_error(lambda: pipe.local_batch(x, y), ["divisible", "micro-batches"])
     pg.barrier()                                                # nobody was left inside a collective
 
 
@@ -141,6 +151,4 @@ if n == 4:
         for m in (1, 2, 4):
             cases.append(check_gpt(mesh, schedule, m, 2 if schedule == "interleaved" else 1))
 if rank == 0:
-    print(f"pp_equiv OK on {n} ranks: {len(cases)} cases")
-    for c in cases:
-        print("  ", c)
+    report(n=n, cases=cases)

@@ -1,10 +1,10 @@
-"""Whole-model equivalence of TensorParallelGPT with single-process GPT (float64), and its
+"""Whole-model equivalence of TensorParallel(GPT) with single-process GPT (float64), and its
 communication counted exactly against Megatron's analysis.
 
 For tensor parallelism with and without sequence parallelism (and one run with dropout),
 K AdamW steps on the same global batches: every step's loss equals the single-process
-loss, and afterwards every parameter shard equals tp_slice() of the single-process
-parameter (rtol 1e-9). Replicated parameters' grads are bit-identical on all tp ranks.
+loss, and afterwards every piece a rank holds (model.pieces()) equals the same box of the
+single-process parameter (rtol 1e-9). Replicated parameters' grads are bit-identical on all tp ranks.
 The logits a rank holds are its vocabulary slice only (B, T, V/t).
 At 4 ranks the same runs also go through the tp groups of a DeviceMesh(dp=2, tp=2) (two
 independent tp pairs; the world group must see no traffic).
@@ -23,7 +23,9 @@ import numpy as np
 
 from pdist import comm, data, gpt, lesson
 from pdist.backend import set_default_dtype
-from pdist.parallel.tp_gpt import TensorParallelGPT, tp_slice
+from pdist.parallel import TensorParallel
+from pdist.parallel.layout import box_slices
+from pdist.testing import report
 
 set_default_dtype("float64")
 world = comm.init()
@@ -77,14 +79,22 @@ def same_on_all_ranks(a, what):
     assert all(x == blobs[0] for x in blobs), f"{what}: tp ranks hold different values"
 
 
+def total(ef, eb):
+    out = dict(ef)
+    for op, (c, b) in eb.items():
+        c0, b0 = out.get(op, (0, 0))
+        out[op] = (c0 + c, b0 + b)
+    return out
+
+
 def run(cfg, sp, steps, what):
     ref = gpt.GPT(cfg, seed=SEED)
     ref_opt = lesson.make_adamw(ref.parameters())
-    model = TensorParallelGPT(cfg, seed=SEED, group=group, sequence_parallel=sp)
+    model = TensorParallel(gpt.GPT(cfg, seed=SEED), group, sequence_parallel=sp)
     opt = lesson.make_adamw(model.parameters())
     sd0 = ref.state_dict()
-    for n, p in model.named_parameters():  # init: exactly the slice of the single-process weights
-        assert np.array_equal(p.numpy(), tp_slice(n, sd0[n], r, t)), f"{what}: init of {n} differs"
+    for pc in model.pieces():  # init: exactly the slice of the single-process weights
+        assert np.array_equal(pc.view(pc.tensor.data), sd0[pc.name][box_slices(pc)]), f"{what}: init {pc}"
     for step in range(steps):
         x, y = data.get_batch(tokens, B, T, SEED, step)
         _, ref_loss = ref(x, y)
@@ -92,32 +102,30 @@ def run(cfg, sp, steps, what):
         ref_loss.backward()
         ref_opt.step()
 
-        model.zero_grad()
         group.reset_stats()
-        logits, loss = model(x, y)
-        fwd = measured()
-        group.reset_stats()
-        loss.backward()
-        model.sync_sequence_parallel_grads()
-        bwd = measured()
-        assert logits.shape == (B, T, cfg.vocab_size // t), f"{what}: rank holds logits {logits.shape}"
-        check_counts(cfg, sp, fwd, bwd, f"{what} step {step}")
-        assert np.isclose(loss.item(), ref_loss.item(), rtol=RTOL, atol=ATOL), \
-            f"{what} step {step}: loss {loss.item()!r} != single-process {ref_loss.item()!r}"
-        for n, p in model.named_parameters():
-            if p.shape == cfg.param_shapes()[n]:  # replicated (split shards are smaller)
-                same_on_all_ranks(p.grad, f"{what} grad of replicated {n}")
+        loss = model.forward_backward(*model.local_batch(x, y))
+        got = measured()
+        want = {} if t == 1 else total(*expected(cfg, sp))
+        assert got == want, f"{what} step {step}: collectives {got} != Megatron's {want}"
+        assert np.isclose(loss, ref_loss.item(), rtol=RTOL, atol=ATOL), \
+            f"{what} step {step}: loss {loss!r} != single-process {ref_loss.item()!r}"
+        for pc in model.pieces():
+            if pc.shape == pc.global_shape:  # replicated (split shards are smaller)
+                same_on_all_ranks(pc.tensor.grad, f"{what} grad of replicated {pc.name}")
         opt.step()
+        opt.zero_grad()
+    from pdist.autograd import no_grad
+    with no_grad():
+        logits = model.module(x)
+    assert logits.shape == (B, T, cfg.vocab_size // t), f"{what}: rank holds logits {logits.shape}"
     sd = ref.state_dict()
     worst = 0.0
-    for n, p in model.named_parameters():
-        want = tp_slice(n, sd[n], r, t)
-        got = p.numpy()
-        assert got.shape == want.shape, f"{what}: {n} shard {got.shape} != slice {want.shape}"
+    for pc in model.pieces():
+        want, got = sd[pc.name][box_slices(pc)], pc.view(pc.tensor.data)
         assert np.allclose(got, want, rtol=RTOL, atol=ATOL), \
-            f"{what}: {n} differs from the single-process slice by {np.max(np.abs(got - want)):.3e}"
+            f"{what}: {pc} differs from the single-process slice by {np.max(np.abs(got - want)):.3e}"
         worst = max(worst, float(np.max(np.abs(got - want) / (ATOL + RTOL * np.abs(want)))))
-    checks.append(f"{what}: {steps} steps, worst |err| / (atol + rtol |ref|) = {worst:.2f}")
+    checks.append({"case": what, "steps": steps, "worst": worst})
 
 
 for sp in (False, True):
@@ -135,4 +143,5 @@ if world.size == 4:  # two tp groups of 2 side by side (ranks {0,1} and {2,3}), 
     assert world.stats == {}, f"the tp model used the world group: {world.stats}"
 
 if world.rank == 0:
-    print(f"tp_gpt world={world.size}:\n  " + "\n  ".join(checks))
+    for c in checks:
+        report(world=world.size, **c)

@@ -12,8 +12,10 @@ import numpy as np
 from pdist import Tensor, comm, functional as F
 from pdist.backend import set_default_dtype
 from pdist.gpt import GPTConfig
-from pdist.parallel import tensor_parallel as tp
-from pdist.parallel.tp_gpt import TensorParallelGPT
+from pdist.testing import report
+from pdist import gpt
+from pdist.parallel import TensorParallel
+from pdist.parallel import tp_layers as tp
 
 set_default_dtype("float64")
 world = comm.init()
@@ -191,17 +193,17 @@ if t > 1:
     expect_error(lambda: tp.VocabParallelEmbedding(odd, IN, group=world), ["vocabulary", "Pad"], "vocab")
     expect_error(lambda: tp.RowParallelLinear(IN, OUT, group=world, sequence_parallel=True),
                  ["input_is_parallel=True"], "row SP without parallel input")
-    expect_error(lambda: TensorParallelGPT(GPTConfig(vocab_size=96, n_head=t + 1, n_embd=4 * (t + 1)),
-                                           group=world),
+    expect_error(lambda: TensorParallel(gpt.GPT(GPTConfig(vocab_size=96, n_head=t + 1, n_embd=4 * (t + 1))),
+                                        world),
                  ["n_head = %d" % (t + 1), "divisible by %d" % t], "GPT n_head")
-    expect_error(lambda: TensorParallelGPT(GPTConfig(vocab_size=97, n_head=4, n_embd=16), group=world),
+    expect_error(lambda: TensorParallel(gpt.GPT(GPTConfig(vocab_size=97, n_head=4, n_embd=16)), world),
                  ["vocab_size = 97", "Pad the vocabulary"], "GPT vocab")
     small = GPTConfig(vocab_size=96, block_size=16, n_head=4, n_embd=16, dtype="float64")
-    sp_model = TensorParallelGPT(small, group=world, sequence_parallel=True)
-    expect_error(lambda: sp_model(np.zeros((1, 2 * t + 1), dtype=np.int64)),
+    sp_model = TensorParallel(gpt.GPT(small), world, sequence_parallel=True)
+    expect_error(lambda: sp_model.local_batch(*(np.zeros((1, 2 * t + 1), dtype=np.int64),) * 2),
                  ["sequence length", str(2 * t + 1)],
                  "SP sequence length")
     expect_error(lambda: sp_model(np.full((1, 2 * t), 96)), ["out of range"], "embedding id out of range")
 world.barrier()  # every rank got here: nobody hung in a collective
 
-print(f"[rank {r}] tp_layers t={t}: {len(checked)} checks passed")
+report(rank=r, t=t, checks=len(checked))

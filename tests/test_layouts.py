@@ -1,0 +1,63 @@
+"""The one shape (issue 10): every layout and composition equals single-process training.
+
+tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
+(pdist.training.train) on a ``parallelize``d GPT and checks, on every rank: the losses,
+every piece of every parameter and of Adam's m and v in ``sharded_state_dict`` against
+the same box of the single-process tensors (float64, rtol 1e-9), ``full_state_dict``
+against the single-process state_dict, and ``load_full_state_dict`` as its inverse.
+Also: non-finite values raise NonFiniteError on every rank (tests/workers/nonfinite.py),
+and bad layouts raise before any collective."""
+import pytest
+
+from pdist.testing import MPIRunError, mpirun, reports
+
+W = "tests/workers/layout_equiv.py"
+LAYOUTS = [
+    (1, "--microbatches 2"),
+    (2, "--dp 2"), (2, "--dp 2 --naive --microbatches 2"), (2, "--dp 2 --zero 1"), (2, "--dp 2 --zero 2"),
+    (2, "--dp 2 --zero 3 --microbatches 2"), (2, "--tp 2"), (2, "--tp 2 --sp"),
+    (2, "--pp 2 --schedule gpipe --microbatches 2"), (2, "--pp 2 --schedule interleaved --chunks 2 --microbatches 2"),
+    (3, "--dp 3 --zero 2"),                                     # ZeRO padding: 3 does not divide the units
+    (4, "--dp 2 --tp 2"), (4, "--dp 2 --tp 2 --zero 1 --sp"), (4, "--dp 2 --tp 2 --zero 3 --sp"),
+    (4, "--tp 2 --pp 2 --sp --microbatches 2"), (4, "--dp 2 --pp 2 --microbatches 4"),
+    (4, "--dp 2 --pp 2 --zero 2 --microbatches 2 --schedule gpipe"), (4, "--dp 4 --zero 3"),
+    (8, "--dp 2 --tp 2 --pp 2 --zero 1 --sp --microbatches 4"),
+    (8, "--dp 2 --tp 2 --pp 2 --schedule interleaved --chunks 2 --microbatches 4"),
+]
+
+
+@pytest.mark.parametrize("n,layout", LAYOUTS, ids=[f"n{n} {a}" for n, a in LAYOUTS])
+def test_layout_equals_single_process(n, layout):
+    out = mpirun(n, W, *layout.split(), timeout=300)
+    got = reports(out)
+    assert sorted(r["rank"] for r in got) == list(range(n)), out
+    assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in got), out
+    coords = {tuple(r["coords"]) for r in got}
+    assert len(coords) == n, coords                            # every rank its own (pp, dp, tp)
+
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_nonfinite_raises_on_every_rank(n):
+    got = reports(mpirun(n, "tests/workers/nonfinite.py", timeout=200))
+    for zero in (0, 1, 3):
+        mine = [r for r in got if r["case"] == f"nan weight zero={zero}"]
+        assert len(mine) == n, got
+        for r in mine:       # every rank stops at the poisoned step, naming it and the rank
+            assert r["steps_done"] == 2 and r["error"].startswith("step 2: non-finite loss on rank(s) ["), r
+            assert str(n - 1) in r["error"].split("]")[0], r
+    clip = [r for r in got if r["case"] == "inf grad clip"]
+    assert len(clip) == n and all(r["error"] and "inf" in r["error"] and r["untouched"] for r in clip), clip
+
+
+@pytest.mark.parametrize("args,words", [
+    ("--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
+    ("--tp 3 --dp 1 --pp 1", "divisible by 3"),
+    ("--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
+    ("--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+])
+def test_bad_layout_fails_on_every_rank(args, words):
+    with pytest.raises(MPIRunError) as e:
+        mpirun(4 if "--dp 3" in args or "--pp 4" in args else (3 if "--tp 3" in args else 4), W, *args.split(),
+               timeout=120)
+    msg = str(e.value)
+    assert words in msg, msg
