@@ -134,6 +134,11 @@ def train_reference(cfg, seed, steps, batch_size, tokens=None):
     return losses, model.module.state_dict()
 
 
+POSITIVE_INT_FLAGS = ("steps", "batch_size", "micro_batches", "accum", "microbatches", "n_layer", "n_head",
+                      "n_embd", "block_size")
+NON_NEGATIVE_INT_FLAGS = ("seed",)
+
+
 def validate(parser, args):
     """Reject bad flags before any training or collective, with argparse's usage
     message and exit code 2 (``parser.error``). Every rank parses the same command
