@@ -63,6 +63,7 @@ import math
 
 from pdist.autograd import is_grad_enabled
 from pdist.backend import xp
+from pdist.data import shard
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.flat_param import FlatParamUnit
 from pdist.parallel.layout import reshard_flat
@@ -178,6 +179,10 @@ class ZeRO(ParallelModule):
 
     def pieces(self):
         return list(self._pieces)
+
+    def local_batch(self, x, y):
+        """This rank's rows of the global batch: [r B/N, (r+1) B/N) (data.shard)."""
+        return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
 
     def zero_grad(self):
         self.inner.zero_grad()

@@ -63,6 +63,8 @@ model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, sequence_paralle
                     schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
                     data_parallel="naive" if args.naive else "bucketed")
 opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
+rows = len(model.local_batch(*batch(0))[0])
+assert rows == B // args.dp, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
 losses = train(model, opt, batch, args.steps)
 ref_losses, ref_sd, ref_state = reference(args.steps)
 np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg="losses")

@@ -1,0 +1,240 @@
+"""Lesson 06 -- 3-D parallelism: data x tensor x pipeline parallelism on one mesh.
+
+    mpirun -n 8 python lessons/06_mesh.py                          # dp 2 x tp 2 x pp 2, ZeRO-1, SP
+    mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1     # any pair
+    mpirun -n 4 python lessons/06_mesh.py --dp 1 --tp 2 --pp 2 --schedule gpipe
+
+The world is a grid of ranks, world = (pp * DP + dp) * TP + tp (Megatron's order:
+the tensor-parallel ranks, which talk most, are neighbours). ``parallelize`` turns the
+one GPT into this rank's part (pdist/parallel/parallelize.py):
+
+    TensorParallel    the tp group splits every matrix (Shoeybi et al. 2019; with --sp the
+                      sequence too, Korthikanti et al. 2022)
+    PipelineParallel  the pp group splits the stack of blocks into stages, run by a schedule
+                      over --microbatches micro-batches (Narayanan et al. 2021)
+    DataParallel/ZeRO the dp group splits the batch and averages (or reduce-scatters) the
+                      gradients (Rajbhandari et al. 2020, --zero 1 or 2; ZeRO-3 with pp = 1)
+
+and trains it with the one loop (pdist.training.train) every lesson uses.
+
+The lesson prints (rank 0, gathered from every rank):
+  the mesh       each world rank's (dp, tp, pp) coordinate (the vocabulary is padded to a
+                 multiple of tp, as GPT-2 pads 50257 to 50304)
+  memory         per rank, bytes of params / grads / Adam m, v (pdist.memory: each buffer
+                 once) beside the formula for this layout: Ψ_r = the parameters of this
+                 rank's stage and tensor shard (counted from the config, lm_head's copy
+                 of wte included on the last stage), b bytes each; ZeRO's formula over
+                 the dp group with Ψ_pad = Σ_units ceil(Ψ_u/N)·N (lesson 03)
+  bytes/step     what each rank sent per step in each group (ProcessGroup.stats, ring
+                 accounting) beside the theory: dp 2(N-1)/N·bΨ_r (ZeRO-1/2: RS + AG of
+                 Ψ_pad); pp m·v activations forward + m·v gradients backward minus the
+                 ends; tp by Megatron's count (4 all-reduces per block and micro-batch,
+                 or with SP all-gathers + reduce-scatters, and the embedding, head and loss)
+PASS means: after min(--steps, 10) steps every piece every rank holds equals the same box
+of the single-process model (float64 rtol 1e-9; float32 relative norm 1e-4, lesson 03
+says why), the losses of those steps too, memory = formula and bytes = theory on
+every rank.
+"""
+import math
+import time
+
+import numpy as np
+
+from pdist import comm, data, lesson, memory
+from pdist.backend import set_default_dtype
+from pdist.gpt import GPT
+from pdist.parallel import Local, check_layout, parallelize
+from pdist.parallel.layout import box_slices
+from pdist.parallel.pipeline_parallel import partition_layers
+from pdist.training import train
+
+CHECK_STEPS = 10
+SPLIT = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
+         "mlp.c_proj.weight", "wte.weight"}          # tensor-parallel shards; every other tensor is replicated
+
+
+def parse():
+    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4)
+    p.add_argument("--dp", type=int, default=2)
+    p.add_argument("--tp", type=int, default=2)
+    p.add_argument("--pp", type=int, default=2)
+    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage inside dp")
+    p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (default: on if tp > 1)")
+    p.add_argument("--no-sp", dest="sp", action="store_false")
+    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--microbatches", type=int, default=4)
+    p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved: default 2)")
+    args = lesson.validate(p, p.parse_args())
+    if args.sp is None:
+        args.sp = args.tp > 1
+    if args.chunks is None:
+        args.chunks = 2 if args.schedule == "interleaved" else 1
+    return p, args
+
+
+def local_numel(cfg, names, t):
+    """Ψ_r: elements of ``names`` on one tp rank (split tensors / t)."""
+    shapes = cfg.param_shapes()
+    return sum(math.prod(shapes[n]) // (t if n.split(".", 2)[-1].split(".", 1)[-1] in SPLIT
+                                        or n.endswith("wte.weight") else 1) for n in names)
+
+
+def stage_units(cfg, args, pp_rank):
+    """This rank's ZeRO units (root, blocks, ln_f) as lists of parameter names."""
+    V = args.pp * args.chunks
+    spans = partition_layers(cfg.n_layer, V)
+    ks = [c * args.pp + pp_rank for c in range(args.chunks)]
+    blocks = sorted(i for k in ks for i in range(*spans[k]))
+    names = list(cfg.param_shapes())
+    units = [[n for n in names if n.startswith(f"transformer.h.{i}.")] for i in blocks]
+    root = (["transformer.wte.weight", "transformer.wpe.weight"] if 0 in ks else []) + \
+        (["transformer.wte.weight"] if V - 1 in ks and 0 not in ks else [])   # the last stage's lm_head copy
+    if V - 1 in ks:
+        units.append(["transformer.ln_f.weight", "transformer.ln_f.bias"])
+    return [root] + units
+
+
+def memory_formula(cfg, args, pp_rank, b):
+    units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
+    N, psi = args.dp, sum(units)
+    pad = sum(-(-u // N) * N for u in units)
+    return {0: (b * psi, b * psi, 2 * b * psi), 1: (b * pad, b * pad, 2 * b * pad // N),
+            2: (b * pad, b * pad // N, 2 * b * pad // N), 3: (b * pad // N, b * pad // N, 2 * b * pad // N)}[args.zero]
+
+
+def comm_theory(cfg, args, coords, b):
+    """Bytes this rank sends per step in each group (ring accounting)."""
+    pp_rank = coords.pp
+    units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
+    N, t, psi = args.dp, args.tp, sum(units)
+    pad = sum(-(-u // N) * N for u in units)
+    dp = {0: 2 * (N - 1) * b * psi / N, 1: 2 * (N - 1) * b * pad / N, 2: 2 * (N - 1) * b * pad / N,
+          3: 3 * (N - 1) * b * pad / N}[args.zero]
+    rows = args.batch_size // N // args.microbatches                  # per micro-batch
+    T, C, V = cfg.block_size, cfg.n_embd, args.pp * args.chunks
+    act = rows * T // (t if args.sp else 1) * C * b
+    ks = [c * args.pp + pp_rank for c in range(args.chunks)]
+    pp = args.microbatches * act * sum((k < V - 1) + (k > 0) for k in ks)
+    spans = partition_layers(cfg.n_layer, V)
+    L = sum(spans[k][1] - spans[k][0] for k in ks)
+    S, n_tok = rows * T * C * b, rows * T
+    ring = (t - 1) / t
+    per_mb = (8 * L + 2 * (0 in ks) + 2 * (V - 1 in ks)) * ring * S    # blocks, embedding, head: fwd + bwd
+    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b                                  # loss: max + [sum, target]
+    tp = args.microbatches * per_mb
+    if args.sp and t > 1:          # the sequence-partial grads (LayerNorms, row biases, wpe), once a step
+        partial = L * 6 * C + 2 * C * (V - 1 in ks) + T * C * (0 in ks)
+        tp += 2 * ring * partial * b
+    return {"dp": dp, "tp": tp if t > 1 else 0.0, "pp": float(pp)}
+
+
+def main():
+    parser, args = parse()
+    world = comm.init()
+    set_default_dtype(args.dtype)
+    tokens, tok = data.char_dataset()
+    cfg = lesson.config_from_args(args, -(-tok.vocab_size // args.tp) * args.tp)   # padded to a multiple of tp
+    if args.dp * args.tp * args.pp != world.size:
+        parser.error(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = {args.dp * args.tp * args.pp}, "
+                     f"but the job has {world.size} ranks: launch with mpirun -n {args.dp * args.tp * args.pp}")
+    if args.batch_size % (args.dp * args.microbatches):
+        parser.error(f"--batch-size {args.batch_size} must divide into dp {args.dp} x {args.microbatches} "
+                     f"micro-batches")
+    mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
+    try:
+        check_layout(cfg, mesh, args.zero, args.sp, args.schedule, args.microbatches, args.chunks)
+    except ValueError as e:
+        parser.error(str(e))
+
+    def batch(step):
+        return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
+
+    check_at = min(args.steps, CHECK_STEPS)
+    ref_losses, _ = _reference(cfg, batch, args.seed, args.steps)
+    _, ref_sd = _reference(cfg, batch, args.seed, check_at)
+
+    model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
+                        schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
+    opt = lesson.make_adamw(model.parameters())
+    groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
+    sent, snap, times = [], {}, []
+
+    def on_step(step, loss):
+        sent.append({k: g.bytes_sent() for k, g in groups.items()})
+        for g in groups.values():
+            g.reset_stats()
+        times.append(time.perf_counter())
+        if step + 1 == check_at:
+            snap["pieces"] = [(pc, np.array(pc.view(pc.tensor.data))) for pc in model.pieces()]
+
+    for g in groups.values():
+        g.reset_stats()
+    t0 = time.perf_counter()
+    losses = train(model, opt, batch, args.steps, on_step=on_step)
+    secs = float(np.median(np.diff([t0] + times)))
+    b = np.dtype(args.dtype).itemsize
+    tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else None
+    pairs = [(a.astype(np.float64), ref_sd[pc.name][box_slices(pc)]) for pc, a in snap["pieces"]]
+    sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs), sum(float(np.sum(r ** 2)) for a, r in pairs)])
+    world.all_reduce(sq)
+    rel = float(np.sqrt(sq[0] / sq[1]))
+    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= 1e-4
+    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-5, atol=0)
+    mem = memory.model_state_bytes(model, opt)
+    got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
+    want = memory_formula(cfg, args, mesh.pp_rank, b)
+    theory = comm_theory(cfg, args, mesh.coords, b)
+    per_step = {k: float(np.median([s[k] for s in sent])) for k in groups}
+    bytes_ok = all(abs(per_step[k] - theory[k]) <= 64 for k in groups)
+    ok = shards_ok and loss_ok and got == want and bytes_ok
+    flag = np.array([1.0 if ok else 0.0])
+    world.all_reduce(flag, op="min")
+    rows = world.all_gather_object((world.rank, tuple(mesh.coords), got, want, per_step, theory, shards_ok))
+    if world.rank == 0:
+        report(args, cfg, rows, losses, ref_losses, rel, secs)
+    fb = lesson.fmt_bytes
+    runs = [{"name": "mesh", "layout": {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero,
+                                        "sequence_parallel": args.sp, "schedule": args.schedule,
+                                        "microbatches": args.microbatches, "chunks": args.chunks},
+             "dtype": args.dtype, "params": cfg.num_params(), "loss": losses, "baseline_loss": list(ref_losses),
+             "memory_per_rank": [dict(rank=r, params_bytes=g[0], grads_bytes=g[1], optim_bytes=g[2],
+                                      formula_bytes=list(w)) for r, _, g, w, *_ in rows],
+             "comm_bytes_per_step": [sum(ps.values()) for *_, ps, _, _ in rows],
+             "comm_bytes_per_group": [dict(ps, theory=th) for *_, ps, th, _ in rows],
+             "seconds_per_step": secs}]
+    lesson.finish("06_mesh", bool(flag[0]), runs, args, rank=world.rank, world_size=world.size,
+                  detail=f"(dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}"
+                         f"{', SP' if args.sp and args.tp > 1 else ''}, {args.schedule} m={args.microbatches}: "
+                         f"every shard equals single-process training, memory = formula, bytes = theory; "
+                         f"{fb(sum(rows[0][2]))} of model states on rank 0)")
+
+
+def _reference(cfg, batch, seed, steps):
+    """Single-process training through the one loop, on the lesson's batches."""
+    model = Local(GPT(cfg, seed))
+    opt = lesson.make_adamw(model.parameters())
+    losses = train(model, opt, batch, steps)
+    return losses, model.module.state_dict()
+
+
+def report(args, cfg, rows, losses, ref_losses, rel, secs):
+    fb = lesson.fmt_bytes
+    print(f"GPT Ψ = {cfg.num_params():,} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, {args.dtype}); mesh "
+          f"dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}, SP {'on' if args.sp else 'off'}, "
+          f"{args.schedule} m={args.microbatches} v={args.chunks}; global batch {args.batch_size}, "
+          f"{args.steps} steps\n")
+    print(lesson.table([(r, c[1], c[2], c[0]) for r, c, *_ in rows], ["world rank", "dp", "tp", "pp"]))
+    print()
+    table = []
+    for r, c, got, want, ps, th, ok in rows:
+        table.append((r, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(want)), "yes" if got == tuple(want) else "NO",
+                      fb(ps["dp"]), fb(th["dp"]), fb(ps["tp"]), fb(th["tp"]), fb(ps["pp"]), fb(th["pp"]),
+                      "yes" if ok else "NO"))
+    print(lesson.table(table, ["rank", "params", "grads", "optim", "formula", "=", "dp sent", "theory",
+                               "tp sent", "theory", "pp sent", "theory", "shards = 1 proc"]))
+    print(f"\nloss {losses[-1]:.6f} (1 process {ref_losses[-1]:.6f}); |θ - θ_ref| / |θ_ref| = {rel:.1e} after "
+          f"{min(args.steps, CHECK_STEPS)} steps; {secs * 1e3:.1f} ms/step\n")
+
+
+if __name__ == "__main__":
+    main()
