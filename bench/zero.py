@@ -3,8 +3,8 @@
     mpirun -n 2 python bench/zero.py                  # both sizes, 5 interleaved repeats
     mpirun -n 2 python bench/zero.py --sizes lesson --repeats 3 --steps 5
 
-One step of the one loop (pdist.training.train: forward + backward + AdamW) of a float32 GPT, per-rank batch fixed
-(``rows`` per rank), for: DDP (pdist.parallel.data_parallel.DataParallel, bucketed
+One step of the one loop (pdist.training.train: forward + backward + AdamW) of a
+float32 GPT, per-rank batch fixed (``rows`` per rank), for: DDP (pdist.parallel.data_parallel.DataParallel, bucketed
 and overlapped), ZeRO stage 0 (zero.py's own data parallelism: one flat all-reduce
 per unit), stages 1, 2, and 3 with and without all-gather prefetch. Sizes:
 ``lesson`` is the lessons' GPT (2 layers, n_embd 64, T 32, 6 rows per rank: a few ms

@@ -71,10 +71,12 @@ def parse_args():
     p.add_argument("--accum", dest="micro_batches", type=int, default=1,
                    help="micro-batches per step (gradient accumulation; default %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=0.25, help="bucket cap in MiB (PyTorch: 25)")
-    p.add_argument("--first-bucket-mb", type=float, default=0.0625, help="first bucket cap in MiB (PyTorch: 1)")
+    p.add_argument("--first-bucket-mb", type=float, default=0.0625,
+                   help="first bucket cap in MiB (PyTorch: 1)")
     args = lesson.validate(p, p.parse_args())
     if not (args.bucket_mb > 0 and args.first_bucket_mb > 0):
-        p.error(f"--bucket-mb and --first-bucket-mb must be > 0, got {args.bucket_mb}, {args.first_bucket_mb}")
+        p.error(f"--bucket-mb and --first-bucket-mb must be > 0, "
+                f"got {args.bucket_mb}, {args.first_bucket_mb}")
     return p, args
 
 
@@ -109,7 +111,8 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
     oks, digests = zip(*world.all_gather_object((passed, digest)))
     mem = memory.memory_row(rank, model, opt)   # bucketed: grads are views of the buckets, counted once
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
-           "params": sum(int(np.prod(s)) for s in cfg.param_shapes().values()), "loss": losses, "baseline_loss": base_losses,
+           "params": sum(int(np.prod(s)) for s in cfg.param_shapes().values()),
+           "loss": losses, "baseline_loss": base_losses,
            "memory_per_rank": world.all_gather_object(mem),
            "comm_bytes_per_step": world.all_gather_object(sum(comm_bytes) / args.steps),
            "seconds_per_step": statistics.median(times)}
@@ -140,7 +143,8 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
     print(lesson.table(rows, ["run", "all-reduced", "2(n-1)/n*Psi*bytes", "compute ms", "waiting ms",
                               "in flight ms", "step ms"]))
     tol, loss_rtol = tolerances(args.dtype)
-    print(f"\nreplicas bitwise identical; parameters after {min(args.steps, CHECK_STEPS)} steps equal 1 process "
+    print(f"\nreplicas bitwise identical; parameters after {min(args.steps, CHECK_STEPS)} steps equal "
+          f"1 process "
           f"(rtol {tol['rtol']:g}, atol {tol['atol']:g}), losses of those steps too (rtol {loss_rtol:g}): "
           f"naive {naive['passed']}, bucketed {bucketed['passed']}")
 
@@ -164,11 +168,13 @@ def main():
     naive, ok_naive, t_naive = run("dp_naive", DataParallelNaive(local(), world), world, args, cfg, tokens,
                                    base_losses, base_state)
     dp = DataParallel(local(), world, bucket_cap_mb=args.bucket_mb, first_bucket_cap_mb=args.first_bucket_mb)
-    bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", dp, world, args, cfg, tokens, base_losses, base_state)
+    bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", dp, world, args, cfg, tokens, base_losses,
+                                            base_state)
     if rank == 0:
         report(args, cfg, n, dp, dict(naive, passed=ok_naive), dict(bucketed, passed=ok_bucketed),
                t_naive, t_bucketed)
-    lesson.finish("02_data_parallel", ok_naive and ok_bucketed, [naive, bucketed], args, rank=rank, world_size=n,
+    lesson.finish("02_data_parallel", ok_naive and ok_bucketed, [naive, bucketed], args, rank=rank,
+                  world_size=n,
                   detail=f"-- {n} rank(s): replicas identical; parameters and losses of "
                          f"the first {check_at} steps equal single-process training")
 
