@@ -19,8 +19,9 @@ Per-rank work is fixed (weak scaling: 2 ranks train a global batch twice as larg
 Configurations: 1 rank with 1 BLAS thread (one core: the scaling baseline), 1 rank
 with 2 BLAS threads (both cores, one process), and 2 ranks with 1 BLAS thread each
 using DataParallelNaive, or DataParallel with PyTorch's default buckets (25 MiB,
-first 1 MiB) or smaller ones. "wait ms" is the time finish_gradient_synchronization()
-blocked: communication that backward did not hide. Waits busy-poll (2 ranks on 2
+first 1 MiB) or smaller ones, all trained by the one loop (pdist.training.train).
+"wait ms" is the time the gradient synchronization after backward blocked
+(``last_wait_seconds``): communication that backward did not hide. Waits busy-poll (2 ranks on 2
 cores, PDIST_COOPERATIVE_WAIT=0). Repeats are interleaved so that load from other
 processes hits every configuration alike; the table reports the median over repeats
 of each run's median step, the best repeat ("best ms", and the speedup computed
@@ -52,37 +53,37 @@ def worker(a):
     from threadpoolctl import threadpool_limits
 
     from pdist import comm, data, gpt, lesson, trace
-    from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
+    from pdist.parallel import DataParallel, DataParallelNaive, Local
+    from pdist.training import train
 
     world = comm.init()
     threadpool_limits(limits=a.threads)
     trace.disable()
     tokens, tok = data.char_dataset()
     cfg = lesson.gpt_config(tok.vocab_size, dtype="float32", **MODELS[a.model][0])
-    model = gpt.GPT(cfg, seed=0)
+    model = Local(gpt.GPT(cfg, seed=0))
     if a.kind == "naive":
-        model = DataParallelNaive(model)
+        model = DataParallelNaive(model, world)
     elif a.kind == "bucketed":
-        model = DataParallel(model, bucket_cap_mb=a.bucket_mb, first_bucket_cap_mb=min(1, a.bucket_mb))
+        model = DataParallel(model, world, bucket_cap_mb=a.bucket_mb, first_bucket_cap_mb=min(1, a.bucket_mb))
     opt = lesson.make_adamw(model.parameters())
-    times, waits = [], []
-    for step in range(2 + a.steps):
-        x, y = data.shard(data.get_batch(tokens, a.rows * world.size, cfg.block_size, 0, step),
-                          world.rank, world.size)                      # (rows, T)
+    times, waits, clock = [], [], [0.0]
+
+    def batch(step):       # the timed step starts after the batch is built and the ranks are lined up
+        b = data.get_batch(tokens, a.rows * world.size, cfg.block_size, 0, step)   # (rows * ranks, T)
         world.barrier()
-        t0 = trace.now()
-        model.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        if a.kind != "single":
-            model.finish_gradient_synchronization()
-        opt.step()
+        clock[0] = trace.now()
+        return b
+
+    def on_step(step, loss):
         if step >= 2:
-            times.append(trace.now() - t0)
+            times.append(trace.now() - clock[0])
             waits.append(getattr(model, "last_wait_seconds", 0.0))
+
+    train(model, opt, batch, 2 + a.steps, on_step=on_step)
     if world.rank == 0:
         print("RESULT " + json.dumps({"step": statistics.median(times), "wait": statistics.median(waits),
-                                      "params": model.num_parameters()}))
+                                      "params": model.module.num_parameters()}))
 
 
 def main():

@@ -3,8 +3,8 @@
     mpirun -n 2 python bench/zero.py                  # both sizes, 5 interleaved repeats
     mpirun -n 2 python bench/zero.py --sizes lesson --repeats 3 --steps 5
 
-One forward + backward + AdamW step of a float32 GPT, per-rank batch fixed
-(``rows`` per rank), for: DDP (pdist.parallel.data_parallel.DataParallel, bucketed
+One step of the one loop (pdist.training.train: forward + backward + AdamW) of a
+float32 GPT, per-rank batch fixed (``rows`` per rank), for: DDP (pdist.parallel.data_parallel.DataParallel, bucketed
 and overlapped), ZeRO stage 0 (zero.py's own data parallelism: one flat all-reduce
 per unit), stages 1, 2, and 3 with and without all-gather prefetch. Sizes:
 ``lesson`` is the lessons' GPT (2 layers, n_embd 64, T 32, 6 rows per rank: a few ms
@@ -26,56 +26,46 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pdist import comm, data, gpt, lesson  # noqa: E402
-from pdist.parallel.zero import ZeRO  # noqa: E402
+from pdist.parallel import ZeRO  # noqa: E402
+from pdist.training import train  # noqa: E402
 
 SIZES = {"lesson": (dict(block_size=32, n_layer=2, n_head=4, n_embd=64), 6),
          "medium": (dict(block_size=64, n_layer=4, n_head=8, n_embd=256), 8)}
 CONFIGS = ["DDP", "zero0", "zero1", "zero2", "zero3", "zero3 no prefetch"]
 
 
-def make_step(name, cfg, world):
-    """A function that runs one training step of configuration ``name``."""
-    model = gpt.GPT(cfg, seed=0)
+def make_model(name, cfg, world):
+    """The strategy of configuration ``name`` and its optimizer."""
     if name == "DDP":
-        from pdist.parallel.data_parallel import DataParallel
-        dp = DataParallel(model, world)
-        opt = lesson.make_adamw(dp.parameters())
-
-        def step(x, y):
-            dp.zero_grad()
-            _, loss = dp(x, y)
-            loss.backward()
-            dp.finish_gradient_synchronization()
-            opt.step()
-        return step
-    z = ZeRO(model, int(name[4]), world, prefetch="no prefetch" not in name)
-    opt = lesson.make_adamw(z.parameters())
-
-    def step(x, y):
-        z.zero_grad()
-        _, loss = z(x, y)
-        loss.backward()
-        z.step(opt)
-    return step
+        from pdist.parallel import DataParallel
+        model = DataParallel(gpt.GPT(cfg, seed=0), world)
+    else:
+        model = ZeRO(gpt.GPT(cfg, seed=0), int(name[4]), world, prefetch="no prefetch" not in name)
+    return model, lesson.make_adamw(model.parameters())
 
 
 def time_config(name, cfg, rows, world, tokens, steps):
-    n, rank = world.size, world.rank
-    step = make_step(name, cfg, world)
-    batches = [data.shard(data.get_batch(tokens, rows * n, cfg.block_size, 0, s), rank, n)
-               for s in range(steps + 2)]
-    for x, y in batches[:2]:
-        step(x, y)
+    """2 warm-up steps, then ``steps`` timed steps of the one loop (pdist.training.train):
+    (median seconds per step, bytes this rank sent in the last step)."""
+    n = world.size
+    model, opt = make_model(name, cfg, world)
+    batches = [data.get_batch(tokens, rows * n, cfg.block_size, 0, s) for s in range(steps + 2)]
+    train(model, opt, lambda s: batches[s], 2)
     world.barrier()
-    times = []
-    for x, y in batches[2:]:
+    times, sent, clock = [], [0], [0.0]
+
+    def batch(s):
         world.reset_stats()
-        t0 = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - t0)
-        sent = world.bytes_sent()
+        clock[0] = time.perf_counter()
+        return batches[s]
+
+    def on_step(s, loss):
+        times.append(time.perf_counter() - clock[0])
+        sent[0] = world.bytes_sent()
+
+    train(model, opt, batch, steps, on_step=on_step, start=2)
     world.barrier()
-    return statistics.median(times), sent
+    return statistics.median(times), sent[0]
 
 
 def main():
@@ -87,10 +77,6 @@ def main():
     world = comm.init()
     tokens, tok = data.char_dataset()
     configs = list(CONFIGS)
-    try:
-        import pdist.parallel.data_parallel  # noqa: F401
-    except ImportError:
-        configs.remove("DDP")
     for size in args.sizes:
         kw, rows = SIZES[size]
         cfg = lesson.gpt_config(tok.vocab_size, **kw)

@@ -5,14 +5,24 @@
     mpirun -n 2 python lessons/02_data_parallel.py --accum 2 --steps 10 --json dp.json
 
 Each rank holds the whole GPT and takes rows [r B/n, (r+1) B/n) of the global batch
-of every step. Its loss is the mean over its rows, so averaging the n gradients
-(all-reduce, op="avg") gives the gradient of the mean over the global batch: the
-update single-process training makes. Two ways to average
+of every step (``model.local_batch``). Its loss is the mean over its rows, so
+averaging the n gradients (all-reduce, op="avg") gives the gradient of the mean over
+the global batch: the update single-process training makes. Two ways to average
 (pdist/parallel/data_parallel.py):
 
 * DataParallelNaive: after backward, one all-reduce per parameter.
 * DataParallel: gradients in flat buckets; a bucket's all-reduce starts during
   backward, as soon as its last gradient is ready, and overlaps the rest of backward.
+
+Both are strategies of the one shape, trained by the one loop (pdist.training.train):
+
+    model = DataParallel(Local(GPT(cfg, seed), microbatches=k), world, bucket_cap_mb=0.25)
+    opt = lesson.make_adamw(model.parameters())
+    train(model, opt, lambda step: data.get_batch(tokens, B, T, seed, step), steps)
+
+``--accum k`` is the one loop's micro-batches: each step runs k forward/backward
+passes of B/(n k) rows each (gradient accumulation, each loss scaled by 1/k); the
+buckets' all-reduces start during the last pass's backward.
 
 The lesson trains both for --steps AdamW steps beside single-process training on the
 same global batches and prints: the loss per step (1 process vs naive vs bucketed),
@@ -40,116 +50,134 @@ import statistics
 
 import numpy as np
 
-from pdist import comm, data, gpt, lesson, memory, trace
+from pdist import comm, data, lesson, memory, trace
 from pdist.backend import set_default_dtype, to_numpy
-from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
+from pdist.gpt import GPT
+from pdist.parallel import DataParallel, DataParallelNaive, Local
+from pdist.training import train
 
-p = lesson.parser(__doc__, steps=20, dtype="float64")
-p.add_argument("--batch-size", type=int, default=16, help="global batch (rows), divisible by ranks*accum")
-p.add_argument("--accum", type=int, default=1, help="micro-batches per step (gradient accumulation)")
-p.add_argument("--bucket-mb", type=float, default=0.25, help="bucket cap in MiB (PyTorch: 25)")
-p.add_argument("--first-bucket-mb", type=float, default=0.0625, help="first bucket cap in MiB (PyTorch: 1)")
-args = p.parse_args()
-
-world = comm.init()
-n, rank = world.size, world.rank
-# checked on every rank before any collective: a clear error, never a hang
-if args.steps < 1:
-    raise SystemExit(f"--steps must be >= 1, got {args.steps}")
-if args.accum < 1 or args.batch_size % (n * args.accum):
-    raise SystemExit(f"--batch-size {args.batch_size} must divide into {n} ranks x {args.accum} "
-                     f"micro-batches (use a multiple of {n * max(args.accum, 1)})")
-set_default_dtype(args.dtype)
-tokens, tok = data.char_dataset()
-cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype)
-CHECK_STEPS = min(args.steps, 10)          # the tight parameter check's horizon (see the docstring)
-base_losses, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens=tokens)
-_, base_state = lesson.train_reference(cfg, args.seed, CHECK_STEPS, args.batch_size, tokens=tokens)
-tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else dict(rtol=0, atol=2e-4)
-loss_rtol = 1e-9 if args.dtype == "float64" else 1e-5
-psi = sum(int(np.prod(s)) for s in cfg.param_shapes().values())
-itemsize = np.dtype(args.dtype).itemsize
+CHECK_STEPS = 10   # the tight parameter check's horizon (see the docstring)
 
 
-def run(name, dp):
-    """Train dp for args.steps; returns the run's JSON record and per-step timings."""
-    opt = lesson.make_adamw(dp.parameters())
-    losses, comm_bytes, times, waits, in_flight = [], 0, [], [], []
-    k, ok = args.accum, False
-    for step in range(args.steps):
-        x, y = dp.shard(data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step))  # (B/n, T)
-        mb = len(x) // k
+def tolerances(dtype):
+    """(parameter tolerance for np.allclose, loss rtol) of the check (see the docstring)."""
+    if dtype == "float64":
+        return dict(rtol=1e-9, atol=1e-12), 1e-9
+    return dict(rtol=0, atol=2e-4), 1e-5
+
+
+def parse_args():
+    p = lesson.parser(__doc__, steps=20, dtype="float64", batch_size=16)
+    p.add_argument("--accum", dest="micro_batches", type=int, default=1,
+                   help="micro-batches per step (gradient accumulation; default %(default)s)")
+    p.add_argument("--bucket-mb", type=float, default=0.25, help="bucket cap in MiB (PyTorch: 25)")
+    p.add_argument("--first-bucket-mb", type=float, default=0.0625,
+                   help="first bucket cap in MiB (PyTorch: 1)")
+    args = lesson.validate(p, p.parse_args())
+    if not (args.bucket_mb > 0 and args.first_bucket_mb > 0):
+        p.error(f"--bucket-mb and --first-bucket-mb must be > 0, "
+                f"got {args.bucket_mb}, {args.first_bucket_mb}")
+    return p, args
+
+
+def run(name, model, world, args, cfg, tokens, base_losses, base_state):
+    """Train ``model`` with the one loop; returns (JSON record, passed, (step, wait, in-flight) medians)."""
+    n, rank = world.size, world.rank
+    opt = lesson.make_adamw(model.parameters())
+    check_at = min(args.steps, CHECK_STEPS)
+    tol, loss_rtol = tolerances(args.dtype)
+    comm_bytes, times, waits, in_flight, clock, ok = [], [], [], [], [0.0], [False]
+
+    def batch(step):           # the step starts here: counters and clock from zero
+        b = data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
         world.reset_stats()
         trace.clear()
-        t0 = trace.now()
-        dp.zero_grad()
-        local = 0.0
-        for i in range(k):
-            sl = slice(i * mb, (i + 1) * mb)
-            if i < k - 1:
-                with dp.no_sync():                 # accumulate locally, no communication
-                    _, loss = dp(x[sl], y[sl])
-                    (loss * (1.0 / k)).backward()
-            else:
-                _, loss = dp(x[sl], y[sl])
-                (loss * (1.0 / k)).backward()      # DataParallel: bucket all-reduces start in here
-            local += loss.item() / k
-        dp.finish_gradient_synchronization()        # wait: p.grad = mean over the global batch
-        opt.step()
-        if step + 1 == CHECK_STEPS:
-            ok = all(np.allclose(to_numpy(q.data), base_state[nm], **tol)
-                     for nm, q in dp.module.named_parameters())
-        times.append(trace.now() - t0)
-        waits.append(dp.last_wait_seconds)
+        clock[0] = trace.now()
+        return b
+
+    def on_step(step, loss):   # after the optimizer step (the loss is the global-batch mean)
+        times.append(trace.now() - clock[0])
+        waits.append(model.last_wait_seconds)
         in_flight.append(trace.comm_seconds())
-        comm_bytes += world.stats.get("all_reduce", {}).get("bytes", 0)
-        g = np.array([local])
-        world.all_reduce(g, op="avg")               # the global-batch loss, for printing
-        losses.append(float(g[0]))
-    ok = ok and np.allclose(losses[:CHECK_STEPS], base_losses[:CHECK_STEPS], rtol=loss_rtol, atol=0)
-    digest = hashlib.sha1(b"".join(to_numpy(q.data).tobytes() for q in dp.parameters())).hexdigest()
-    oks, digests = zip(*world.all_gather_object((ok, digest)))
-    mem = memory.memory_row(rank, dp.module, opt)   # bucketed: grads are views of the buckets, counted once
+        comm_bytes.append(world.stats.get("all_reduce", {}).get("bytes", 0))
+        if step + 1 == check_at:
+            ok[0] = all(np.allclose(to_numpy(q.data), base_state[nm], **tol)
+                        for nm, q in model.module.named_parameters())
+
+    losses = train(model, opt, batch, args.steps, on_step=on_step)
+    passed = ok[0] and np.allclose(losses[:check_at], base_losses[:check_at],
+                                   rtol=loss_rtol, atol=0)
+    digest = hashlib.sha1(b"".join(to_numpy(q.data).tobytes() for q in model.parameters())).hexdigest()
+    oks, digests = zip(*world.all_gather_object((passed, digest)))
+    mem = memory.memory_row(rank, model, opt)   # bucketed: grads are views of the buckets, counted once
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
-           "params": psi, "loss": losses, "baseline_loss": base_losses,
+           "params": sum(int(np.prod(s)) for s in cfg.param_shapes().values()),
+           "loss": losses, "baseline_loss": base_losses,
            "memory_per_rank": world.all_gather_object(mem),
-           "comm_bytes_per_step": world.all_gather_object(comm_bytes / args.steps),
+           "comm_bytes_per_step": world.all_gather_object(sum(comm_bytes) / args.steps),
            "seconds_per_step": statistics.median(times)}
     timing = (statistics.median(times), statistics.median(waits), statistics.median(in_flight))
     return rec, all(oks) and len(set(digests)) == 1, timing
 
 
-def model():
-    return gpt.GPT(cfg, seed=args.seed)
-
-
-naive, ok_naive, t_naive = run("dp_naive", DataParallelNaive(model()))
-dp = DataParallel(model(), bucket_cap_mb=args.bucket_mb, first_bucket_cap_mb=args.first_bucket_mb)
-bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", dp)
-
-if rank == 0:
+def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
+    psi, k = naive["params"], args.micro_batches
     print(f"GPT {cfg.n_layer} layers, n_embd {cfg.n_embd}, Psi = {psi:,} parameters ({args.dtype}); "
           f"{n} rank(s), global batch {args.batch_size} = {n} x {args.batch_size // n} rows"
-          f"{f' in {args.accum} micro-batches' if args.accum > 1 else ''}; {len(dp.buckets)} buckets "
+          f"{f' in {k} micro-batches' if k > 1 else ''}; {len(dp.buckets)} buckets "
           f"(bytes, in issue order: {[int(b.buffer.nbytes) for b in dp.buckets]})\n")
-    rows = [(s, base_losses[s], naive["loss"][s], bucketed["loss"][s],
-             max(abs(naive["loss"][s] - base_losses[s]), abs(bucketed["loss"][s] - base_losses[s])))
+    base = naive["baseline_loss"]
+    rows = [(s, base[s], naive["loss"][s], bucketed["loss"][s],
+             max(abs(naive["loss"][s] - base[s]), abs(bucketed["loss"][s] - base[s])))
             for s in range(args.steps)]
     print(lesson.table(rows, ["step", "1 process", "naive DP", "bucketed DP", "max |diff|"], "{:.6g}"))
-    formula = 2 * (n - 1) / n * psi * itemsize
+    formula = 2 * (n - 1) / n * psi * np.dtype(args.dtype).itemsize
     rows = []
     for rec, (step_s, wait_s, fly_s) in ((naive, t_naive), (bucketed, t_bucketed)):
         rows.append((rec["name"], lesson.fmt_bytes(rec["comm_bytes_per_step"][0]), lesson.fmt_bytes(formula),
                      f"{(step_s - wait_s) * 1e3:.1f}", f"{wait_s * 1e3:.1f}", f"{fly_s * 1e3:.1f}",
                      f"{step_s * 1e3:.1f}"))
-    print("\nper step, rank 0 (medians). waiting: blocked in finish_gradient_synchronization(), the "
-          "communication\nbackward did not hide; compute: the rest of the step (bucketed: includes issuing "
-          "the all-reduces\ninside backward); in flight: issue to completion of the all-reduces")
+    print("\nper step, rank 0 (medians). waiting: blocked in the gradient synchronization after backward, "
+          "the\ncommunication backward did not hide; compute: the rest of the step (bucketed: includes "
+          "issuing the\nall-reduces inside backward); in flight: issue to completion of the all-reduces")
     print(lesson.table(rows, ["run", "all-reduced", "2(n-1)/n*Psi*bytes", "compute ms", "waiting ms",
                               "in flight ms", "step ms"]))
-    print(f"\nreplicas bitwise identical; parameters after {CHECK_STEPS} steps equal 1 process "
+    tol, loss_rtol = tolerances(args.dtype)
+    print(f"\nreplicas bitwise identical; parameters after {min(args.steps, CHECK_STEPS)} steps equal "
+          f"1 process "
           f"(rtol {tol['rtol']:g}, atol {tol['atol']:g}), losses of those steps too (rtol {loss_rtol:g}): "
-          f"naive {ok_naive}, bucketed {ok_bucketed}")
-lesson.finish("02_data_parallel", ok_naive and ok_bucketed, [naive, bucketed], args, rank=rank, world_size=n,
-              detail=f"-- {n} rank(s): replicas identical; parameters and losses of "
-                     f"the first {CHECK_STEPS} steps equal single-process training")
+          f"naive {naive['passed']}, bucketed {bucketed['passed']}")
+
+
+def main():
+    p, args = parse_args()
+    world = comm.init()
+    n, rank, k = world.size, world.rank, args.micro_batches
+    if args.batch_size % (n * k):   # the same on every rank, before any collective
+        p.error(f"--batch-size {args.batch_size} must divide into {n} ranks x {k} micro-batches "
+                f"(use a multiple of {n * k})")
+    set_default_dtype(args.dtype)
+    tokens, tok = data.char_dataset()
+    cfg = lesson.config_from_args(args, tok.vocab_size)
+    check_at = min(args.steps, CHECK_STEPS)
+    base_losses, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)
+    _, base_state = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, tokens)
+
+    def local():
+        return Local(GPT(cfg, seed=args.seed), microbatches=k)
+    naive, ok_naive, t_naive = run("dp_naive", DataParallelNaive(local(), world), world, args, cfg, tokens,
+                                   base_losses, base_state)
+    dp = DataParallel(local(), world, bucket_cap_mb=args.bucket_mb, first_bucket_cap_mb=args.first_bucket_mb)
+    bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", dp, world, args, cfg, tokens, base_losses,
+                                            base_state)
+    if rank == 0:
+        report(args, cfg, n, dp, dict(naive, passed=ok_naive), dict(bucketed, passed=ok_bucketed),
+               t_naive, t_bucketed)
+    lesson.finish("02_data_parallel", ok_naive and ok_bucketed, [naive, bucketed], args, rank=rank,
+                  world_size=n,
+                  detail=f"-- {n} rank(s): replicas identical; parameters and losses of "
+                         f"the first {check_at} steps equal single-process training")
+
+
+if __name__ == "__main__":
+    main()

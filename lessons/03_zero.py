@@ -6,8 +6,17 @@ parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero.py).
     python lessons/03_zero.py                          # one rank: nothing to shard, same numbers
 
 Every stage trains the same GPT on the same global batches as single-process
-training (pdist.lesson.train_reference) and must end with its weights (to rounding):
-each rank checks its shard against the same slice of the baseline.
+training (pdist.lesson.train_reference), through the same loop (pdist.training.train):
+
+    model = ZeRO(GPT(cfg, seed), stage, world)        # parameters(): this rank's flat shards
+    opt = lesson.make_adamw(model.parameters())
+    train(model, opt, lambda step: data.get_batch(tokens, B, T, seed, step), steps)
+
+and must end with its weights (to rounding): each rank checks its pieces of the
+model (``model.pieces()``: where each shard sits in the single-process tensors)
+against the same slices of the baseline. Stages 1 and 2 all-gather the updated
+parameters at the start of the next step (FSDP-style), so every step sends
+reduce-scatter + all-gather.
 
 The table (per rank; every rank holds the same amounts, see --json for all):
   params / grads / optim   bytes of live parameters, gradients and AdamW states
@@ -23,8 +32,9 @@ The table (per rank; every rank holds the same amounts, see --json for all):
                            for stages 0-2, 3(N-1)/N·bΨ ("3Ψ") for stage 3
   peak                     the most bytes allocated at once during a step
                            (tracemalloc; model states + activations + temporaries)
+  ms/step                  median step time (rank 0)
   loss, baseline           final loss (mean over ranks) and the single-process one
-  rel err                  |θ - θ_ref| / |θ_ref| over all shards of all ranks (2-norms)
+  rel err                  |θ - θ_ref| / |θ_ref| over all pieces of all ranks (2-norms)
                            after min(--steps, 10) steps
 
 PASS means, on every rank: model-state bytes equal the formula exactly, bytes sent
@@ -37,14 +47,16 @@ gradient is exactly 0) into steps of size lr: single elements differ by up to
 Why stop at 10: summing a gradient in another order is a 1e-16 relative
 difference that training amplifies over many steps (lesson 02 and docs/zero.md).
 """
-import sys
 import time
 
 import numpy as np
 
-from pdist import comm, data, gpt, lesson, memory
+from pdist import comm, data, lesson, memory
 from pdist.backend import set_default_dtype, to_numpy
-from pdist.parallel.zero import ZeRO
+from pdist.gpt import GPT
+from pdist.parallel import ZeRO
+from pdist.parallel.layout import box_slices
+from pdist.training import train
 
 FORMULA = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}  # in float32 (b = 4)
 COMM = {0: "2Ψ·(N-1)/N", 1: "2Ψ·(N-1)/N", 2: "2Ψ·(N-1)/N", 3: "3Ψ·(N-1)/N"}  # ring accounting
@@ -68,57 +80,68 @@ def comm_theory(stage, z, n, b):
     return (2 if stage < 3 else 3) * (n - 1) * b * z.numel_padded / n
 
 
-def train(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=None):
-    """Train ``steps`` steps under ZeRO-``stage``. After step ``check_at``, compare this
-    rank's shards with the same slices of ``ref_sd``: check = (ok, |θ - θ_ref| / |θ_ref|)."""
-    n, rank = world.size, world.rank
-    z = ZeRO(gpt.GPT(cfg, seed=args.seed), stage, world, prefetch=not args.no_prefetch)
+def shard_error(z, ref_sd, world, tol):
+    """Compare this rank's pieces with the same slices of ``ref_sd``: (ok, |θ - θ_ref| / |θ_ref|)
+    over all ranks' pieces (an all-reduce)."""
+    pairs = [(to_numpy(p.view(p.tensor.data)).astype(np.float64), np.asarray(ref_sd[p.name])[box_slices(p)])
+             for p in z.pieces()]
+    sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs),
+                   sum(float(np.sum(r ** 2)) for a, r in pairs)])
+    world.all_reduce(sq)                      # over all ranks' pieces: the whole model
+    rel = float(np.sqrt(sq[0] / sq[1]))       # |θ - θ_ref| / |θ_ref|
+    return (all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= F32_REL), rel
+
+
+def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=None):
+    """Train ``steps`` steps under ZeRO-``stage`` with the one loop. After step ``check_at``,
+    compare this rank's pieces with ``ref_sd`` (``shard_error``). Returns
+    (model, optimizer, losses, bytes sent per step, median seconds per step, (ok, rel err))."""
+    z = ZeRO(GPT(cfg, seed=args.seed), stage, world, prefetch=not args.no_prefetch)
     opt = lesson.make_adamw(z.parameters())
-    losses, sent, secs, check = [], [], [], (True, 0.0)
-    for step in range(steps):
-        x, y = data.shard(data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step), rank, n)
+    sent, secs, check, clock = [], [], [(True, 0.0)], [0.0]
+
+    def batch(step):           # the step starts here: counters and clock from zero
+        b = data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
         world.reset_stats()
-        t0 = time.perf_counter()
-        z.zero_grad()
-        _, loss = z(x, y)
-        loss.backward()
-        z.step(opt)
-        secs.append(time.perf_counter() - t0)
+        clock[0] = time.perf_counter()
+        return b
+
+    def on_step(step, loss):
+        secs.append(time.perf_counter() - clock[0])
         sent.append(world.bytes_sent())
-        losses.append(loss.item())
         if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)
-            pairs = [(to_numpy(u.shard.data).astype(np.float64), to_numpy(u.flatten(ref_sd)[u.lo:u.hi]))
-                     for u in z.units]
-            sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs),
-                           sum(float(np.sum(r ** 2)) for a, r in pairs)])
-            world.all_reduce(sq)                      # over all ranks' shards: the whole model
-            rel = float(np.sqrt(sq[0] / sq[1]))       # |θ - θ_ref| / |θ_ref|
-            ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= F32_REL
-            check = (ok, rel)
-    return z, opt, losses, sent, float(np.median(secs)), check
+            check[0] = shard_error(z, ref_sd, world, tol)
+
+    losses = train(z, opt, batch, steps, on_step=on_step)
+    return z, opt, losses, sent, float(np.median(secs)), check[0]
+
+
+def peak_bytes(cfg, stage, world, args, tokens):
+    """The peak of one step (step 0's batch) after 2 traced steps from a fresh model
+    (tracemalloc slows NumPy's allocations, so the timed run is not traced)."""
+    memory.start_tracing(restart=True)
+    zm, om, *_ = run(cfg, stage, world, args, tokens, min(2, args.steps))
+    with memory.PeakMemory() as pk:
+        train(zm, om, lambda step: data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, 0), 1)
+    memory.stop_tracing()
+    return pk.peak_bytes
 
 
 def main():
-    p = lesson.parser(__doc__)
-    p.add_argument("--stage", type=int, default=None, help="one ZeRO stage (0-3); default: all four")
-    p.add_argument("--batch-size", type=int, default=12, help="global batch (default %(default)s)")
+    p = lesson.parser(__doc__, batch_size=12)
+    p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
-    args = p.parse_args()
+    args = lesson.validate(p, p.parse_args())
     world = comm.init()
     n, rank = world.size, world.rank
-    # bad input: the same error on every rank, before any collective
-    if args.stage is not None and args.stage not in (0, 1, 2, 3):
-        sys.exit(f"03_zero: --stage must be 0, 1, 2 or 3, got {args.stage}")
-    if args.batch_size % n:
-        sys.exit(f"03_zero: --batch-size {args.batch_size} does not divide by the {n} ranks; "
-                 f"use a multiple of {n}")
-    if args.steps < 1:
-        sys.exit(f"03_zero: --steps must be >= 1, got {args.steps}")
+    if args.batch_size % n:    # the same on every rank, before any collective
+        p.error(f"--batch-size {args.batch_size} does not divide by the {n} ranks; use a multiple of {n}")
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
 
     set_default_dtype(args.dtype)
     tokens, tok = data.char_dataset()
-    cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype)
+    cfg = lesson.config_from_args(args, tok.vocab_size)
     b = np.dtype(args.dtype).itemsize
     # the check (as lesson 02's): shards after min(steps, 10) steps and the losses of those steps
     check_at = min(args.steps, CHECK_STEPS)
@@ -129,27 +152,14 @@ def main():
 
     rows, runs, ok_all = [], [], True
     for stage in stages:
-        # peak: a traced run of 2 steps from a fresh model (tracemalloc slows NumPy's allocations,
-        # so the timed run below is not traced)
-        memory.start_tracing(restart=True)
-        zm, om, *_ = train(cfg, stage, world, args, tokens, min(2, args.steps))
-        with memory.PeakMemory() as pk:
-            x, y = data.shard(data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, 0), rank, n)
-            zm.zero_grad()
-            zm(x, y)[1].backward()
-            zm.step(om)
-        del zm, om
-        memory.stop_tracing()
-
-        z, opt, losses, sent, sps, (shards_ok, err) = train(cfg, stage, world, args, tokens, args.steps,
-                                                             check_at, ref_sd, tol)
-        mem = memory.memory_row(rank, z, opt, pk.peak_bytes)
+        peak = peak_bytes(cfg, stage, world, args, tokens)
+        z, opt, losses, sent, sps, (shards_ok, err) = run(cfg, stage, world, args, tokens, args.steps,
+                                                           check_at, ref_sd, tol)
+        mem = memory.memory_row(rank, z, opt, peak)
         psi = z.numel if stage == 0 else z.numel_padded
         want = formula_bytes(stage, psi, n, b)
         theory = comm_theory(stage, z, n, b)
         got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
-        losses = np.array(losses)
-        world.all_reduce(losses, op="avg")                          # the global mean loss per step
         loss_ok = np.allclose(losses[:check_at], baseline[:check_at], rtol=loss_rtol, atol=0)
         ok = (shards_ok and loss_ok and got == want
               and all(abs(s - theory) <= len(z.units) for s in sent))
@@ -159,7 +169,7 @@ def main():
         mems, sents = world.all_gather_object(mem), world.all_gather_object(float(np.mean(sent)))
         runs.append({"name": f"zero{stage}", "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage},
                      "dtype": args.dtype, "params": z.numel, "params_padded": z.numel_padded,
-                     "loss": losses.tolist(), "baseline_loss": list(baseline), "memory_per_rank": mems,
+                     "loss": list(losses), "baseline_loss": list(baseline), "memory_per_rank": mems,
                      "comm_bytes_per_step": sents, "comm_bytes_theory": theory,
                      "memory_formula": dict(zip(("params_bytes", "grads_bytes", "optim_bytes"), want)),
                      "seconds_per_step": sps})
@@ -167,8 +177,7 @@ def main():
         rows.append([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
                      f"{FORMULA[stage] if b == 4 else '2x ' + FORMULA[stage]} = {fb(sum(want))}",
                      "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
-                     fb(pk.peak_bytes), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}",
-                     f"{err:.1e}", f"{sps * 1e3:.1f}"])
+                     fb(peak), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"])
 
     if rank == 0:
         print(f"ZeRO on {n} rank(s): GPT with Ψ = {z.numel:,} parameters ({len(z.units)} flat units: "
