@@ -3,7 +3,7 @@
 Every module writes ``from pdist.backend import xp`` and calls ``xp.zeros``,
 ``xp.matmul``, ... . ``xp`` forwards to NumPy by default and to CuPy after
 ``use_device("gpu")`` or when the environment says ``PDIST_DEVICE=gpu``, so no
-algorithm file ever branches on NumPy vs CuPy (DESIGN.md, principle 3).
+algorithm file ever branches on NumPy vs CuPy (docs/design.md).
 
     PDIST_DEVICE=gpu mpirun -n 4 python lessons/03_zero.py
 

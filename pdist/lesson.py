@@ -1,5 +1,5 @@
 """Small helpers every lesson shares: the standard flags, printing on rank 0,
-tables, the JSON summary (a contract, see DESIGN.md) and the PASS/FAIL line.
+tables, the JSON summary (a contract, see docs/design.md) and the PASS/FAIL line.
 
     args = lesson.parse_args(__doc__, extra=lambda p: p.add_argument("--stage", type=int))
     ...

@@ -123,7 +123,7 @@ class PeakMemory:
 
 
 def memory_row(rank, model, optimizer=None, peak_bytes=None):
-    """One entry of the JSON summary's ``memory_per_rank`` (DESIGN.md)."""
+    """One entry of the JSON summary's ``memory_per_rank`` (docs/design.md)."""
     row = {"rank": int(rank), **model_state_bytes(model, optimizer)}
     if peak_bytes is not None:
         row["peak_bytes"] = int(peak_bytes)

@@ -12,7 +12,7 @@ hand-built ones of algorithms.py over point-to-point: all_reduce ``naive``,
 ``tree``; reduce ``naive``, ``tree``; all_to_all ``pairwise``. Hand-built
 algorithms run eagerly: with ``async_op=True`` they return a completed Work.
 
-Accounting (DESIGN.md; what this rank sends, the way a ring moves it; S = the
+Accounting (docs/design.md; what this rank sends, the way a ring moves it; S = the
 full tensor's bytes, n = group size), ``pg.stats[op]["bytes"]``:
 
     all_reduce 2(n-1)/n*S   reduce_scatter, all_gather (n-1)/n*S
@@ -66,7 +66,7 @@ class ProcessGroup:
         self.stats = {}
 
     def bytes_sent(self):
-        """Sum over ops of the accounted bytes (the DESIGN.md ring accounting)."""
+        """Sum over ops of the accounted bytes (the ring accounting of docs/design.md)."""
         return sum(s["bytes"] for s in self.stats.values())
 
     def _count(self, op, nbytes, wire=0):

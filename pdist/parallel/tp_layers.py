@@ -39,7 +39,7 @@ from pdist.parallel.tp_regions import (  # noqa: F401  (re-exported: the public 
 # --- layers ---------------------------------------------------------------------------------------
 def _master(shape, given, draw, rng):
     """The full (master) array: the one given, else drawn from rng the way nn.Linear draws it,
-    so the layout never changes the initial weights (DESIGN.md principle 2)."""
+    so the layout never changes the initial weights (docs/design.md)."""
     if given is not None:
         if tuple(np.shape(given)) != tuple(shape):
             raise ValueError(f"master weight has shape {tuple(np.shape(given))}, expected {tuple(shape)}")

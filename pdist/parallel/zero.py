@@ -21,7 +21,7 @@ reads, in fp32 (b = 4): params 4Ψ + grads 4Ψ + Adam m, v 8Ψ:
 Stages 1-3 flatten each unit into a buffer of Ψ_pad = ceil(Ψ_u/N)·N elements
 (flat_param.py), so there Ψ means Σ_units Ψ_pad, and the formula is exact.
 
-Sent per rank per step (ring accounting, S = bΨ bytes; DESIGN.md):
+Sent per rank per step (ring accounting, S = bΨ bytes; docs/design.md):
     stage 0    all-reduce(grads)                        2(N-1)/N S   "2Ψ"
     stage 1, 2 reduce-scatter(grads) + all-gather(params)  2(N-1)/N S   "2Ψ"
     stage 3    all-gather before forward, again before backward,
