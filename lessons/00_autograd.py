@@ -33,7 +33,7 @@ from pdist import data, lesson  # noqa: E402
 from pdist.gpt import GPT  # noqa: E402
 from pdist.gradcheck import central_difference  # noqa: E402
 
-BATCH, STEPS = 16, 1000
+STEPS = 1000
 # (parameter, index) pairs for the finite-difference check: one from each kind of op
 FD_ENTRIES = [("transformer.wpe.weight", (7, 11)),
               ("transformer.h.0.attn.c_attn.weight", (9, 70)), ("transformer.h.1.mlp.c_fc.bias", (40,)),
@@ -46,7 +46,7 @@ def train(cfg, tokens, args):
     opt = lesson.make_adamw(model.parameters())
     losses, times = [], []
     for step in range(args.steps):
-        x, y = data.get_batch(tokens, BATCH, cfg.block_size, args.seed, step)  # (B, T) ints
+        x, y = data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)  # (B, T) ints
         t0 = time.perf_counter()
         _, loss = model(x, y)
         model.zero_grad()
@@ -60,7 +60,8 @@ def train(cfg, tokens, args):
 def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
     """Analytic dL/dw (backward) vs (L(w + h) - L(w - h)) / 2h at each (name, index) of
     entries, in float64 on the trained weights."""
-    cfg64 = lesson.gpt_config(cfg.vocab_size, dtype="float64")
+    cfg64 = lesson.config_from_args(args, cfg.vocab_size)
+    cfg64.dtype = "float64"
     m = GPT(cfg64, seed=args.seed)
     m.load_state_dict(model.state_dict())  # the trained weights, in float64
     x, y = data.get_batch(tokens, 4, cfg.block_size, args.seed, 10**6)  # a batch not trained on
@@ -69,7 +70,9 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
     params = dict(m.named_parameters())
     rows = []
     for name, idx in entries:
+        name = name.replace("h.1.", f"h.{min(1, cfg.n_layer - 1)}.")      # any --n-layer
         p = params[name]
+        idx = tuple(i % d for i, d in zip(idx, p.shape))                  # any --n-embd
         num = central_difference(lambda: m(x, y)[1].item(), p.data, idx, h)
         ana = float(p.grad[idx])
         rel = abs(ana - num) / max(abs(num), 1e-30)
@@ -90,11 +93,11 @@ def main():
 
 def run(args):
     tokens, tok = data.char_dataset()
-    cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype)
+    cfg = lesson.config_from_args(args, tok.vocab_size)
     model, losses, times = train(cfg, tokens, args)
-    n_params = model.num_parameters()
+    n_params = cfg.num_params()
     print(f"GPT: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, T {cfg.block_size}, "
-          f"vocab {cfg.vocab_size}: {n_params:,} parameters, {args.dtype}, batch {BATCH}")
+          f"vocab {cfg.vocab_size}: {n_params:,} parameters, {args.dtype}, batch {args.batch_size}")
     shown = sorted(set(np.linspace(0, args.steps - 1, min(args.steps, 11)).astype(int)))
     print(lesson.table([[s, losses[s]] for s in shown], ["step", "loss"]))
     sec = float(np.median(times))

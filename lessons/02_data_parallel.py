@@ -111,7 +111,7 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
     oks, digests = zip(*world.all_gather_object((passed, digest)))
     mem = memory.memory_row(rank, model, opt)   # bucketed: grads are views of the buckets, counted once
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
-           "params": sum(int(np.prod(s)) for s in cfg.param_shapes().values()),
+           "params": cfg.num_params(),
            "loss": losses, "baseline_loss": base_losses,
            "memory_per_rank": world.all_gather_object(mem),
            "comm_bytes_per_step": world.all_gather_object(sum(comm_bytes) / args.steps),

@@ -46,6 +46,7 @@ from pdist.gpt import GPT
 from pdist.parallel import Local, check_layout, parallelize
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline_parallel import partition_layers
+from pdist.parallel.schedules import virtual_stage
 from pdist.training import train
 
 CHECK_STEPS = 10
@@ -83,7 +84,7 @@ def stage_units(cfg, args, pp_rank):
     """This rank's ZeRO units (root, blocks, ln_f) as lists of parameter names."""
     V = args.pp * args.chunks
     spans = partition_layers(cfg.n_layer, V)
-    ks = [c * args.pp + pp_rank for c in range(args.chunks)]
+    ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
     blocks = sorted(i for k in ks for i in range(*spans[k]))
     names = list(cfg.param_shapes())
     units = [[n for n in names if n.startswith(f"transformer.h.{i}.")] for i in blocks]
@@ -113,7 +114,7 @@ def comm_theory(cfg, args, coords, b):
     rows = args.batch_size // N // args.microbatches                  # per micro-batch
     T, C, V = cfg.block_size, cfg.n_embd, args.pp * args.chunks
     act = rows * T // (t if args.sp else 1) * C * b
-    ks = [c * args.pp + pp_rank for c in range(args.chunks)]
+    ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
     pp = args.microbatches * act * sum((k < V - 1) + (k > 0) for k in ks)
     spans = partition_layers(cfg.n_layer, V)
     L = sum(spans[k][1] - spans[k][0] for k in ks)

@@ -16,7 +16,7 @@ def test_views_count_their_buffer_once():
 def test_model_state_bytes_of_a_plain_model_and_adamw():
     cfg = gpt.GPTConfig(vocab_size=20, block_size=8, n_layer=1, n_head=2, n_embd=8, dtype="float32")
     model = gpt.GPT(cfg, seed=0)
-    psi = sum(int(np.prod(s)) for s in cfg.param_shapes().values())
+    psi = cfg.num_params()
     opt = lesson.make_adamw(model.parameters())
     before = memory.model_state_bytes(model, opt)
     assert before == {"params_bytes": 4 * psi, "grads_bytes": 0, "optim_bytes": 0}

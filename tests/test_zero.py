@@ -4,7 +4,6 @@ paper's formula, bytes sent equal to the ring theory, the stage-2/3 schedule (gr
 freed as units are reduced, at most root + current + prefetched unit gathered), stage
 3's peak bound, bad input; and lesson 03's JSON summary."""
 import json
-import math
 from pathlib import Path
 
 import pytest
@@ -39,7 +38,7 @@ def test_lesson_03_json_contract(tmp_path):
     assert [r["name"] for r in s["runs"]] == ["zero0", "zero1", "zero2", "zero3"]
     from pdist import data, lesson
     cfg = lesson.gpt_config(data.char_dataset()[1].vocab_size)
-    psi = sum(math.prod(v) for v in cfg.param_shapes().values())
+    psi = cfg.num_params()
     b = 8
     for stage, r in enumerate(s["runs"]):
         assert r["layout"] == {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage}

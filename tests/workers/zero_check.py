@@ -59,7 +59,7 @@ ref_v = {k: ref_opt.state[id(p)]["exp_avg_sq"] for k, p in named.items()}
 
 # ---- Ψ and Ψ_pad from the GPT's shapes (independent of the engine)
 shapes = cfg.param_shapes()
-PSI = sum(math.prod(s) for s in shapes.values())
+PSI = cfg.num_params()
 unit_prefixes = [f"transformer.h.{i}." for i in range(cfg.n_layer)] + ["transformer.ln_f."]
 unit_sizes = [sum(math.prod(s) for k, s in shapes.items() if k.startswith(p)) for p in unit_prefixes]
 unit_sizes = [PSI - sum(unit_sizes)] + unit_sizes            # the root: wte + wpe
