@@ -139,7 +139,7 @@ def run(name, sp, world, cfg, tokens, args, base):
     passed = ok[0] and np.allclose(losses, base_losses, rtol=loss_rtol, atol=0) and counted == expected
     params = sum(q.data.nbytes for q in model.parameters())
     mem = {"rank": world.rank, "params_bytes": params,
-           "grads_bytes": params,  # one gradient per parameter, its shape (train() frees them after each step)
+           "grads_bytes": params,  # one gradient per parameter, its shape (train() frees them each step)
            "optim_bytes": opt.state_bytes()}
     rec = {"name": name, "layout": {"dp": 1, "tp": t, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
            "params": sum(int(np.prod(s)) for s in cfg.param_shapes().values()), "sequence_parallel": sp,
@@ -211,8 +211,8 @@ def main():
     if rank == 0:
         report(tp_run, sp_run, cfg, args, t)
     lesson.finish("04_tensor_parallel", ok_tp and ok_sp, [tp_run, sp_run], args, rank=rank, world_size=t,
-                  detail=f"-- t = {t}: losses of {args.steps} steps and shards after {check_steps} steps equal "
-                         f"single-process training; collectives equal Megatron's count")
+                  detail=f"-- t = {t}: losses of {args.steps} steps and shards after {check_steps} steps "
+                         f"equal single-process training; collectives equal Megatron's count")
 
 
 if __name__ == "__main__":

@@ -54,8 +54,8 @@ def plan(n, cfg, batch_size):
         runs.append(Run("1f1b", 4, 1, 2, 2))
     need = math.lcm(*(r.dp * r.m for r in runs))
     if batch_size % need:
-        raise ValueError(f"--batch-size {batch_size} does not split into dp x m micro-batches for every run on "
-                         f"{n} ranks (p = {pp}, m in {ms}): use a batch size divisible by {need}, "
+        raise ValueError(f"--batch-size {batch_size} does not split into dp x m micro-batches for every run "
+                         f"on {n} ranks (p = {pp}, m in {ms}): use a batch size divisible by {need}, "
                          f"e.g. --batch-size {need * max(1, round(batch_size / need))}")
     for r in runs:
         try:
@@ -116,7 +116,8 @@ def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):
 
 def record(r, res, every, ref_losses, cfg, args, rank):
     """The table row and the JSON record of one run (``every``: each rank's gathered facts)."""
-    name = f"{r.schedule} m={r.m}" + (f" v={r.v}" if r.v > 1 else "") + (f" pp{r.pp}xdp{r.dp}" if r.dp > 1 else "")
+    name = (f"{r.schedule} m={r.m}" + (f" v={r.v}" if r.v > 1 else "")
+            + (f" pp{r.pp}xdp{r.dp}" if r.dp > 1 else ""))
     ok = all(e[0] for e in every)
     stash = [e[1] for e in every if e[4].dp == 0]          # world ranks are pp-major: stage order
     planned = S.bubble_fraction(res["planned"])[0]
@@ -156,7 +157,8 @@ def report(rows, show, pp, cfg, args, n):
 
 
 def main():
-    ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8)  # float64: equality to 1e-9
+    # float64: equality to 1e-9 is the check
+    ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8)
     ap.add_argument("--png", metavar="PATH", default=None, help="also draw planned vs measured (matplotlib)")
     args = lesson.validate(ap, ap.parse_args())
     set_default_dtype(args.dtype)
@@ -170,8 +172,7 @@ def main():
         ap.error(f"[rank {rank}] {e}")
     ref = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens) if rank == 0 else None
     ref_losses, ref_sd = world.broadcast_object(ref, src=0)
-    meshes = {(r.pp, r.dp): None for r in runs}
-    meshes = {k: comm.DeviceMesh(dp=k[1], pp=k[0]) for k in meshes}
+    meshes = {k: comm.DeviceMesh(dp=k[1], pp=k[0]) for k in dict.fromkeys((r.pp, r.dp) for r in runs)}
     tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else dict(rtol=1e-3, atol=1e-4)
     rows, summary, passed, show = [], [], True, None
     for r in runs:
