@@ -30,27 +30,35 @@ if __name__ == "__main__" and "--child" not in sys.argv and not any(
 from pdist import comm, data, lesson  # noqa: E402
 from pdist.backend import set_default_dtype  # noqa: E402
 from pdist.parallel import schedules as S  # noqa: E402
-from pdist.parallel.pipeline_parallel import gather_timeline, gpt_pipeline  # noqa: E402
+from pdist.gpt import GPT  # noqa: E402
+from pdist.parallel import PipelineParallel  # noqa: E402
+from pdist.parallel.pipeline_parallel import gather_timeline  # noqa: E402
+from pdist.training import train  # noqa: E402
 
 
 def measure(cfg, tokens, pg, schedule, m, v, repeats):
-    pipe = gpt_pipeline(cfg, 0, pg, m, schedule, n_chunks=v)
+    pipe = PipelineParallel(GPT(cfg, 0), pg, schedule, microbatches=m, chunks=v)
     opt = lesson.make_adamw(pipe.parameters())
-    idle, times, ratio, peak = [], [], [], 0
-    for step in range(repeats + 1):
-        x, y = data.get_batch(tokens, 32, cfg.block_size, 0, step)
-        t0 = time.perf_counter()
-        pipe.train_step(x, y, opt, timeline=True)
-        dt = time.perf_counter() - t0
+    idle, times, ratio, peak, t0 = [], [], [], [0], [0.0]
+
+    def batch(step):
+        pipe.record_timeline = True      # align the stages' clocks at a barrier, keep the spans
+        t0[0] = time.perf_counter()
+        return data.get_batch(tokens, 32, cfg.block_size, 0, step)
+
+    def on_step(step, loss):
+        dt = time.perf_counter() - t0[0]
         tl = gather_timeline(pipe)
-        peak = max(peak, max(pg.all_gather_object(pipe.peak_stash)))
+        peak[0] = max(peak[0], max(pg.all_gather_object(pipe.peak_stash)))
         if step == 0 or pg.rank != 0:
-            continue
+            return
         times.append(dt)
         idle.append(S.bubble_fraction(tl))
         tf = [e - s for r in tl for i, s, e in r if i.op == S.FORWARD]
         tb = [e - s for r in tl for i, s, e in r if i.op == S.BACKWARD]
         ratio.append(np.mean(tb) / np.mean(tf))
+    train(pipe, opt, batch, repeats + 1, on_step=on_step)     # the one loop
+    peak = peak[0]
     return idle, times, ratio, peak
 
 

@@ -1,4 +1,4 @@
-"""Step time of tensor parallelism on this machine: TensorParallelGPT over t = 2 ranks (one
+"""Step time of tensor parallelism on this machine: TensorParallel(GPT) over t = 2 ranks (one
 BLAS thread each, with and without sequence parallelism) next to one process (with one and
 with two BLAS threads), same model, same global batch, forward + backward + AdamW.
 
@@ -36,31 +36,30 @@ def worker(a):
     from threadpoolctl import threadpool_limits
     from pdist import comm, data, gpt, lesson, trace
     from pdist.backend import set_default_dtype
-    from pdist.parallel.tp_gpt import TensorParallelGPT
+    from pdist.parallel import Local, TensorParallel
+    from pdist.training import train
     world = comm.init()
     threadpool_limits(limits=a.threads)
     set_default_dtype(a.dtype)
     kw, B = SIZES[a.size]
     tokens, tok = data.char_dataset()
     cfg = gpt.GPTConfig(vocab_size=tok.vocab_size, dtype=a.dtype, **kw)
-    model = (gpt.GPT(cfg, seed=0) if a.layout == "single"
-             else TensorParallelGPT(cfg, seed=0, group=world, sequence_parallel=a.layout == "tp_sp"))
+    model = (Local(gpt.GPT(cfg, seed=0)) if a.layout == "single"
+             else TensorParallel(gpt.GPT(cfg, seed=0), world, sequence_parallel=a.layout == "tp_sp"))
     opt = lesson.make_adamw(model.parameters())
-    times, comm_s = [], []
-    for step in range(a.steps + 1):
-        x, y = data.get_batch(tokens, B, cfg.block_size, 0, step)
+    times, comm_s, t0 = [], [], [0.0]
+
+    def batch(step):
         world.barrier()
         trace.clear()
-        t0 = time.perf_counter()
-        model.zero_grad()
-        _, loss = model(x, y)
-        loss.backward()
-        if a.layout != "single":
-            model.sync_sequence_parallel_grads()
-        opt.step()
+        t0[0] = time.perf_counter()
+        return data.get_batch(tokens, B, cfg.block_size, 0, step)
+
+    def on_step(step, loss):
         if step:  # the first step warms up allocations
-            times.append(time.perf_counter() - t0)
+            times.append(time.perf_counter() - t0[0])
             comm_s.append(trace.comm_seconds())
+    train(model, opt, batch, a.steps + 1, on_step=on_step)   # the one loop: forward, backward, AdamW
     if world.rank == 0:
         print("RESULT " + json.dumps({"step": statistics.median(times), "comm": statistics.median(comm_s)}))
 

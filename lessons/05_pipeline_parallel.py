@@ -2,11 +2,15 @@
 
     mpirun -n 4 python lessons/05_pipeline_parallel.py        # p = 4 stages
     python lessons/05_pipeline_parallel.py                    # p = 1 (runs, shows nothing pipelined)
+    mpirun -n 3 python lessons/05_pipeline_parallel.py --batch-size 12   # p = 3: m in {1, 3, 6}
 
-The GPT (8 blocks) is cut into p stages (interleaved: 2p chunks, 2 per rank).
-Each step splits the global batch into m micro-batches; a schedule orders the
-forwards and backwards on every stage (GPipe: all forwards, then all backwards;
-1F1B: one forward, one backward; interleaved: 1F1B over v = 2 chunks per rank).
+The GPT (8 blocks; --n-layer) is cut into p stages (interleaved: 2p chunks, 2 per rank):
+PipelineParallel(GPT(cfg, seed), pp_group, schedule, microbatches=m, chunks=v) keeps
+this rank's blocks of the one GPT, and parallelize(GPT(cfg, seed), DeviceMesh(dp, pp),
+...) adds data parallelism around it. Each step splits the global batch into m
+micro-batches; a schedule orders the forwards and backwards on every stage (GPipe: all
+forwards, then all backwards; 1F1B: one forward, one backward; interleaved: 1F1B over
+v = 2 chunks per rank). Every run trains through the one loop, pdist.training.train.
 For each schedule and m the lesson prints the loss beside the single-process
 loss, the largest parameter difference after training, each stage's measured
 idle fraction ("bubble") beside the plan (unit costs, t_b = 2 t_f) and the
@@ -14,112 +18,176 @@ theory (p-1)/(m+p-1), (p-1)/(v m+p-1) interleaved, and the peak number of
 micro-batch activations a stage held at once (GPipe m, 1F1B <= p).
 On 4 ranks it also trains p = 2 x dp = 2. Then an ASCII picture of one step,
 planned and measured (``--png PATH`` also draws it with matplotlib).
+
+Every flag is checked before training, on every rank: the batch must split into
+dp x m micro-batches for every run, and 2p (interleaved) stages need as many blocks.
 """
+import math
 import time
+from collections import namedtuple
 
 import numpy as np
 
 from pdist import comm, data, lesson
-from pdist.backend import set_default_dtype
+from pdist.backend import set_default_dtype, to_numpy
+from pdist.gpt import GPT
+from pdist.parallel import DataParallel, PipelineParallel, check_layout, parallelize
 from pdist.parallel import schedules as S
+from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline_draw import ascii_timeline, plot_timeline
-from pdist.parallel.pipeline_parallel import gather_timeline, gpt_pipeline, master_name
+from pdist.parallel.pipeline_parallel import gather_timeline
+from pdist.training import train
 
-BATCH = 16
+Run = namedtuple("Run", "schedule m v pp dp")
+Sizes = namedtuple("Sizes", "dp_world_size tp_world_size pp_world_size")   # what check_layout reads of a mesh
 
 
-def run_one(cfg, tokens, args, pg, dp_group, schedule, m, v, ref_sd, tol):
-    """Train ``args.steps`` steps; this rank's losses, measurements, and its parameters vs the reference."""
-    pipe = gpt_pipeline(cfg, args.seed, pg, m, schedule, n_chunks=v, dp_group=dp_group)
-    opt = lesson.make_adamw(pipe.parameters())
-    groups = [g for g in (pg, dp_group, pipe.emb_group) if g is not None]
+def plan(n, cfg, batch_size):
+    """The runs on n ranks: p = n stages (up to 4), m in {1, p, 2p} for GPipe and 1F1B,
+    interleaved (v = 2) for m >= p, and on 4 ranks p = 2 x dp = 2. Raises ValueError (the
+    same on every rank, before any collective) when a run cannot train these flags."""
+    pp = n if n <= 4 else 4 if n % 4 == 0 else 1
+    ms = sorted({1, pp, 2 * pp})
+    runs = [Run(s, m, 1, pp, n // pp) for s in ("gpipe", "1f1b") for m in ms]
+    runs += [Run("interleaved", m, 2, pp, n // pp) for m in ms if m >= pp]
+    if n == 4:
+        runs.append(Run("1f1b", 4, 1, 2, 2))
+    need = math.lcm(*(r.dp * r.m for r in runs))
+    if batch_size % need:
+        raise ValueError(f"--batch-size {batch_size} does not split into dp x m micro-batches for every run "
+                         f"on {n} ranks (p = {pp}, m in {ms}): use a batch size divisible by {need}, "
+                         f"e.g. --batch-size {need * max(1, round(batch_size / need))}")
+    for r in runs:
+        try:
+            check_layout(cfg, Sizes(r.dp, 1, r.pp), schedule=r.schedule, microbatches=r.m, chunks=r.v)
+        except ValueError as e:
+            raise ValueError(f"{r.schedule} m={r.m} v={r.v} on p = {r.pp} stages (--n-layer {cfg.n_layer}): "
+                             f"{e}") from None
+    return pp, runs
+
+
+def build(cfg, seed, mesh, r):
+    """The one GPT as a pipeline of mesh.pp_group (x mesh.dp_group); also the PipelineParallel inside.
+    One stage (p = 1, v = 1): parallelize would make the micro-batches plain gradient
+    accumulation, so the lesson builds the one-stage pipeline itself, to measure it the same way."""
+    if r.pp > 1 or r.v > 1:
+        model = parallelize(GPT(cfg, seed), mesh, schedule=r.schedule, microbatches=r.m, chunks=r.v)
+    else:
+        model = PipelineParallel(GPT(cfg, seed), mesh.pp_group, r.schedule, r.m, r.v)
+        model = DataParallel(model, mesh.dp_group) if r.dp > 1 else model
+    pipe = model
+    while not isinstance(pipe, PipelineParallel):
+        pipe = pipe.inner
+    return model, pipe
+
+
+def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):
+    """Train ``args.steps`` steps through the one loop; this rank's losses, measurements, and
+    its pieces vs the same boxes of the reference."""
+    model, pipe = build(cfg, args.seed, mesh, r)
+    opt = lesson.make_adamw(model.parameters())
+    groups = [g for g in (mesh.pp_group, mesh.dp_group, pipe.embedding_group) if g is not None]
     for g in groups:
         g.reset_stats()
-    dp_rank, dp = (dp_group.rank, dp_group.size) if dp_group is not None else (0, 1)
-    losses, idles, times = [], [], []
-    for step in range(args.steps):
-        batch = data.get_batch(tokens, BATCH, cfg.block_size, args.seed, step)
-        x, y = data.shard(batch, dp_rank, dp)
-        t0 = time.perf_counter()
-        losses.append(pipe.train_step(x, y, opt, timeline=True))
-        times.append(time.perf_counter() - t0)
-        tl = gather_timeline(pipe)
-        if tl is not None and step > 0:               # step 0 warms caches up
-            idles.append(S.bubble_fraction(tl))
-    sd = pipe.state_dict()          # compared shard by shard: each stage against its layers of the reference
-    diff = max(float(np.max(np.abs(a - ref_sd[master_name(k)]))) for k, a in sd.items())
-    close = all(np.allclose(a, ref_sd[master_name(k)], **tol) for k, a in sd.items())
-    p_, g_, o_ = (sum(int(q.data.nbytes) for q in pipe.parameters()),
-                  sum(int(q.grad.nbytes) for q in pipe.parameters() if q.grad is not None), opt.state_bytes())
-    return dict(losses=losses, tl=tl, close=close, idle=np.median(idles, axis=0).tolist() if idles else None,
-                seconds=float(np.median(times[1:] or times)), diff=diff, peak_stash=pipe.peak_stash,
-                comm=sum(g.bytes_sent() for g in groups) / args.steps, mem=(p_, g_, o_),
-                planned=S.simulate(S.make_schedule(schedule, pg.size, m, v)))
+    idles, times, tl = [], [], [None]
+
+    def batch(step):
+        pipe.record_timeline = True                 # ranks align at a barrier; the step keeps its spans
+        times.append(-time.perf_counter())
+        return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
+
+    def on_step(step, loss):
+        times[-1] += time.perf_counter()
+        tl[0] = gather_timeline(pipe)               # on pp rank 0, None elsewhere
+        if tl[0] is not None and step > 0:          # step 0 warms caches up
+            idles.append(S.bubble_fraction(tl[0]))
+
+    losses = train(model, opt, batch, args.steps, on_step=on_step)
+    pairs = [(to_numpy(p.view(p.tensor.data)), ref_sd[p.name][box_slices(p)]) for p in model.pieces()]
+    params = sum(int(q.data.nbytes) for q in model.parameters())
+    return dict(losses=losses, tl=tl[0], idle=np.median(idles, axis=0).tolist() if idles else None,
+                close=all(np.allclose(a, b, **tol) for a, b in pairs),
+                diff=max(float(np.max(np.abs(a - b))) for a, b in pairs),
+                seconds=float(np.median(times[1:] or times)), peak_stash=pipe.peak_stash,
+                comm=sum(g.bytes_sent() for g in groups) / args.steps,
+                mem=(params, params, opt.state_bytes()),   # grads: one per parameter, its shape
+                planned=S.simulate(S.make_schedule(r.schedule, r.pp, r.m, r.v)))
+
+
+def record(r, res, every, ref_losses, cfg, args, rank):
+    """The table row and the JSON record of one run (``every``: each rank's gathered facts)."""
+    name = (f"{r.schedule} m={r.m}" + (f" v={r.v}" if r.v > 1 else "")
+            + (f" pp{r.pp}xdp{r.dp}" if r.dp > 1 else ""))
+    ok = all(e[0] for e in every)
+    stash = [e[1] for e in every if e[4].dp == 0]          # world ranks are pp-major: stage order
+    planned = S.bubble_fraction(res["planned"])[0]
+    theory = S.theoretical_bubble(r.pp, r.m, r.v)
+    idle = res["idle"] if rank == 0 else None
+    plan_peak = S.check_schedule(S.make_schedule(r.schedule, r.pp, r.m, r.v), r.m)
+    row = [name, f"{res['losses'][-1]:.6f}", f"{ref_losses[-1]:.6f}", f"{res['diff']:.1e}",
+           " ".join(f"{x:.0%}" for x in idle) if idle else "-", f"{planned:.0%}",
+           f"{theory:.0%}" if theory is not None else "n/a",
+           "/".join(map(str, stash)), "/".join(map(str, plan_peak)), f"{res['seconds'] * 1e3:.0f}"]
+    rec = {"name": name, "layout": {"dp": r.dp, "tp": 1, "pp": r.pp, "zero_stage": 0},
+           "dtype": args.dtype, "params": cfg.num_params(),
+           "loss": res["losses"], "baseline_loss": list(ref_losses),
+           "memory_per_rank": [{"rank": i, "params_bytes": e[3][0], "grads_bytes": e[3][1],
+                                "optim_bytes": e[3][2]} for i, e in enumerate(every)],
+           "comm_bytes_per_step": [e[2] for e in every], "seconds_per_step": res["seconds"],
+           "schedule": r.schedule, "microbatches": r.m, "chunks": r.v,
+           "bubble": {"measured_per_stage": idle, "planned": planned, "theory": theory},
+           "check": "PASS" if ok else "FAIL",
+           "peak_stash_per_rank": [e[1] for e in every], "peak_stash_planned": plan_peak}
+    return row, rec, ok
+
+
+def report(rows, show, pp, cfg, args, n):
+    print(f"GPT {cfg.n_layer} blocks, C={cfg.n_embd}, T={cfg.block_size}, global batch {args.batch_size}, "
+          f"{args.steps} AdamW steps, {args.dtype}, world {n}\n")
+    print(lesson.table(rows, ["run", "loss", "1-proc loss", "max|dW|", "measured idle/stage",
+                              "planned", "theory", "peak stash", "planned", "ms/step"]))
+    planned_tl, measured_tl = show
+    print(f"\n1F1B, p={pp}, m={2 * pp}, planned (t_b = 2 t_f):\n{ascii_timeline(planned_tl)}")
+    print(f"\nmeasured (last step, {max(e for r_ in measured_tl for _, _, e in r_) * 1e3:.1f} ms):\n"
+          f"{ascii_timeline(measured_tl, width=90, legend=False)}\n")
+    if args.png:
+        plot_timeline([planned_tl, measured_tl], ["1F1B planned (units of t_f)", "measured"], args.png,
+                      unit=["t_f", "seconds"])
+        print(f"wrote {args.png}")
 
 
 def main():
-    ap = lesson.parser(__doc__, steps=6, dtype="float64")   # float64: equality to 1e-9 is the check
+    # float64: equality to 1e-9 is the check
+    ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8)
     ap.add_argument("--png", metavar="PATH", default=None, help="also draw planned vs measured (matplotlib)")
-    args = ap.parse_args()
+    args = lesson.validate(ap, ap.parse_args())
     set_default_dtype(args.dtype)
     world = comm.init()
     n, rank = world.size, world.rank
-    pp = n if n <= 4 else 4 if n % 4 == 0 else 1
     tokens, tok = data.char_dataset()
-    cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype, n_layer=8)
-    ref = lesson.train_reference(cfg, args.seed, args.steps, BATCH, tokens) if rank == 0 else None
+    cfg = lesson.config_from_args(args, tok.vocab_size)
+    try:  # every run's layout and batch, checked on every rank before any training
+        pp, runs = plan(n, cfg, args.batch_size)
+    except ValueError as e:
+        ap.error(f"[rank {rank}] {e}")
+    ref = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens) if rank == 0 else None
     ref_losses, ref_sd = world.broadcast_object(ref, src=0)
-    mesh = comm.DeviceMesh(dp=n // pp, pp=pp)
-    ms = sorted({1, pp, 2 * pp})
-    runs = [("gpipe", m, 1, mesh) for m in ms] + [("1f1b", m, 1, mesh) for m in ms]
-    runs += [("interleaved", m, 2, mesh) for m in ms if m >= pp]
-    if n == 4:
-        runs.append(("1f1b", 4, 1, comm.DeviceMesh(dp=2, pp=2)))
+    meshes = {k: comm.DeviceMesh(dp=k[1], pp=k[0]) for k in dict.fromkeys((r.pp, r.dp) for r in runs)}
     tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else dict(rtol=1e-3, atol=1e-4)
     rows, summary, passed, show = [], [], True, None
-    for schedule, m, v, msh in runs:
-        r = run_one(cfg, tokens, args, msh.pp_group, msh.dp_group, schedule, m, v, ref_sd, tol)
-        ok = r["close"] and np.allclose(r["losses"], ref_losses, rtol=tol["rtol"], atol=0)
-        every = world.all_gather_object((ok, r["peak_stash"], r["comm"], r["mem"], msh.coords))
-        passed &= all(e[0] for e in every)
-        stash = [e[1] for e in every if e[4].dp == 0]          # world ranks are pp-major: stage order
-        p, dp = msh.pp_world_size, msh.dp_world_size
-        name = f"{schedule} m={m}" + (f" v={v}" if v > 1 else "") + (f" pp{p}xdp{dp}" if dp > 1 else "")
-        planned = S.bubble_fraction(r["planned"])[0]
-        theory = S.theoretical_bubble(p, m, v)
-        idle = r["idle"] if rank == 0 else None
-        plan_peak = S.check_schedule(S.make_schedule(schedule, p, m, v), m)
-        rows.append([name, f"{r['losses'][-1]:.6f}", f"{ref_losses[-1]:.6f}", f"{r['diff']:.1e}",
-                     " ".join(f"{x:.0%}" for x in idle) if idle else "-", f"{planned:.0%}",
-                     f"{theory:.0%}" if theory is not None else "n/a",
-                     "/".join(map(str, stash)), "/".join(map(str, plan_peak)),
-                     f"{r['seconds'] * 1e3:.0f}"])
-        psi = sum(int(np.prod(shape)) for shape in cfg.param_shapes().values())
-        summary.append({"name": name, "layout": {"dp": dp, "tp": 1, "pp": p, "zero_stage": 0},
-                        "dtype": args.dtype, "params": psi,
-                        "loss": r["losses"], "baseline_loss": list(ref_losses),
-                        "memory_per_rank": [{"rank": i, "params_bytes": e[3][0], "grads_bytes": e[3][1],
-                                             "optim_bytes": e[3][2]} for i, e in enumerate(every)],
-                        "comm_bytes_per_step": [e[2] for e in every], "seconds_per_step": r["seconds"],
-                        "schedule": schedule, "microbatches": m, "chunks": v,
-                        "bubble": {"measured_per_stage": idle, "planned": planned, "theory": theory},
-                        "check": "PASS" if all(e[0] for e in every) else "FAIL",
-                        "peak_stash_per_rank": [e[1] for e in every], "peak_stash_planned": plan_peak})
-        if schedule == "1f1b" and m == 2 * pp and dp == n // pp:
-            show = (r["planned"], r["tl"])
+    for r in runs:
+        mesh = meshes[(r.pp, r.dp)]
+        res = run_one(cfg, tokens, args, mesh, r, ref_sd, tol)
+        ok = res["close"] and np.allclose(res["losses"], ref_losses, rtol=tol["rtol"], atol=0)
+        every = world.all_gather_object((ok, res["peak_stash"], res["comm"], res["mem"], mesh.coords))
+        row, rec, ok = record(r, res, every, ref_losses, cfg, args, rank)
+        rows.append(row)
+        summary.append(rec)
+        passed &= ok
+        if r.schedule == "1f1b" and r.m == 2 * pp and r.pp == pp:
+            show = (res["planned"], res["tl"])
     if rank == 0:
-        print(f"GPT {cfg.n_layer} blocks, C={cfg.n_embd}, T={cfg.block_size}, global batch {BATCH}, "
-              f"{args.steps} AdamW steps, {args.dtype}, world {n}\n")
-        print(lesson.table(rows, ["run", "loss", "1-proc loss", "max|dW|", "measured idle/stage",
-                                  "planned", "theory", "peak stash", "planned", "ms/step"]))
-        planned_tl, measured_tl = show
-        print(f"\n1F1B, p={pp}, m={2 * pp}, planned (t_b = 2 t_f):\n{ascii_timeline(planned_tl)}")
-        print(f"\nmeasured (last step, {max(e for r_ in measured_tl for _, _, e in r_) * 1e3:.1f} ms):\n"
-              f"{ascii_timeline(measured_tl, width=90, legend=False)}\n")
-        if args.png:
-            plot_timeline([planned_tl, measured_tl], ["1F1B planned (units of t_f)", "measured"], args.png,
-                          unit=["t_f", "seconds"])
-            print(f"wrote {args.png}")
+        report(rows, show, pp, cfg, args, n)
     lesson.finish("05_pipeline_parallel", passed, summary, args, rank=rank, world_size=n,
                   detail=f"every schedule equals single-process training ({args.dtype})")
 

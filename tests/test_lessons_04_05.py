@@ -1,0 +1,103 @@
+"""Lessons 04 (tensor parallelism) and 05 (pipeline parallelism) under real mpiexec:
+their JSON summaries, and their flag checks (every rank stops before training, exit 2)."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from pdist.testing import mpiexec_path, mpirun
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def run_plain(n, script, *args, timeout=120):
+    """``mpiexec -n n python script args`` without pdist.testing's wrapper (which turns any
+    non-zero exit into an abort): (exit status, combined output)."""
+    env = dict(os.environ, PYTHONUNBUFFERED="1",
+               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(REPO / script), *map(str, args)]
+    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                       env=env, text=True, timeout=timeout, cwd=REPO)
+    return p.returncode, p.stdout
+
+
+def test_lesson_04(tmp_path):
+    path = tmp_path / "tp.json"
+    out = mpirun(2, "lessons/04_tensor_parallel.py", "--steps", "3", "--dtype", "float64",
+                 "--json", str(path), timeout=300)
+    assert "PASS: 04_tensor_parallel" in out, out
+    s = json.loads(path.read_text())
+    assert s["lesson"] == "04_tensor_parallel" and s["world_size"] == 2 and s["check"] == "PASS"
+    assert [r["name"] for r in s["runs"]] == ["tp", "tp_sp"]
+    L = 2  # pdist.lesson.gpt_config's n_layer
+    for run in s["runs"]:
+        assert run["layout"] == {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0}
+        assert run["dtype"] == "float64" and run["params"] > 0
+        assert len(run["loss"]) == len(run["baseline_loss"]) == 3
+        assert run["loss"] == pytest.approx(run["baseline_loss"], rel=1e-9)
+        assert len(run["comm_bytes_per_step"]) == 2 and all(b > 0 for b in run["comm_bytes_per_step"])
+        assert [m["rank"] for m in run["memory_per_rank"]] == [0, 1]
+        assert all(m["params_bytes"] < run["params"] * 8 for m in run["memory_per_rank"])  # slices only
+        assert run["seconds_per_step"] > 0
+    tp, sp = s["runs"]
+    assert tp["collectives"]["per_layer_forward"] == {"all_reduce": 2}
+    assert tp["collectives"]["per_layer_backward"] == {"all_reduce": 2}
+    assert tp["collectives"]["per_step"] == {"all_reduce": 4 * L + 4}
+    pair = {"all_gather": 2, "reduce_scatter": 2}
+    assert sp["collectives"]["per_layer_forward"] == pair and sp["collectives"]["per_layer_backward"] == pair
+    assert sp["collectives"]["per_step"] == {"all_gather": 4 * L + 2, "reduce_scatter": 4 * L + 2,
+                                             "all_reduce": 3}
+
+
+def test_lesson_04_rejects_bad_tp_size():
+    """3 ranks cannot split 4 heads: every rank exits 2 with the reason, nobody hangs."""
+    rc, out = run_plain(3, "lessons/04_tensor_parallel.py", "--steps", "1")
+    assert rc == 2, out
+    assert all(f"[rank {r}] tensor parallelism over 3 ranks" in out for r in range(3)), out
+    assert "n_head = 4" in out and "divisible by 3" in out, out
+
+
+@pytest.mark.parametrize("script,n", [("lessons/04_tensor_parallel.py", 2),
+                                      ("lessons/05_pipeline_parallel.py", 2)])
+def test_lesson_rejects_bad_flag(script, n):
+    rc, out = run_plain(n, script, "--steps", "0")
+    assert rc == 2, out
+    assert out.count("--steps must be >= 1, got 0") == n, out
+
+
+def test_lesson_05_rejects_batch_before_training():
+    """p = 3 splits the batch into 1, 3 and 6 micro-batches: 16 rows cannot; every rank says so."""
+    rc, out = run_plain(3, "lessons/05_pipeline_parallel.py", "--steps", "1")
+    assert rc == 2, out
+    assert out.count("use a batch size divisible by 6") == 3 and "PASS" not in out, out
+
+
+def test_lesson_05_json(tmp_path):
+    path = tmp_path / "pp.json"
+    out = mpirun(4, "lessons/05_pipeline_parallel.py", "--steps", "2", "--json", str(path), timeout=300)
+    assert "PASS: 05_pipeline_parallel" in out, out
+    s = json.loads(path.read_text())
+    assert s["lesson"] == "05_pipeline_parallel" and s["world_size"] == 4 and s["check"] == "PASS"
+    names = [r["name"] for r in s["runs"]]
+    for want in ("gpipe m=1", "gpipe m=8", "1f1b m=4", "1f1b m=8", "interleaved m=8 v=2", "1f1b m=4 pp2xdp2"):
+        assert want in names, names
+    for r in s["runs"]:
+        p, dp = r["layout"]["pp"], r["layout"]["dp"]
+        assert p * dp == 4 and r["layout"]["tp"] == 1 and r["dtype"] == "float64"
+        assert r["loss"] == pytest.approx(r["baseline_loss"], rel=1e-9) and len(r["loss"]) == 2
+        assert len(r["comm_bytes_per_step"]) == 4 and all(b > 0 for b in r["comm_bytes_per_step"])
+        assert len(r["memory_per_rank"]) == 4 and r["params"] > 0 and r["seconds_per_step"] > 0
+        m, v = r["microbatches"], r["chunks"]
+        assert r["peak_stash_per_rank"][:: dp] == r["peak_stash_planned"]
+        if r["schedule"] == "gpipe":
+            assert r["peak_stash_planned"] == [m] * p
+        if r["schedule"] == "1f1b":
+            assert max(r["peak_stash_planned"]) <= p
+        if v == 1 or m % p == 0:
+            assert r["bubble"]["theory"] == pytest.approx((p - 1) / (v * m + p - 1))
+            assert r["bubble"]["planned"] == pytest.approx(r["bubble"]["theory"])
+        assert len(r["bubble"]["measured_per_stage"]) == p
+        assert all(0 <= b < 1 for b in r["bubble"]["measured_per_stage"])
