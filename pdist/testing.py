@@ -94,6 +94,8 @@ def _failure_message(n, script, rc, out):
         head += f"; failing rank(s): {failed}"
     blocks = re.findall(r"\[pdist rank \d+ FAILED\].*?\[pdist rank \d+ END\]", out, flags=re.S)
     body = "\n".join(blocks) if blocks else out[-6000:]
+    if blocks and all("Traceback" not in b for b in blocks):   # e.g. SystemExit(2) after a usage error
+        body += "\n--- output ---\n" + out[-3000:]
     return head + "\n" + body
 
 

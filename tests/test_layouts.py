@@ -17,7 +17,7 @@ LAYOUTS = [
     (2, "--dp 2"), (2, "--dp 2 --naive --microbatches 2"), (2, "--dp 2 --zero 1"), (2, "--dp 2 --zero 2"),
     (2, "--dp 2 --zero 3 --microbatches 2"), (2, "--tp 2"), (2, "--tp 2 --sp"),
     (2, "--pp 2 --schedule gpipe --microbatches 2"), (2, "--pp 2 --schedule interleaved --chunks 2 --microbatches 2"),
-    (3, "--dp 3 --zero 2"),                                     # ZeRO padding: 3 does not divide the units
+    (3, "--dp 3 --zero 2 --batch-size 12"),                                     # ZeRO padding: 3 does not divide the units
     (4, "--dp 2 --tp 2"), (4, "--dp 2 --tp 2 --zero 1 --sp"), (4, "--dp 2 --tp 2 --zero 3 --sp"),
     (4, "--tp 2 --pp 2 --sp --microbatches 2"), (4, "--dp 2 --pp 2 --microbatches 4"),
     (4, "--dp 2 --pp 2 --zero 2 --microbatches 2 --schedule gpipe"), (4, "--dp 4 --zero 3"),
