@@ -3,6 +3,11 @@
     mpirun -n 8 python lessons/06_mesh.py                          # dp 2 x tp 2 x pp 2, ZeRO-1, SP
     mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1     # any pair
     mpirun -n 4 python lessons/06_mesh.py --dp 1 --tp 2 --pp 2 --schedule gpipe
+    python lessons/06_mesh.py                                      # 1 rank: the same loop, nothing split
+
+Without --dp/--tp/--pp the layout follows the world size: 8 ranks 2 x 2 x 2, 4 ranks
+dp 2 x tp 2, 2 ranks tp 2, 1 rank 1 x 1 x 1. With some given, the first one left out
+(dp, then tp, then pp) takes what remains of the world and the others are 1.
 
 The world is a grid of ranks, world = (pp * DP + dp) * TP + tp (Megatron's order:
 the tensor-parallel ranks, which talk most, are neighbours). ``parallelize`` turns the
@@ -27,16 +32,18 @@ The lesson prints (rank 0, gathered from every rank):
                  the dp group with Ψ_pad = Σ_units ceil(Ψ_u/N)·N (lesson 03)
   bytes/step     what each rank sent per step in each group (ProcessGroup.stats, ring
                  accounting) beside the theory: dp 2(N-1)/N·bΨ_r (ZeRO-1/2: RS + AG of
-                 Ψ_pad); pp m·v activations forward + m·v gradients backward minus the
+                 Ψ_pad; ZeRO-3 with m micro-batches: 2m AG + 1 RS); pp m·v activations forward + m·v gradients backward minus the
                  ends; tp by Megatron's count (4 all-reduces per block and micro-batch,
                  or with SP all-gathers + reduce-scatters, and the embedding, head and loss)
 PASS means: after min(--steps, 10) steps every piece every rank holds equals the same box
-of the single-process model (float64 rtol 1e-9; float32 relative norm 1e-4, lesson 03
-says why), the losses of those steps too, memory = formula and bytes = theory on
+of the single-process model (float64 rtol 1e-9; float32 relative norm 1e-3: three
+reductions reordered at once, and AdamW turns float32 rounding of near-zero gradients into
+steps of about lr, lesson 03 says more), the losses of those steps too (1e-9 / 1e-4), memory = formula and bytes = theory on
 every rank.
 """
 import math
 import time
+from types import SimpleNamespace
 
 import numpy as np
 
@@ -56,21 +63,38 @@ SPLIT = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_
 
 def parse():
     p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4)
-    p.add_argument("--dp", type=int, default=2)
-    p.add_argument("--tp", type=int, default=2)
-    p.add_argument("--pp", type=int, default=2)
-    p.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage inside dp")
+    for axis in ("dp", "tp", "pp"):
+        p.add_argument(f"--{axis}", type=int, default=None, help=f"{axis} size (default: from the world size)")
+    p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
+                   help="ZeRO stage inside dp (default: 1 when dp > 1)")
     p.add_argument("--sp", action="store_true", default=None, help="sequence parallelism (default: on if tp > 1)")
     p.add_argument("--no-sp", dest="sp", action="store_false")
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved: default 2)")
     args = lesson.validate(p, p.parse_args())
+    for axis in ("dp", "tp", "pp"):
+        if getattr(args, axis) is not None and getattr(args, axis) < 1:
+            p.error(f"--{axis} must be >= 1, got {getattr(args, axis)}")
+    return p, args
+
+
+def layout_for(args, world_size):
+    """Fill in --dp/--tp/--pp not given (see the docstring) and the SP/chunk defaults."""
+    if (args.dp, args.tp, args.pp) == (None, None, None):
+        args.dp, args.tp, args.pp = {8: (2, 2, 2), 4: (2, 2, 1), 2: (1, 2, 1)}.get(world_size, (world_size, 1, 1))
+    else:          # what is left out: dp takes what remains of the world (else the one missing axis)
+        given = math.prod(v for v in (args.dp, args.tp, args.pp) if v is not None)
+        missing = [a for a in ("dp", "tp", "pp") if getattr(args, a) is None]
+        rest = world_size // given if world_size % given == 0 else 1
+        for a in missing:
+            setattr(args, a, rest if a == missing[0] else 1)
     if args.sp is None:
         args.sp = args.tp > 1
     if args.chunks is None:
         args.chunks = 2 if args.schedule == "interleaved" else 1
-    return p, args
+    if args.zero is None:
+        args.zero = 1 if args.dp > 1 else 0
 
 
 def local_numel(cfg, names, t):
@@ -109,8 +133,9 @@ def comm_theory(cfg, args, coords, b):
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
     N, t, psi = args.dp, args.tp, sum(units)
     pad = sum(-(-u // N) * N for u in units)
+    m = args.microbatches          # ZeRO-3 gathers every unit for each micro-batch's forward and backward
     dp = {0: 2 * (N - 1) * b * psi / N, 1: 2 * (N - 1) * b * pad / N, 2: 2 * (N - 1) * b * pad / N,
-          3: 3 * (N - 1) * b * pad / N}[args.zero]
+          3: (2 * m + 1) * (N - 1) * b * pad / N}[args.zero]
     rows = args.batch_size // N // args.microbatches                  # per micro-batch
     T, C, V = cfg.block_size, cfg.n_embd, args.pp * args.chunks
     act = rows * T // (t if args.sp else 1) * C * b
@@ -132,6 +157,7 @@ def comm_theory(cfg, args, coords, b):
 def main():
     parser, args = parse()
     world = comm.init()
+    layout_for(args, world.size)
     set_default_dtype(args.dtype)
     tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, -(-tok.vocab_size // args.tp) * args.tp)   # padded to a multiple of tp
@@ -141,11 +167,12 @@ def main():
     if args.batch_size % (args.dp * args.microbatches):
         parser.error(f"--batch-size {args.batch_size} must divide into dp {args.dp} x {args.microbatches} "
                      f"micro-batches")
-    mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
-    try:
-        check_layout(cfg, mesh, args.zero, args.sp, args.schedule, args.microbatches, args.chunks)
+    sizes = SimpleNamespace(dp_world_size=args.dp, tp_world_size=args.tp, pp_world_size=args.pp)
+    try:       # every bad layout: the same usage error on every rank, before any collective
+        check_layout(cfg, sizes, args.zero, args.sp, args.schedule, args.microbatches, args.chunks)
     except ValueError as e:
         parser.error(str(e))
+    mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
 
     def batch(step):
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
@@ -179,8 +206,8 @@ def main():
     sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs), sum(float(np.sum(r ** 2)) for a, r in pairs)])
     world.all_reduce(sq)
     rel = float(np.sqrt(sq[0] / sq[1]))
-    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= 1e-4
-    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-5, atol=0)
+    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= 1e-3
+    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-4, atol=0)
     mem = memory.model_state_bytes(model, opt)
     got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
     want = memory_formula(cfg, args, mesh.pp_rank, b)
@@ -205,7 +232,8 @@ def main():
              "seconds_per_step": secs}]
     lesson.finish("06_mesh", bool(flag[0]), runs, args, rank=world.rank, world_size=world.size,
                   detail=f"(dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}"
-                         f"{', SP' if args.sp and args.tp > 1 else ''}, {args.schedule} m={args.microbatches}: "
+                         f"{', SP' if args.sp and args.tp > 1 else ''}, "
+                         f"{args.schedule if args.pp > 1 else 'accumulation'} m={args.microbatches}: "
                          f"every shard equals single-process training, memory = formula, bytes = theory; "
                          f"{fb(sum(rows[0][2]))} of model states on rank 0)")
 

@@ -54,7 +54,9 @@ strategy; ``parameters()`` are this rank's flat shards (what the optimizer updat
 ``forward_backward`` first all-gathers the parameters the optimizer updated (as
 FSDP re-gathers at the next forward), so every step sends the paper's 2Ψ.
 With micro-batches (gradient accumulation, or a pipeline inside) a unit's gradient
-is complete after the last micro-batch's backward; its reduction starts then.
+is complete after the last micro-batch's backward; its reduction starts then (the full
+gradient is kept across the micro-batches, as FSDP's ``no_sync``; stage 3 gathers each
+unit for every micro-batch's forward and backward: (2m + 1)Ψ per step).
 ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
 interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
 refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
@@ -224,11 +226,10 @@ class ZeRO(ParallelModule):
     # ------------------------------------------------- gradients (all stages)
     def _grad_ready(self, u):
         u.ready += 1
-        if u.ready == len(u.params) * self.microbatches:   # the last micro-batch's gradient
-            if self.stage == 3:
-                u.free()                          # its backward is done: drop the full params
-            if self._overlap:
-                self._reduce(u)
+        if self.stage == 3 and u.ready % len(u.params) == 0:
+            u.free()                              # this micro-batch's backward is done: drop the params
+        if u.ready == len(u.params) * self.microbatches and self._overlap:
+            self._reduce(u)                       # the last micro-batch's gradient: reduce it
 
     def _reduce(self, u):
         """Start the unit's gradient reduction: all-reduce (stage 0) or reduce-scatter."""

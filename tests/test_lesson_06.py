@@ -1,0 +1,53 @@
+"""lessons/06_mesh.py: 3-D parallelism passes at 8 ranks (dp 2 x tp 2 x pp 2) and at 4 ranks
+with each pair of strategies, writes the JSON contract, and a bad layout stops every
+rank with exit code 2 before any collective."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdist.testing import mpirun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+L06 = os.path.join(ROOT, "lessons", "06_mesh.py")
+
+
+def test_lesson_06_at_8_ranks_json(tmp_path):
+    path = tmp_path / "mesh.json"
+    out = mpirun(8, L06, "--steps", "3", "--json", path, timeout=300)
+    assert "PASS: 06_mesh (dp 2 x tp 2 x pp 2, ZeRO-1, SP" in out, out
+    s = json.loads(path.read_text())
+    assert (s["lesson"], s["world_size"], s["check"]) == ("06_mesh", 8, "PASS")
+    (r,) = s["runs"]
+    assert r["layout"]["dp"] == r["layout"]["tp"] == r["layout"]["pp"] == 2 and r["layout"]["zero_stage"] == 1
+    assert r["loss"] == pytest.approx(r["baseline_loss"], rel=1e-9)
+    assert [m["rank"] for m in r["memory_per_rank"]] == list(range(8))
+    for m in r["memory_per_rank"]:
+        assert [m["params_bytes"], m["grads_bytes"], m["optim_bytes"]] == m["formula_bytes"]
+    for g in r["comm_bytes_per_group"]:
+        assert all(g[k] > 0 and abs(g[k] - g["theory"][k]) <= 64 for k in ("dp", "tp", "pp")), g
+
+
+@pytest.mark.parametrize("layout", ["--dp 2 --tp 2", "--tp 2 --pp 2", "--dp 2 --pp 2 --schedule gpipe",
+                                    "--dp 2 --tp 2 --zero 1 --no-sp", "--dp 4 --zero 3"])
+def test_lesson_06_pairs_at_4_ranks(layout):
+    out = mpirun(4, L06, "--steps", "3", *layout.split(), timeout=300)
+    assert "PASS: 06_mesh" in out, out
+
+
+@pytest.mark.parametrize("args,words", [
+    ("--dp 2 --tp 2 --pp 2", "= 8, but the job has 4 ranks"),
+    ("--tp 4 --n-head 6 --n-embd 48", "not divisible: n_head = 6"),
+    ("--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+    ("--dp 2 --tp 2 --batch-size 12", "--batch-size 12 must divide into dp 2 x 4 micro-batches"),
+    ("--dp 2 --pp 2 --zero 3", "ZeRO-3 does not compose with pipeline parallelism"),
+])
+def test_bad_layout_stops_every_rank(args, words):
+    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpirun")
+    p = subprocess.run([mpiexec, "-n", "4", sys.executable, L06, *args.split()], capture_output=True, text=True,
+                       timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
+    assert p.returncode == 2, p.stdout + p.stderr
+    assert p.stderr.count(words) == 4, p.stderr          # the same message from every rank
+    assert "PASS" not in p.stdout and "FAIL" not in p.stdout
