@@ -12,6 +12,12 @@ through ``python -m pdist.testing`` so that an exception on any rank prints
 other ranks wait in a collective). On failure it raises ``MPIRunError`` whose
 message names the failing rank(s) and shows their traceback. World size 1 runs
 the script without mpiexec.
+
+Once a script has called ``comm.init()``, the same failure handling is
+installed in the script itself (pdist/comm/failures.py), so plain ``mpiexec
+python script.py`` ends as quickly; ``launch(..., wrap=False)`` runs that way
+and returns the exit code, output and seconds for tests that expect failure.
+``failures(out)`` maps each failing rank to its tagged traceback.
 """
 import os
 import re
@@ -38,34 +44,70 @@ def mpiexec_path():
     return found
 
 
-def mpirun(n, script, *args, timeout=180, env=None, check=True):
-    """Run ``python script args`` on ``n`` ranks; return combined stdout+stderr.
+class Launch:
+    """What ``launch`` saw: exit code ``rc`` (None: killed at the timeout),
+    combined output ``out``, wall-clock ``seconds``."""
 
-    Raises MPIRunError (with the failing ranks' tracebacks) on a non-zero exit or
-    on timeout when ``check`` is true.
-    """
+    def __init__(self, rc, out, seconds):
+        self.rc, self.out, self.seconds = rc, out, seconds
+
+    @property
+    def timed_out(self):
+        return self.rc is None
+
+
+def launch(n, script, *args, timeout=180, env=None, wrap=True):
+    """Run ``python script args`` on ``n`` ranks under ``mpiexec`` and return a
+    ``Launch``; never raises on failure. ``wrap=False`` runs the script as a user
+    would (``mpiexec -n n python script``), without ``-m pdist.testing``."""
+    import time
     script = str(script)
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     repo = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.update(env or {})
-    py = [sys.executable, "-u", "-m", "pdist.testing", script, *map(str, args)]
+    py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
     # own session: on timeout the whole launch (mpiexec, proxies, ranks) is killed
     # by its process group, never by a name pattern
+    t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                             stderr=subprocess.STDOUT, env=full_env, text=True, start_new_session=True)
     try:
         out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
     except subprocess.TimeoutExpired:
         _kill_group(proc)
         out, _ = proc.communicate()
+        rc = None
+    return Launch(rc, out or "", time.perf_counter() - t0)
+
+
+def mpirun(n, script, *args, timeout=180, env=None, check=True):
+    """Run ``python script args`` on ``n`` ranks; return combined stdout+stderr.
+
+    Raises MPIRunError (with the failing ranks' tracebacks) on a non-zero exit or
+    on timeout when ``check`` is true.
+    """
+    run = launch(n, script, *args, timeout=timeout, env=env)
+    if run.timed_out:
         raise MPIRunError(f"mpirun -n {n} {script} timed out after {timeout}s "
-                          f"(a rank is stuck; a collective mismatch?)\n--- output ---\n{(out or '')[-6000:]}")
-    if check and proc.returncode != 0:
-        raise MPIRunError(_failure_message(n, script, proc.returncode, out))
-    return out
+                          f"(a rank is stuck; a collective mismatch?)\n--- output ---\n{run.out[-6000:]}")
+    if check and run.rc != 0:
+        raise MPIRunError(_failure_message(n, script, run.rc, run.out))
+    return run.out
+
+
+def failures(out):
+    """{world rank: text} of every ``[pdist rank r FAILED]`` report in a run's
+    output (lines tagged ``[rank r]``, so interleaved output cannot mix them up)."""
+    found = {int(r) for r in re.findall(r"\[pdist rank (\d+) FAILED\]", out)}
+    res = {}
+    for r in sorted(found):
+        tag = f"[rank {r}] "
+        res[r] = "\n".join(line.split(tag, 1)[1] for line in out.splitlines() if tag in line)
+    return res
 
 
 REPORT_PREFIX = "[pdist report] "
@@ -125,12 +167,18 @@ def _main(argv):
             _abort(f"SystemExit({e.code})")
         raise
     except BaseException:
+        hooks = sys.modules.get("pdist.comm.failures")  # comm.init() ran: every rank reports
+        if hooks is not None and hooks.installed():
+            hooks.fail_exception(*sys.exc_info())
         _abort(traceback.format_exc())
 
 
 def _abort(text):
     r = _world_rank()
+    if "pdist.comm.failures" in sys.modules and sys.modules["pdist.comm.failures"].installed():
+        sys.modules["pdist.comm.failures"].fail(text, text.strip().splitlines()[-1])
     sys.stdout.flush()
+    text = "\n".join(f"[rank {r}] {line}" for line in text.rstrip().splitlines())
     sys.stderr.write(f"[pdist rank {r} FAILED]\n{text}\n[pdist rank {r} END]\n")
     sys.stderr.flush()
     if "mpi4py.MPI" in sys.modules:
