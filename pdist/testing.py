@@ -25,6 +25,8 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -60,12 +62,12 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True):
     """Run ``python script args`` on ``n`` ranks under ``mpiexec`` and return a
     ``Launch``; never raises on failure. ``wrap=False`` runs the script as a user
     would (``mpiexec -n n python script``), without ``-m pdist.testing``."""
-    import time
     script = str(script)
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     repo = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("PDIST_FLIGHT_DIR", tempfile.gettempdir())   # failure dumps out of the checkout
     full_env.update(env or {})
     py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
@@ -100,9 +102,10 @@ def mpirun(n, script, *args, timeout=180, env=None, check=True):
 
 
 def failures(out):
-    """{world rank: text} of every ``[pdist rank r FAILED]`` report in a run's
-    output (lines tagged ``[rank r]``, so interleaved output cannot mix them up)."""
-    found = {int(r) for r in re.findall(r"\[pdist rank (\d+) FAILED\]", out)}
+    """{world rank: text} of every ``[pdist rank r FAILED]`` (or ``STOPPED``: it
+    stopped because another rank failed) report in a run's output (lines tagged
+    ``[rank r]``, so interleaved output cannot mix them up)."""
+    found = {int(r) for r in re.findall(r"\[pdist rank (\d+) (?:FAILED|STOPPED)\]", out)}
     res = {}
     for r in sorted(found):
         tag = f"[rank {r}] "
@@ -118,14 +121,18 @@ def report(**results):
     ``reports(out)``; every value must be JSON-serialisable). Any rank may call it;
     include ``rank=`` when the rank matters."""
     import json
-    print(REPORT_PREFIX + json.dumps(results, sort_keys=True), flush=True)
+    sys.stdout.write(REPORT_PREFIX + json.dumps(results, sort_keys=True) + "\n")   # one write: no
+    sys.stdout.flush()                                                            # interleaving
 
 
 def reports(out):
     """Every JSON object that ``report()`` printed in a run's output, in order."""
     import json
-    return [json.loads(line.split(REPORT_PREFIX, 1)[1]) for line in out.splitlines()
-            if REPORT_PREFIX in line]
+    dec, found = json.JSONDecoder(), []
+    for line in out.splitlines():
+        for part in line.split(REPORT_PREFIX)[1:]:
+            found.append(dec.raw_decode(part)[0])
+    return found
 
 
 def _failure_message(n, script, rc, out):
@@ -133,16 +140,24 @@ def _failure_message(n, script, rc, out):
     head = f"mpirun -n {n} {script} exited with {rc}"
     if failed:
         head += f"; failing rank(s): {failed}"
+    stopped = sorted(set(int(r) for r in re.findall(r"\[pdist rank (\d+) STOPPED\]", out)))
+    if stopped:
+        head += f"; stopped because of it: {stopped}"
     blocks = re.findall(r"\[pdist rank \d+ FAILED\].*?\[pdist rank \d+ END\]", out, flags=re.S)
     body = "\n".join(blocks) if blocks else out[-6000:]
     return head + "\n" + body
 
 
 def _kill_group(proc):
-    """SIGKILL the launch's process group (mpiexec and the ranks it started)."""
+    """SIGKILL the launch's process group (mpiexec and the ranks it started) and
+    wait (up to 5 s) until none of them is left."""
     import signal
+    end = time.monotonic() + 5
     try:
         os.killpg(proc.pid, signal.SIGKILL)
+        while time.monotonic() < end:
+            time.sleep(0.02)
+            os.killpg(proc.pid, 0)          # raises once the group is empty
     except ProcessLookupError:
         pass
 

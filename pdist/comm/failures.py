@@ -64,23 +64,24 @@ def _tagged(text):
     return "\n".join(f"[rank {r}] {line}" for line in text.rstrip("\n").splitlines())
 
 
-def _print_block(text):
+def _print_block(text, word="FAILED"):
     r = watchdog._S["rank"]
     try:
         sys.stdout.flush()
     except Exception:
         pass
-    sys.stderr.write(f"[pdist rank {r} FAILED]\n{_tagged(text)}\n[pdist rank {r} END]\n")
+    sys.stderr.write(f"[pdist rank {r} {word}]\n{_tagged(text)}\n[pdist rank {r} END]\n")
     sys.stderr.flush()
 
 
-def fail(text, error_line, reason="exception"):
-    """Print ``text`` as this rank's failure, tell the others, abort the job."""
+def fail(text, error_line, reason="exception", word="FAILED"):
+    """Print ``text`` as this rank's failure, tell the others, abort the job.
+    ``word`` STOPPED marks a rank that only stopped because another one failed."""
     if _state["ending"]:
         os._exit(1)
     _state["ending"] = True
     path = watchdog.dump(reason)
-    _print_block(text + f"\nflight recorder: {path}")
+    _print_block(text + f"\nflight recorder: {path}", word)
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         watchdog.announce("failed", error=error_line)
         watchdog.wait_for_peers(GRACE_S)
@@ -98,7 +99,9 @@ def fail_exception(exc_type, exc, tb):
         first += f" (in {watchdog.describe(cur.as_dict())})"
     if exc_type is KeyboardInterrupt:
         first = "KeyboardInterrupt (SIGINT)"
-    fail(text, first, "sigint" if exc_type is KeyboardInterrupt else "exception")
+    stopped = isinstance(exc, watchdog.CollectiveTimeoutError) and exc.reason == "failed"
+    fail(text, first, "sigint" if exc_type is KeyboardInterrupt else "exception",
+         "STOPPED" if stopped else "FAILED")
 
 
 def _excepthook(exc_type, exc, tb):

@@ -104,6 +104,13 @@ def main(case):
             if r == 1 and step == 3:
                 continue                     # rank 1 skips step 3
             ar(g)
+    elif case == "dtype_alias":              # int64 on rank 0, longlong elsewhere: the same dtype
+        x = np.full(4, r + 1, np.int64 if r == 0 else np.longlong)
+        g.all_reduce(x)
+        report(rank=r, sum=int(x[0]))
+    elif case == "threads":                  # the user's OPENBLAS_NUM_THREADS stands
+        from threadpoolctl import threadpool_info
+        report(rank=r, blas=[p["num_threads"] for p in threadpool_info() if p["user_api"] == "blas"])
     else:
         raise SystemExit(f"unknown case {case}")
 
