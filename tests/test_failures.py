@@ -5,6 +5,7 @@ Each scenario of tests/workers/fail_cases.py runs under a real ``mpiexec`` at
 noted, with ``PDIST_TIMEOUT=4``. A failing job must exit non-zero well before
 the harness's own kill, with the right error from every rank that waits."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -71,8 +72,8 @@ def test_rank_exits_early(n, case, tmp_path):
 def test_sigint_on_one_rank(n, tmp_path):
     f = ended(run(n, "sigint", tmp_path), "sigint")
     assert "KeyboardInterrupt" in f[1]
-    for r in others(n):
-        assert "rank 1 failed (KeyboardInterrupt (SIGINT))" in f[r], f[r]
+    for r in others(n):        # (rarely the launcher's own SIGINT reaches a second rank as the job ends)
+        assert re.search(r"ranks? (\d, )*1(, \d)* failed \(KeyboardInterrupt \(SIGINT\)\)", f[r]), f[r]
 
 
 @pytest.mark.parametrize("n", [2, 4])

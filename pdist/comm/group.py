@@ -126,6 +126,8 @@ class ProcessGroup:
             if p.dropped:
                 p.wait()                      # every rank issued it: completes; then free buffers
                 p.waited, p.entry.state = True, "dropped"
+                if self._last is None or self._last.seq < p.entry.seq:
+                    self._last = p.entry
                 error = error or (f"async {watchdog.describe(p.entry.as_dict())} was never waited "
                                   f"on (its Work was dropped); call .wait() on every Work")
                 continue
@@ -160,7 +162,9 @@ class ProcessGroup:
                 "group": self.name, "algorithm": algorithm}
         t0 = trace.now()
         if algorithm == "mpi":
-            work = native(self._backend(arr)[0] if arr is not None else self._mpi, async_op)
+            be = self._backend(arr)[0] if arr is not None else self._mpi
+            be.verified = self.check          # every rank is here: the blocking fast path is safe
+            work = native(be, async_op)
             self._count(op, theory)
         else:
             p2p = self._backend(arr)[1]
@@ -171,7 +175,7 @@ class ProcessGroup:
         if work is not None:
             work._then, work._span = then, (op, t0, args)
             work._keep = keep
-            work._pending = p = Pending(pending_check, work._wait, keep, ent)
+            work._pending = p = Pending(pending_check, work._wait, keep, ent, self)
             self._pending.append(p)
             _cur[0] = None
             return work

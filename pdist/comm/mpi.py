@@ -18,11 +18,13 @@ e.g. for a slower pipeline stage, leave the core to the rank that computes).
 Otherwise a waiting rank spins on ``Test()`` as MPI's own blocking calls would.
 Override the choice with ``PDIST_COOPERATIVE_WAIT=0|1``.
 
-Deadlines. In both modes every operation is issued non-blocking and finished
-by ``wait_all``, never by a blocking MPI call (which could not be
-interrupted): every ``PROBE_S`` (2 ms) the wait checks its deadline and the
-control channel (watchdog.py), so a rank that waits for a peer that exited or
-failed, or past ``PDIST_TIMEOUT``, raises ``CollectiveTimeoutError``.
+Deadlines. In both modes operations are issued non-blocking and finished by
+``wait_all``, not by a blocking MPI call (which could not be interrupted):
+every ``PROBE_S`` (2 ms) the wait checks its deadline and the control channel
+(watchdog.py), so a rank that waits for a peer that exited or failed, or past
+``PDIST_TIMEOUT``, raises ``CollectiveTimeoutError``. The one blocking call
+left is the data phase of a collective whose fingerprint check has just shown
+every rank to be in it (``MPICollectives``).
 """
 import os
 import time
@@ -106,12 +108,14 @@ def wait_all(reqs, statuses=None):
         return
     coop, now = _state["cooperative"], time.perf_counter
     t0 = now()
-    watch = watchdog.Watch(t0)
+    watch, t_check = None, t0 + watchdog.PROBE_S
     sleep, t_yield = SLEEP_MIN, t0 + YIELD_SECONDS
     while not MPI.Request.Testall(reqs, statuses):
         t = now()
-        if t >= watch.next:
+        if t >= t_check:
+            watch = watch or watchdog.Watch(t0)
             watch.check(t)                 # raises CollectiveTimeoutError
+            t_check = watch.next
         if not coop:
             continue
         if t < t_yield:
@@ -206,17 +210,24 @@ class MPICollectives:
 
     Each method issues the non-blocking call and finishes it with ``wait_all``
     (which has a deadline, see above); with ``nb=True`` it returns a pending
-    ``Work`` instead, which holds the buffers until ``wait()``."""
+    ``Work`` instead. One exception, the fast path: when the group has just
+    verified that every rank is in this very collective (``verified``: the
+    fingerprint check passed) and waits are not cooperative, MPI's blocking
+    call runs. It cannot wait for a missing rank; a rank that dies meanwhile
+    ends the job (SIGKILL: the launcher; an exception: its failure hook)."""
 
     def __init__(self, comm):
         self.comm = comm
+        self.verified = False        # set by the group just before each call
 
     def _go(self, blocking, nonblocking, nb):
-        # ``blocking`` documents the MPI call this is; it is never run (no deadline)
-        reqs = nonblocking()
         if nb:
+            reqs = nonblocking()
             return Work(wait=lambda: wait_all(reqs), test=lambda: MPI.Request.Testall(reqs))
-        wait_all(reqs)
+        if self.verified and not _state["cooperative"]:
+            blocking()
+        else:
+            wait_all(nonblocking())
         return None
 
     def all_reduce(self, buf, op, nb=False):

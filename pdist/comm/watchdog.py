@@ -61,11 +61,13 @@ class Entry:
         self.t, self.state = time.time(), "started"
 
     def as_dict(self):
-        return {k: getattr(self, k) for k in self.__slots__}
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["dtype"], d["ranks"] = None if self.dtype is None else str(self.dtype), list(self.ranks)
+        return d
 
 
 _S = {"timeout": 600.0, "ctl": None, "rank": 0, "size": 1, "sent": [], "status_sent": False,
-      "groups": []}
+      "groups": [], "silent": set()}
 _step = [0]
 _cur = [None]            # the Entry this rank is working on (what its waits belong to)
 _peers = {}              # world rank -> its latest control message
@@ -109,7 +111,7 @@ def groups():
 # ------------------------------------------------------------ flight recorder
 def enter(group, op, seq, size=0, dtype=None, peer=None):
     """Record the start of a call and make it this rank's current one."""
-    e = Entry(group.name, group.ranks, op, seq, _step[0], size, None if dtype is None else str(dtype), peer)
+    e = Entry(group.name, group.ranks, op, seq, _step[0], size, dtype, peer)
     _flight.append(e)
     _cur[0] = e
     return e
@@ -183,7 +185,8 @@ def wait_for_peers(limit, until_all_gone=True):
     end = time.perf_counter() + limit
     while True:
         drain()
-        kinds = [_peers.get(r, {}).get("kind") for r in range(_S["size"]) if r != _S["rank"]]
+        kinds = [_peers.get(r, {}).get("kind") for r in range(_S["size"])
+                 if r != _S["rank"] and r not in _S["silent"]]     # (no answer to a roll-call: stuck)
         if "failed" in kinds and not until_all_gone:
             return "failed"
         if all(k in ("exited", "failed") for k in kinds):
@@ -252,6 +255,7 @@ def rollcall(reason):
     while any(r not in _peers for r in others) and time.perf_counter() < end:
         drain()
         time.sleep(0.001)
+    _S["silent"] = {r for r in others if r not in _peers}
     message, reason = format_rollcall(reason)
     return CollectiveTimeoutError(message, reason)
 

@@ -23,10 +23,10 @@ from pdist.comm import watchdog
 
 class Pending:
     """The group's record of one async op until it is waited on."""
-    __slots__ = ("check", "wait", "keep", "entry", "waited", "dropped", "error")
+    __slots__ = ("check", "wait", "keep", "entry", "group", "waited", "dropped", "error")
 
-    def __init__(self, check, wait, keep, entry):
-        self.check, self.wait, self.keep, self.entry = check, wait, keep, entry
+    def __init__(self, check, wait, keep, entry, group):
+        self.check, self.wait, self.keep, self.entry, self.group = check, wait, keep, entry, group
         self.waited = self.dropped = False
         self.error = None
 
@@ -62,7 +62,10 @@ class Work:
         p = self._pending
         if p is not None:
             p.verify()
-            p.waited, p.keep = True, None
+            p.waited, p.keep, p.entry.state = True, None, "done"
+            last = p.group._last                  # what an exit announces: "exited after #k"
+            if last is None or last.seq < p.entry.seq:
+                p.group._last = p.entry
         self._done, self._keep = True, None
         if self._then is not None:
             self._then()
@@ -79,8 +82,6 @@ class Work:
                 watchdog._cur[0] = p.entry
             self._wait()
             self._finish()
-            if p is not None:
-                p.entry.state = "done"
 
     def is_completed(self):
         """True once the operation is done (never blocks)."""

@@ -22,6 +22,11 @@ def ar(g, value=1.0, size=4):
     return x
 
 
+def fault():
+    """Stamp the moment of the fault (bench/failures.py measures detection from it)."""
+    report(rank=comm.get_world().rank, fault_at=time.time())
+
+
 def main(case):
     g = comm.init()
     r, n = g.rank, g.size
@@ -31,38 +36,48 @@ def main(case):
         report(rank=r, ok=True)
     elif case == "exception":
         if r == 1:
+            fault()
             raise RuntimeError("deliberate failure on rank 1")
         ar(g)
     elif case == "exit0":
         if r == 1:
+            fault()
             sys.exit(0)
         ar(g)
     elif case == "early_exit":               # rank 1's script simply ends
-        if r != 1:
+        if r == 1:
+            fault()
+        else:
             ar(g)
     elif case == "extra":                    # rank 0 calls one collective too many
         if r == 0:
+            fault()
             ar(g)
     elif case == "sigint":
         if r == 1:
+            fault()
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(60)
         ar(g)
     elif case == "sigkill":
         if r == 1:
+            fault()
             os.kill(os.getpid(), signal.SIGKILL)
         ar(g)
     elif case == "timeout":                  # rank 1 is stuck outside any collective
         if r == 1:
+            fault()
             time.sleep(60)
         ar(g)
     elif case == "async_skip":               # only rank 1 issues the async op
         if r == 1:
+            fault()
             g.all_reduce(np.ones(8), async_op=True)
         g.barrier()
     elif case == "async_unwaited":           # everyone issues it, rank 1 drops the handle
         w = g.all_reduce(np.ones(8), async_op=True)
         if r == 1:
+            fault()
             del w
             gc.collect()
         else:
@@ -92,16 +107,21 @@ def main(case):
         del junk
         report(rank=r, alive=held is not None, value=float(held[0]), expect=float(sum(range(n))))
     elif case == "object_mismatch":
+        if r == 1:
+            fault()
         g.broadcast_object({"rank": r}, src=0 if r != 1 else 1)
     elif case == "subgroup":                 # a mismatch inside the tp group of ranks 0 and 1
         mesh = comm.DeviceMesh(dp=n // 2, tp=2)
         t = mesh.tp_group
+        if r == 1:
+            fault()
         t.all_reduce(np.ones(10 if r == 1 else 8))
         g.barrier()
     elif case == "skipped_step":
         for step in range(6):
             comm.set_step(step)
             if r == 1 and step == 3:
+                fault()
                 continue                     # rank 1 skips step 3
             ar(g)
     elif case == "dtype_alias":              # int64 on rank 0, longlong elsewhere: the same dtype
