@@ -38,9 +38,10 @@ from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm import watchdog
 from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
-from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat, wait_all
+from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
 from pdist.comm.watchdog import _cur, _step
-from pdist.comm.work import Pending, Work
+from pdist.comm.objects import ObjectCollectives
+from pdist.comm.work import Pending, Work, settle
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
               "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),
@@ -48,7 +49,7 @@ ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class ProcessGroup:
+class ProcessGroup(ObjectCollectives):
     """A set of ranks that run collectives together (``rank``, ``size``,
     ``ranks`` = their world ranks in group order, ``name``)."""
 
@@ -111,29 +112,8 @@ class ProcessGroup:
         self._mpi = MPICollectives(self._vcomm.Dup())
 
     def _settle(self, error):
-        """Finish earlier async ops' fingerprint checks (raises a mismatch on every
-        rank); a dropped, never-waited handle becomes this call's local error."""
-        keep = []
-        for p in self._pending:
-            if p.waited:
-                continue
-            try:
-                p.verify()
-            except CollectiveMismatchError:
-                self._orphans.append(p)
-                self._pending = [q for q in self._pending if q is not p and not q.waited]
-                raise
-            if p.dropped:
-                p.wait()                      # every rank issued it: completes; then free buffers
-                p.waited, p.entry.state = True, "dropped"
-                if self._last is None or self._last.seq < p.entry.seq:
-                    self._last = p.entry
-                error = error or (f"async {watchdog.describe(p.entry.as_dict())} was never waited "
-                                  f"on (its Work was dropped); call .wait() on every Work")
-                continue
-            keep.append(p)
-        self._pending = keep
-        return error
+        """Finish earlier async ops' fingerprint checks (work.settle)."""
+        return settle(self, error)
 
     def _run(self, op, arr, theory, native, hand, algorithm, async_op,
              redop="", root=-1, error=None, then=None, keep=()):
@@ -345,35 +325,6 @@ class ProcessGroup:
         return self._backend(buf)[0] if is_device_array(buf) else self._user_nb
 
     # -------------------------------------------------- small Python objects
-    def _object_op(self, op, root, run):
-        """Fingerprint (or, unchecked, a polled barrier) first: every member is then
-        present, so the pickled MPI call that follows cannot hang."""
-        error = self._settle(None) if self._pending else None
-        if not 0 <= root < self.size:
-            error = error or f"root={root} is not a rank of a group of {self.size}"
-        self._seq += 1
-        ent = watchdog.enter(self, op, self._seq)
-        if self.check:
-            fp = fingerprint(op, self._seq, _step[0], root=root, error=error)
-            agree(self, fp, error, ("-", f"root={root}"), self._fpbuf)
-        elif error:
-            raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
-        elif self.size > 1:
-            wait_all([self.comm.Ibarrier()])
-        out = run()
-        ent.state, self._last, _cur[0] = "done", ent, None
-        return out
-
-    def gather_object(self, obj, dst=0):
-        """[obj_0, ..., obj_{n-1}] at dst (None elsewhere). Pickled: not for hot paths."""
-        return self._object_op("gather_object", dst, lambda: self.comm.gather(obj, root=dst))
-
-    def all_gather_object(self, obj):
-        return self._object_op("all_gather_object", 0, lambda: self.comm.allgather(obj))
-
-    def broadcast_object(self, obj, src=0):
-        return self._object_op("broadcast_object", src, lambda: self.comm.bcast(obj, root=src))
-
     def split(self, color, key=None, name=None):
         """Sub-groups of ranks with equal ``color`` ordered by ``key`` (MPI Split). Collective."""
         sub = self._object_op("split", 0, lambda: self.comm.Split(color, self.rank if key is None else key))

@@ -96,3 +96,32 @@ class Work:
 
     def __repr__(self):
         return f"<Work {'done' if self._done else 'pending'}>"
+
+
+def settle(group, error):
+    """Before a new collective on ``group``: finish earlier async ops' fingerprint
+    checks, in issue order (a mismatch raises on every rank, as the other ranks
+    meet the same check at the same place); complete any op whose handle was
+    dropped without ``wait()`` and return that as the new call's local error
+    (so every rank raises); keep the rest for their ``wait()``."""
+    keep = []
+    for p in group._pending:
+        if p.waited:
+            continue
+        try:
+            p.verify()
+        except Exception:                     # a mismatch (or a timeout) on every rank
+            group._orphans.append(p)          # its data may never complete: keep the buffers
+            group._pending = [q for q in group._pending if q is not p and not q.waited]
+            raise
+        if p.dropped:
+            p.wait()                          # every rank issued it: it completes
+            p.waited, p.entry.state = True, "dropped"
+            if group._last is None or group._last.seq < p.entry.seq:
+                group._last = p.entry
+            error = error or (f"async {watchdog.describe(p.entry.as_dict())} was never waited "
+                              f"on (its Work was dropped); call .wait() on every Work")
+            continue
+        keep.append(p)
+    group._pending = keep
+    return error
