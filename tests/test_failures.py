@@ -184,3 +184,11 @@ def test_user_blas_threads_stand(tmp_path):
 def test_trace_imports_no_comm():
     code = "import sys, pdist.trace; assert 'pdist.comm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_poll_has_a_deadline(monkeypatch):
+    """The generic wait (CUDA events use it) raises at its deadline."""
+    from pdist.comm import watchdog
+    monkeypatch.setitem(watchdog._S, "timeout", 0.05)
+    with pytest.raises(watchdog.CollectiveTimeoutError, match="did not complete within 0.05 s"):
+        watchdog.poll(lambda: False)

@@ -245,6 +245,20 @@ class Watch:
         return None
 
 
+def poll(done):
+    """Wait until ``done()`` is true, with the deadline and control-channel checks
+    (for waits that are not MPI requests, e.g. a CUDA event); yields the core."""
+    if done():
+        return
+    t0 = time.perf_counter()
+    watch = Watch(t0)
+    while not done():
+        t = time.perf_counter()
+        if t >= watch.next:
+            watch.check(t)
+        time.sleep(20e-6)
+
+
 def rollcall(reason):
     """Exchange statuses with every rank and build the error to raise."""
     if not _S["status_sent"]:
