@@ -61,14 +61,19 @@ class Launch:
 def launch(n, script, *args, timeout=180, env=None, wrap=True):
     """Run ``python script args`` on ``n`` ranks under ``mpiexec`` and return a
     ``Launch``; never raises on failure. ``wrap=False`` runs the script as a user
-    would (``mpiexec -n n python script``), without ``-m pdist.testing``."""
+    would (``mpiexec -n n python script``), without ``-m pdist.testing``. In
+    ``env``, a value of None removes that variable."""
     script = str(script)
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     repo = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("PDIST_FLIGHT_DIR", tempfile.gettempdir())   # failure dumps out of the checkout
-    full_env.update(env or {})
+    for k, v in (env or {}).items():            # a value of None removes the variable
+        if v is None:
+            full_env.pop(k, None)
+        else:
+            full_env[k] = str(v)
     py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
     # own session: on timeout the whole launch (mpiexec, proxies, ranks) is killed

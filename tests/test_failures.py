@@ -167,6 +167,13 @@ def test_clean_exit_is_quick_and_zero(n, tmp_path):
     assert not list(tmp_path.iterdir())                    # no flight dump on success
 
 
+@pytest.mark.parametrize("env_timeout,expect", [(None, 2), ("3", 3)])
+def test_init_timeout_and_env_override(env_timeout, expect, tmp_path):
+    """comm.init(timeout=2) sets the deadline; PDIST_TIMEOUT, when set, wins."""
+    f = ended(run(2, "timeout", tmp_path, env={"PDIST_TIMEOUT": env_timeout, "FAIL_INIT_TIMEOUT": "2"}), "timeout")
+    assert f"did not complete within {expect} s (PDIST_TIMEOUT)" in f[0], f[0]
+
+
 def test_dtype_aliases_match(tmp_path):
     from pdist.comm.check import dtype_code
     assert dtype_code(np.dtype(np.int64)) == dtype_code(np.dtype(np.longlong))
