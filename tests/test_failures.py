@@ -111,6 +111,11 @@ def test_async_never_waited(n, tmp_path):
         assert "async all_reduce #4 on group 'world' was never waited on" in f[r], f[r]
 
 
+def test_async_never_waited_at_exit(tmp_path):
+    f = ended(run(2, "async_unwaited_exit", tmp_path), "async_unwaited_exit")
+    assert "async all_reduce #4 on group 'world' was never waited on" in f[1], f
+
+
 @pytest.mark.parametrize("n", [2, 4])
 def test_group_usable_after_async_mismatch(n, tmp_path):
     res = run(n, "async_after_mismatch", tmp_path)

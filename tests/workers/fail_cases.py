@@ -84,6 +84,12 @@ def main(case):
         else:
             w.wait()
         g.barrier()
+    elif case == "async_unwaited_exit":      # rank 1 keeps its handle but never waits
+        w = g.all_reduce(np.ones(8), async_op=True)
+        if r != 1:
+            w.wait()
+        else:
+            fault()
     elif case == "async_after_mismatch":     # caught mismatch, then the group still works
         caught = None
         try:
