@@ -12,6 +12,12 @@ through ``python -m pdist.testing`` so that an exception on any rank prints
 other ranks wait in a collective). On failure it raises ``MPIRunError`` whose
 message names the failing rank(s) and shows their traceback. World size 1 runs
 the script without mpiexec.
+
+Once a script has called ``comm.init()``, the same failure handling is
+installed in the script itself (pdist/comm/failures.py), so plain ``mpiexec
+python script.py`` ends as quickly; ``launch(..., wrap=False)`` runs that way
+and returns the exit code, output and seconds for tests that expect failure.
+``failures(out)`` maps each failing rank to its tagged traceback.
 """
 import os
 import re
@@ -19,6 +25,8 @@ import runpy
 import shutil
 import subprocess
 import sys
+import tempfile
+import time
 import traceback
 from pathlib import Path
 
@@ -38,34 +46,76 @@ def mpiexec_path():
     return found
 
 
+class Launch:
+    """What ``launch`` saw: exit code ``rc`` (None: killed at the timeout),
+    combined output ``out``, wall-clock ``seconds``."""
+
+    def __init__(self, rc, out, seconds):
+        self.rc, self.out, self.seconds = rc, out, seconds
+
+    @property
+    def timed_out(self):
+        return self.rc is None
+
+
+def launch(n, script, *args, timeout=180, env=None, wrap=True):
+    """Run ``python script args`` on ``n`` ranks under ``mpiexec`` and return a
+    ``Launch``; never raises on failure. ``wrap=False`` runs the script as a user
+    would (``mpiexec -n n python script``), without ``-m pdist.testing``. In
+    ``env``, a value of None removes that variable."""
+    script = str(script)
+    full_env = dict(os.environ)
+    full_env.setdefault("PYTHONUNBUFFERED", "1")
+    repo = str(Path(__file__).resolve().parent.parent)
+    full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
+    full_env.setdefault("PDIST_FLIGHT_DIR", tempfile.gettempdir())   # failure dumps out of the checkout
+    for k, v in (env or {}).items():            # a value of None removes the variable
+        if v is None:
+            full_env.pop(k, None)
+        else:
+            full_env[k] = str(v)
+    py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
+    cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
+    # own session: on timeout the whole launch (mpiexec, proxies, ranks) is killed
+    # by its process group, never by a name pattern
+    t0 = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, env=full_env, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+        rc = proc.returncode
+    except subprocess.TimeoutExpired:
+        _kill_group(proc)
+        out, _ = proc.communicate()
+        rc = None
+    return Launch(rc, out or "", time.perf_counter() - t0)
+
+
 def mpirun(n, script, *args, timeout=180, env=None, check=True):
     """Run ``python script args`` on ``n`` ranks; return combined stdout+stderr.
 
     Raises MPIRunError (with the failing ranks' tracebacks) on a non-zero exit or
     on timeout when ``check`` is true.
     """
-    script = str(script)
-    full_env = dict(os.environ)
-    full_env.setdefault("PYTHONUNBUFFERED", "1")
-    repo = str(Path(__file__).resolve().parent.parent)
-    full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
-    full_env.update(env or {})
-    py = [sys.executable, "-u", "-m", "pdist.testing", script, *map(str, args)]
-    cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
-    # own session: on timeout the whole launch (mpiexec, proxies, ranks) is killed
-    # by its process group, never by a name pattern
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=full_env, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, _ = proc.communicate()
+    run = launch(n, script, *args, timeout=timeout, env=env)
+    if run.timed_out:
         raise MPIRunError(f"mpirun -n {n} {script} timed out after {timeout}s "
-                          f"(a rank is stuck; a collective mismatch?)\n--- output ---\n{(out or '')[-6000:]}")
-    if check and proc.returncode != 0:
-        raise MPIRunError(_failure_message(n, script, proc.returncode, out))
-    return out
+                          f"(a rank is stuck; a collective mismatch?)\n--- output ---\n{run.out[-6000:]}")
+    if check and run.rc != 0:
+        raise MPIRunError(_failure_message(n, script, run.rc, run.out))
+    return run.out
+
+
+def failures(out):
+    """{world rank: text} of every ``[pdist rank r FAILED]`` (or ``STOPPED``: it
+    stopped because another rank failed) report in a run's output (lines tagged
+    ``[rank r]``, so interleaved output cannot mix them up)."""
+    found = {int(r) for r in re.findall(r"\[pdist rank (\d+) (?:FAILED|STOPPED)\]", out)}
+    res = {}
+    for r in sorted(found):
+        tag = f"[rank {r}] "
+        res[r] = "\n".join(line.split(tag, 1)[1] for line in out.splitlines() if tag in line)
+    return res
 
 
 REPORT_PREFIX = "[pdist report] "
@@ -76,15 +126,19 @@ def report(**results):
     ``reports(out)``; every value must be JSON-serialisable). Any rank may call it;
     include ``rank=`` when the rank matters."""
     import json
-    print(REPORT_PREFIX + json.dumps(results, sort_keys=True), flush=True)
+    sys.stdout.write(REPORT_PREFIX + json.dumps(results, sort_keys=True) + "\n")   # one write: no
+    sys.stdout.flush()                                                            # interleaving
 
 
 def reports(out):
     """Every JSON object that ``report()`` printed in a run's output, in order (ranks
     printing at once may share a line: each object is decoded where its prefix starts)."""
     import json
-    dec = json.JSONDecoder()
-    return [dec.raw_decode(part.lstrip())[0] for part in out.split(REPORT_PREFIX)[1:]]
+    dec, found = json.JSONDecoder(), []
+    for line in out.splitlines():
+        for part in line.split(REPORT_PREFIX)[1:]:
+            found.append(dec.raw_decode(part)[0])
+    return found
 
 
 def _failure_message(n, script, rc, out):
@@ -92,6 +146,9 @@ def _failure_message(n, script, rc, out):
     head = f"mpirun -n {n} {script} exited with {rc}"
     if failed:
         head += f"; failing rank(s): {failed}"
+    stopped = sorted(set(int(r) for r in re.findall(r"\[pdist rank (\d+) STOPPED\]", out)))
+    if stopped:
+        head += f"; stopped because of it: {stopped}"
     blocks = re.findall(r"\[pdist rank \d+ FAILED\].*?\[pdist rank \d+ END\]", out, flags=re.S)
     body = "\n".join(blocks) if blocks else out[-6000:]
     if blocks and all("Traceback" not in b for b in blocks):   # e.g. SystemExit(2) after a usage error
@@ -100,10 +157,15 @@ def _failure_message(n, script, rc, out):
 
 
 def _kill_group(proc):
-    """SIGKILL the launch's process group (mpiexec and the ranks it started)."""
+    """SIGKILL the launch's process group (mpiexec and the ranks it started) and
+    wait (up to 5 s) until none of them is left."""
     import signal
+    end = time.monotonic() + 5
     try:
         os.killpg(proc.pid, signal.SIGKILL)
+        while time.monotonic() < end:
+            time.sleep(0.02)
+            os.killpg(proc.pid, 0)          # raises once the group is empty
     except ProcessLookupError:
         pass
 
@@ -128,12 +190,18 @@ def _main(argv):
             _abort(f"SystemExit({e.code})")
         raise
     except BaseException:
+        hooks = sys.modules.get("pdist.comm.failures")  # comm.init() ran: every rank reports
+        if hooks is not None and hooks.installed():
+            hooks.fail_exception(*sys.exc_info())
         _abort(traceback.format_exc())
 
 
 def _abort(text):
     r = _world_rank()
+    if "pdist.comm.failures" in sys.modules and sys.modules["pdist.comm.failures"].installed():
+        sys.modules["pdist.comm.failures"].fail(text, text.strip().splitlines()[-1])
     sys.stdout.flush()
+    text = "\n".join(f"[rank {r}] {line}" for line in text.rstrip().splitlines())
     sys.stderr.write(f"[pdist rank {r} FAILED]\n{text}\n[pdist rank {r} END]\n")
     sys.stderr.flush()
     if "mpi4py.MPI" in sys.modules:

@@ -26,9 +26,16 @@ import json
 import os
 import time
 
-_cfg = {"on": os.environ.get("PDIST_TRACE", "1") != "0"}
+from pdist.backend import env_flag
+
+_cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
 _events = collections.deque(maxlen=int(os.environ.get("PDIST_TRACE_MAX", "200000")))
 now = time.perf_counter
+
+
+def set_world(group):
+    """The group ``write_chrome_trace`` uses by default (``comm.init()`` sets the world)."""
+    _cfg["world"] = group
 
 
 def enable():
@@ -93,11 +100,13 @@ def _plain(v):
 def write_chrome_trace(path, group=None):
     """Gather every rank's events to rank 0 of ``group`` (default: the world) and
     write one Chrome/Perfetto JSON there (pid = rank within the group, tid 0 =
-    communication, tid 1 = everything else). Collective; returns the event count
+    communication, tid 1 = everything else). The world is the one ``comm.init()``
+    registered (this module imports nothing of pdist.comm: no import cycle).
+    Collective; returns the event count
     on rank 0, None elsewhere."""
+    group = group or _cfg["world"]
     if group is None:
-        from pdist.comm import init
-        group = init()
+        raise RuntimeError("write_chrome_trace: call pdist.comm.init() first (or pass a group)")
     was_on = _cfg["on"]
     _cfg["on"] = False                       # do not trace the gather itself
     try:

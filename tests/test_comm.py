@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from pdist.testing import MPIRunError, mpirun
+from pdist.testing import MPIRunError, mpirun, reports
 
 W = Path(__file__).parent / "workers"
 
@@ -33,21 +33,22 @@ def test_collectives(n):
     at n=4 also the dp and tp groups of a 2x2 mesh. The worker asserts the wait
     mode matches oversubscription detection (ranks > cores)."""
     expect = "1" if n > cores() else "0"
-    out = mpirun(n, W / "comm_collectives.py", expect, timeout=180)
-    assert f"comm_collectives OK n={n}" in out
+    res = reports(mpirun(n, W / "comm_collectives.py", expect, timeout=180))
+    assert sorted(r["rank"] for r in res) == list(range(n))
+    assert all(r["ok"] and r["n"] == n and r["cooperative"] == (expect == "1") for r in res)
 
 
 @pytest.mark.parametrize("n,coop", [(2, "1"), (3, "0")])
 def test_collectives_forced_wait_mode(n, coop):
     """Both wait paths (cooperative Test+sleep, and MPI's blocking calls) give the same results."""
-    out = mpirun(n, W / "comm_collectives.py", coop, timeout=180, env={"PDIST_COOPERATIVE_WAIT": coop})
-    assert f"cooperative={coop == '1'}" in out
+    res = reports(mpirun(n, W / "comm_collectives.py", coop, timeout=180, env={"PDIST_COOPERATIVE_WAIT": coop}))
+    assert len(res) == n and all(r["ok"] and r["cooperative"] == (coop == "1") for r in res)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_bad_inputs_raise_on_every_rank(n):
-    out = mpirun(n, W / "comm_errors.py", timeout=120)
-    assert f"comm_errors OK n={n}" in out
+    res = reports(mpirun(n, W / "comm_errors.py", timeout=120))
+    assert sorted(r["rank"] for r in res) == list(range(n)) and all(r["ok"] for r in res)
 
 
 def test_harness_names_failing_rank():

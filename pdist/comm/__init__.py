@@ -4,53 +4,56 @@
     world = comm.init()                   # works under mpirun and as one plain process
     world.all_reduce(grad, op="avg")      # in place; algorithm="mpi" | "naive" | "ring"
     mesh = comm.DeviceMesh(dp=2, tp=2)    # world -> dp / tp / pp sub-groups
+    comm.set_step(k)                      # training step: part of every fingerprint
 
 ``init()`` starts MPI once (idempotent), sets BLAS threads per rank to
-``max(1, cores // ranks on this node)`` and turns on cooperative waits when
-ranks outnumber cores (mpi.py). See docs/collectives.md.
+``max(1, cores // ranks on this node)`` unless the user set OMP/OPENBLAS/MKL
+_NUM_THREADS, turns on cooperative waits when ranks outnumber cores (mpi.py),
+starts the watchdog (every wait has a deadline, watchdog.py) and installs the
+failure hooks (a failure on any rank ends the job, failures.py). See
+docs/collectives.md and docs/failures.md.
 """
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm.check import CollectiveMismatchError
 from pdist.comm.group import ProcessGroup
 from pdist.comm.mesh import DeviceMesh
+from pdist.comm.watchdog import CollectiveTimeoutError, get_step, set_step
 from pdist.comm.work import Work
 
 __all__ = ["init", "get_world", "ProcessGroup", "DeviceMesh", "Work", "chunk_bounds",
-           "CollectiveMismatchError", "is_initialized"]
+           "CollectiveMismatchError", "CollectiveTimeoutError", "is_initialized",
+           "set_step", "get_step"]
 
 _world = {"group": None}
 
 
-def init(device=None):
+def init(device=None, timeout=None):
     """The world ProcessGroup (created on the first call; later calls return it).
 
     ``device`` ("cpu" or "gpu") also selects the array backend
-    (``pdist.backend.use_device``): CuPy arrays then travel over NCCL."""
+    (``pdist.backend.use_device``): CuPy arrays then travel over NCCL.
+    ``timeout`` (seconds) is the default deadline of every wait; the
+    environment variable ``PDIST_TIMEOUT`` wins when set (default 600)."""
     if device is not None:
         from pdist.backend import use_device
         use_device(device)
+    from pdist.comm import failures, watchdog
     if _world["group"] is None:
+        from pdist import trace
         from pdist.comm.mpi import MPI, setup
         setup(MPI.COMM_WORLD)
+        watchdog.configure(timeout)
         _world["group"] = ProcessGroup(MPI.COMM_WORLD.Dup(), "world")
+        trace.set_world(_world["group"])
+        failures.install()
+    elif timeout is not None:
+        watchdog.configure(timeout)
     return _world["group"]
 
 
 def get_world():
     """The world group (calls ``init()`` if nobody has yet)."""
     return _world["group"] or init()
-
-
-_step = {"step": 0}
-
-
-def set_step(step):
-    """The training step this process is in (stamped into every collective's check)."""
-    _step["step"] = int(step)
-
-
-def get_step():
-    return _step["step"]
 
 
 def is_initialized():

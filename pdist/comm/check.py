@@ -1,31 +1,40 @@
-"""Collective validation: every rank agrees on (op, seq, size, dtype, ...) or
-every rank raises the same ``CollectiveMismatchError``. Never a hang, never
+"""Collective validation: every rank agrees on (op, seq, step, size, dtype, ...)
+or every rank raises the same ``CollectiveMismatchError``. Never a hang, never
 silent garbage.
 
-Before each collective, each rank forms a fingerprint
-``f = (op, seq, size, dtype, reduce-op, root, algorithm, async_op, local_error)`` and the
-group runs one small all-reduce of ``[f, -f]`` with MAX, which yields
-``max_r f_r`` and ``min_r f_r``. If they differ anywhere (or any rank found a
-local error, e.g. ``out`` too small), all ranks see it in the same result, so
-all of them gather the fingerprints and raise one error that names the op, its
-sequence number and what each rank passed. A rank that skips a collective is
-caught at its next one (op or seq differ).
+Before each collective (object collectives and splits included), each rank
+forms a fingerprint ``f = (op, seq, step, size, dtype, reduce-op, root,
+algorithm, async_op, local_error)`` and the group runs one small non-blocking
+all-reduce of ``[f, -f]`` with MAX, which yields ``max_r f_r`` and
+``min_r f_r``. If they differ anywhere (or any rank found a local error, e.g.
+``out`` too small), all ranks see it in the same result, so all of them gather
+the fingerprints and raise one error that names the op, its sequence number,
+and every differing field's value per (world) rank. A rank that skips a
+collective is caught at its next one (op or seq differ); a rank that skips or
+repeats a training step (``comm.set_step``) at its first collective of the
+next step. Dtypes compare by kind and item size (``int64 == longlong``).
 
-Cost: one 144-byte all-reduce per collective (a few microseconds on one node;
-see docs/collectives.md for the measured overhead). On by default; set
-``PDIST_CHECK_COLLECTIVES=0`` (or ``pg.check = False``) to turn it off, after
-which mismatched calls are undefined behaviour in MPI (garbage or a hang).
+Channels. The exchange runs on the group's own fingerprint communicator and
+the verdict on another, so both stay in step on every rank whatever happened
+to the data. After a mismatch the group replaces its data communicator (an
+async op may have posted data the other ranks never will), so the group stays
+usable.
+
+Cost: one 160-byte all-reduce per collective (a few microseconds on one node;
+see docs/collectives.md). On by default; ``PDIST_CHECK_COLLECTIVES=0`` (or
+``pg.check = False``) turns it off, after which mismatched calls are undefined
+behaviour in MPI (garbage or a hang until the watchdog's deadline).
 """
-import os
-
 import numpy as np
 
 from pdist.comm.mpi import MPI, wait_all
 
-OPS = ["barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all"]
+OPS = ["barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
+       "all_gather_object", "broadcast_object", "gather_object", "split"]
 REDOPS = ["", "sum", "avg", "max", "min"]
 ALGOS = ["", "mpi", "naive", "ring", "tree", "pairwise"]
-FIELDS = ["op", "seq", "size", "dtype", "reduce-op", "root", "algorithm", "async_op", "local error"]
+FIELDS = ["op", "seq", "step", "size", "dtype", "reduce-op", "root", "algorithm", "async_op", "local error"]
+K = len(FIELDS)
 
 
 class CollectiveMismatchError(ValueError):
@@ -33,48 +42,49 @@ class CollectiveMismatchError(ValueError):
 
 
 def default_on():
-    return os.environ.get("PDIST_CHECK_COLLECTIVES", "1") != "0"
+    from pdist.backend import env_flag
+    return env_flag("PDIST_CHECK_COLLECTIVES", True)
 
 
 _OP, _RED, _ALG = ({k: i for i, k in enumerate(v)} for v in (OPS, REDOPS, ALGOS))
 
 
-def fingerprint(op, seq, size=0, dtype=None, redop="", root=-1, algorithm="", error=None,
+def dtype_code(dtype):
+    """Equal for equal dtypes (int64 and longlong alike), different otherwise."""
+    return -1 if dtype is None else (ord(dtype.kind) << 16) | dtype.itemsize
+
+
+def fingerprint(op, seq, step, size=0, dtype=None, redop="", root=-1, algorithm="", error=None,
                 async_op=False):
-    """The 9 integers every rank must agree on (a Python list: cheap to build)."""
-    return [_OP[op], seq, size, dtype.num if dtype is not None else -1,
-            _RED[redop], root, _ALG[algorithm], int(bool(async_op)), 1 if error else 0]
+    """The integers every rank must agree on (a Python list: cheap to build)."""
+    return [_OP[op], seq, step, size, dtype_code(dtype), _RED[redop], root, _ALG[algorithm],
+            int(bool(async_op)), 1 if error else 0]
 
 
-def agree(comm, group_name, fp, error, describe, buf=None):
-    """Raise CollectiveMismatchError on every rank unless all fingerprints match
-    and no rank reported an error. ``describe`` is this rank's argument summary;
-    ``buf`` an optional reusable int64 array of at least 18 elements."""
-    finish = agree_start(comm, group_name, fp, error, describe, buf)
-    finish()
+def agree(g, fp, error, describe, buf=None):
+    """Raise CollectiveMismatchError on every rank of group ``g`` unless all
+    fingerprints match and no rank reported an error. ``describe`` is this
+    rank's argument summary: (dtype name, text)."""
+    agree_start(g, fp, error, describe, buf)()
 
 
-def agree_start(comm, group_name, fp, error, describe, buf=None):
+def agree_start(g, fp, error, describe, buf=None):
     """Post the fingerprint exchange (a non-blocking all-reduce) and return
     ``finish()``, which waits for it and raises on a mismatch. An ``async_op``
-    collective posts its data right after this and calls ``finish()`` first
-    thing in ``Work.wait()``: the check then costs no extra meeting of the ranks
-    at issue time (DDP's buckets keep overlapping with backward). The exchange
-    is always non-blocking, so it matches across ranks whatever their wait mode
-    (MPI never matches a blocking collective with a non-blocking one)."""
-    k = len(fp)
-    if comm.Get_size() == 1:
+    collective posts its data right after this; the group calls ``finish()``
+    in ``Work.wait()`` or before its next collective, whichever comes first."""
+    if g.size == 1:
         if error:
-            raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{group_name}': {error}")
+            raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}': {error}")
         return _nothing
-    both = np.empty(2 * k, np.int64) if buf is None else buf[:2 * k]
-    both[:k] = fp
-    both[k:] = [-v for v in fp]
-    req = comm.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)
+    both = np.empty(2 * K, np.int64) if buf is None else buf[:2 * K]
+    both[:K] = fp
+    both[K:] = [-v for v in fp]
+    req = g._fp.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)
 
     def finish():
         wait_all([req])
-        _verdict(comm, group_name, fp, error, describe, both.tolist())
+        _verdict(g, fp, error, describe, both.tolist())
     return finish
 
 
@@ -82,17 +92,48 @@ def _nothing():
     return None
 
 
-def _verdict(comm, group_name, fp, error, describe, res):
-    k = len(fp)
-    hi, lo = res[:k], [-v for v in res[k:]]
+def _by_value(values):
+    """{value: [ranks]} in first-seen order."""
+    out = {}
+    for r, v in values:
+        out.setdefault(v, []).append(r)
+    return out
+
+
+def _names(ranks):
+    return ("rank " if len(ranks) == 1 else "ranks ") + ", ".join(map(str, ranks))
+
+
+def _field_line(name, values):
+    groups = _by_value(values)
+    if name == "step":                        # "rank 1 is at step 4; ranks 0, 2, 3 at step 5"
+        ordered = sorted(groups.items(), key=lambda kv: len(kv[1]))
+        return "; ".join(f"{_names(rs)}{(' is' if len(rs) == 1 else ' are') if i == 0 else ''} at step {v}"
+                         for i, (v, rs) in enumerate(ordered))
+    return f"{name}: " + "; ".join(f"{_names(rs)} = {v}" for v, rs in groups.items())
+
+
+def _verdict(g, fp, error, describe, res):
+    hi, lo = res[:K], [-v for v in res[K:]]
     if hi == lo and hi[-1] == 0:
         return
-    infos = comm.allgather((list(fp), describe() if callable(describe) else describe, error))
-    bad = [FIELDS[i] for i in range(k - 1) if hi[i] != lo[i]]
+    wait_all([g._vcomm.Ibarrier()])            # every member is here: the gather cannot hang
+    dt, desc = describe() if callable(describe) else describe
+    infos = g._vcomm.allgather((list(fp), dt, desc, error))
+    g._reset_data()                            # data posted by an async op is orphaned
+    world = g.ranks
+    decode = {"op": lambda f, d: OPS[f[0]], "seq": lambda f, d: f[1], "step": lambda f, d: f[2],
+              "size": lambda f, d: f[3], "dtype": lambda f, d: d, "reduce-op": lambda f, d: REDOPS[f[5]] or "-",
+              "root": lambda f, d: f[6], "algorithm": lambda f, d: ALGOS[f[7]] or "-",
+              "async_op": lambda f, d: bool(f[8])}
+    bad = [FIELDS[i] for i in range(K - 1) if hi[i] != lo[i]]
+    fields = [_field_line(name, [(world[r], decode[name](f, d)) for r, (f, d, _, _) in enumerate(infos)])
+              for name in bad]
     lines = []
-    for r, (f, desc, err) in enumerate(infos):
-        lines.append(f"  rank {r}: {OPS[f[0]]} #{f[1]} {desc}" + (f"  <- {err}" if err else ""))
+    for r, (f, d, desc_r, err) in enumerate(infos):
+        who = f"rank {world[r]}" + ("" if g.name == "world" else f" ({g.name} rank {r})")
+        lines.append(f"  {who}: {OPS[f[0]]} #{f[1]} step {f[2]} {desc_r}" + (f"  <- {err}" if err else ""))
     what = ("ranks disagree on " + ", ".join(bad)) if bad else "invalid arguments"
     raise CollectiveMismatchError(
-        f"{OPS[fp[0]]} #{fp[1]} on group '{group_name}' ({comm.Get_size()} ranks): {what}\n"
-        + "\n".join(lines))
+        f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}' ({g.size} ranks, world ranks {world}): {what}\n"
+        + "".join(f"  {x}\n" for x in fields) + "\n".join(lines))

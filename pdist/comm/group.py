@@ -22,6 +22,13 @@ full tensor's bytes, n = group size), ``pg.stats[op]["bytes"]``:
 ``pg.stats[op]["wire_bytes"]`` counts the bytes this rank really sent in the
 hand-built algorithms and in send/isend (MPI's own collectives are opaque to
 us: they add 0), so a lesson can set an algorithm beside the theory.
+
+Safety (docs/failures.md): every call is fingerprinted (check.py) and recorded
+in the flight recorder, every wait has a deadline (watchdog.py), and an async
+op's buffers are held until it is waited on (work.py). Before a new
+collective the group settles earlier async ops: it finishes their fingerprint
+checks (so a mismatch is raised on every rank in the same order) and reports
+any whose handle was dropped without ``wait()``.
 """
 import numpy as np
 
@@ -29,9 +36,12 @@ from pdist import trace
 from pdist.backend import is_device_array
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
+from pdist.comm import watchdog
 from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
-from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat, cooperative, wait_all
-from pdist.comm.work import Work
+from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
+from pdist.comm.watchdog import _cur, _step
+from pdist.comm.objects import ObjectCollectives
+from pdist.comm.work import Pending, Work, settle
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
               "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),
@@ -39,7 +49,7 @@ ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", 
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
-class ProcessGroup:
+class ProcessGroup(ObjectCollectives):
     """A set of ranks that run collectives together (``rank``, ``size``,
     ``ranks`` = their world ranks in group order, ``name``)."""
 
@@ -50,13 +60,18 @@ class ProcessGroup:
                                                            MPI.COMM_WORLD.Get_group()))
         self.check = default_on()
         self.default_algorithm = "mpi"
-        self._mpi = MPICollectives(comm)
+        self._fp, self._vcomm = comm.Dup(), comm.Dup()   # fingerprints; verdicts (check.py)
+        self._mpi = MPICollectives(comm.Dup())     # MPI's collectives: replaced after a mismatch
         self._user = MPIP2P(comm)                  # send/recv of the user
+        self._user_nb = MPICollectives(comm)       # isend/irecv of the user (same context)
         self._algo = MPIP2P(comm.Dup())            # hand-built algorithms: own context
         self._nccl = None
         self._seq = 0
-        self._fpbuf = np.empty(18, np.int64)       # the collective check's message
+        self._fpbuf = np.empty(20, np.int64)       # the collective check's message
+        self._pending, self._orphans = [], []      # async ops not yet waited on; abandoned ones
+        self._last = None                          # the last collective finished (flight entry)
         self.stats = {}
+        watchdog.register(self)
 
     def __repr__(self):
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} world ranks {self.ranks}>"
@@ -90,30 +105,46 @@ class ProcessGroup:
             return self._nccl, self._nccl.p2p
         return self._mpi, self._algo
 
+    def _reset_data(self):
+        """After a mismatch: a fresh communicator for MPI's collectives (collective
+        over the verdict channel, which every member reaches in the same order)."""
+        self._orphans.append(self._mpi)
+        self._mpi = MPICollectives(self._vcomm.Dup())
+
+    def _settle(self, error):
+        """Finish earlier async ops' fingerprint checks (work.settle)."""
+        return settle(self, error)
+
     def _run(self, op, arr, theory, native, hand, algorithm, async_op,
-             redop="", root=-1, error=None, then=None):
+             redop="", root=-1, error=None, then=None, keep=()):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
         if algorithm not in ALGORITHMS[op]:
             raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
+        if self._pending:
+            error = self._settle(error)
         self._seq += 1
         size, dtype = (arr.size, arr.dtype) if arr is not None else (0, None)
+        ent = watchdog.enter(self, op, self._seq, size, dtype)
         pending_check = None
         if self.check:
-            fp = fingerprint(op, self._seq, size, dtype, redop, root, algorithm, error, async_op)
-            describe = lambda: f"size={size} dtype={dtype} async_op={async_op}"  # noqa: E731
+            fp = fingerprint(op, self._seq, _step[0], size, dtype, redop, root, algorithm, error, async_op)
+            describe = lambda: (str(dtype), f"size={size} dtype={dtype} op={redop or '-'} root={root} "  # noqa: E731
+                                f"algorithm={algorithm} async_op={async_op}")
             if async_op and algorithm == "mpi" and error is None:
-                # verified in Work.wait(), so issuing stays non-blocking (DDP overlap)
-                pending_check = agree_start(self.comm, self.name, fp, error, describe)
+                # verified in Work.wait() or at the next collective, so issuing stays non-blocking
+                pending_check = agree_start(self, fp, error, describe)
             else:
-                agree(self.comm, self.name, fp, error, describe, self._fpbuf)
+                agree(self, fp, error, describe, self._fpbuf)
         elif error:
             raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
         args = {"op": op, "bytes": int(arr.nbytes) if arr is not None else 0,
                 "group": self.name, "algorithm": algorithm}
         t0 = trace.now()
         if algorithm == "mpi":
-            work = native(self._backend(arr)[0] if arr is not None else self._mpi, async_op)
+            be = self._backend(arr)[0] if arr is not None else self._mpi
+            be.verified = self.check          # every rank is here: the blocking fast path is safe
+            work = native(be, async_op)
             self._count(op, theory)
         else:
             p2p = self._backend(arr)[1]
@@ -122,11 +153,16 @@ class ProcessGroup:
             self._count(op, theory, p2p.wire_bytes - w0)
             work = None
         if work is not None:
-            work._then, work._span, work._check = then, (op, t0, args), pending_check
+            work._then, work._span = then, (op, t0, args)
+            work._keep = keep
+            work._pending = p = Pending(pending_check, work._wait, keep, ent, self)
+            self._pending.append(p)
+            _cur[0] = None
             return work
         if then is not None:
             then()
         trace.record(op, "comm", t0, trace.now(), **args)
+        ent.state, self._last, _cur[0] = "done", ent, None
         return Work.completed() if async_op else None
 
     def _flat(self, a, what):
@@ -161,7 +197,7 @@ class ProcessGroup:
                 "ring": lambda t: alg.allreduce_ring(t, flat, op)}
         return self._run("all_reduce", flat, self._ring_bytes(flat.nbytes, 2),
                          lambda c, nb: c.all_reduce(flat, op, nb), hand, algorithm, async_op, redop=op, error=err,
-                         then=self._avg_then(op, flat))
+                         then=self._avg_then(op, flat), keep=(flat,))
 
     def reduce_scatter(self, out, inp, op="sum", algorithm=None, async_op=False):
         """out_r <- chunk_bounds(inp.size, n)[r] of (inp_0 (op) ... (op) inp_{n-1})."""
@@ -179,7 +215,7 @@ class ProcessGroup:
                 "ring": lambda t: alg.reduce_scatter_ring(t, fo, fi, op)}
         return self._run("reduce_scatter", fi, self._ring_bytes(fi.nbytes),
                          lambda c, nb: c.reduce_scatter(fo, fi, counts, op, nb), hand, algorithm, async_op, redop=op, error=err,
-                         then=self._avg_then(op, fo))
+                         then=self._avg_then(op, fo), keep=(fo, fi))
 
     def all_gather(self, out, inp, algorithm=None, async_op=False):
         """out[chunk_bounds(out.size, n)[q]] <- inp_q on every rank."""
@@ -195,7 +231,8 @@ class ProcessGroup:
         hand = {"naive": lambda t: alg.all_gather_naive(t, fo, fi),
                 "ring": lambda t: alg.all_gather_ring(t, fo, fi)}
         return self._run("all_gather", fo, self._ring_bytes(fo.nbytes),
-                         lambda c, nb: c.all_gather(fo, fi, counts, nb), hand, algorithm, async_op, error=err)
+                         lambda c, nb: c.all_gather(fo, fi, counts, nb), hand, algorithm, async_op, error=err,
+                         keep=(fo, fi))
 
     def all_gather_list(self, inp, algorithm=None):
         """[inp_0, ..., inp_{n-1}] (equal shapes) on every rank."""
@@ -213,7 +250,8 @@ class ProcessGroup:
         hand = {"naive": lambda t: alg.broadcast_naive(t, flat, src),
                 "tree": lambda t: alg.broadcast_tree(t, flat, src)}
         return self._run("broadcast", flat, self._ring_bytes(flat.nbytes),
-                         lambda c, nb: c.broadcast(flat, src, nb), hand, algorithm, async_op, root=src, error=err)
+                         lambda c, nb: c.broadcast(flat, src, nb), hand, algorithm, async_op, root=src, error=err,
+                         keep=(flat,))
 
     def reduce(self, buf, dst=0, op="sum", algorithm=None, async_op=False):
         """buf_dst <- buf_0 (op) ... (op) buf_{n-1}; buf elsewhere unchanged."""
@@ -225,7 +263,7 @@ class ProcessGroup:
                 "tree": lambda t: alg.reduce_tree(t, flat, dst, op)}
         return self._run("reduce", flat, self._ring_bytes(flat.nbytes),
                          lambda c, nb: c.reduce(flat, dst, op, nb), hand, algorithm, async_op, redop=op, root=dst,
-                         error=err, then=self._avg_then(op, flat, only_rank=dst))
+                         error=err, then=self._avg_then(op, flat, only_rank=dst), keep=(flat,))
 
     def all_to_all(self, out, inp, algorithm=None, async_op=False):
         """Axis-0 chunk q of inp goes to rank q; out's chunk q comes from rank q."""
@@ -238,7 +276,8 @@ class ProcessGroup:
             err = f"out ({fo.size} x {out.dtype}) must match inp ({fi.size} x {inp.dtype})"
         return self._run("all_to_all", fi, self._ring_bytes(fi.nbytes),
                          lambda c, nb: c.all_to_all(fo, fi, nb),
-                         {"pairwise": lambda t: alg.all_to_all_pairwise(t, fo, fi)}, algorithm, async_op, error=err)
+                         {"pairwise": lambda t: alg.all_to_all_pairwise(t, fo, fi)}, algorithm, async_op, error=err,
+                         keep=(fo, fi))
 
     def barrier(self, async_op=False):
         """Return once every rank of the group has called barrier()."""
@@ -250,13 +289,17 @@ class ProcessGroup:
         if not 0 <= peer < self.size:
             raise ValueError(f"{op}: peer {peer} is not a rank of group '{self.name}' (size {self.size})")
         self._count("send" if op in ("send", "isend") else "recv", nbytes, nbytes)
+        ent = watchdog.enter(self, op, 0, flat.size, flat.dtype, peer=self.ranks[peer])
         t0 = trace.now()
         work = start(flat)
         args = {"op": op, "bytes": int(flat.nbytes), "group": self.name, "peer": peer}
         if work is None:
             trace.record(op, "comm", t0, trace.now(), **args)
+            ent.state = "done"
         else:
-            work._span = (op, t0, args)
+            work._span, inner = (op, t0, args), work._wait
+            work._wait = lambda: (_cur.__setitem__(0, ent), inner())   # waits report this call
+        _cur[0] = None
         return work
 
     def _pt(self, buf):
@@ -279,30 +322,10 @@ class ProcessGroup:
         return self._p2p("irecv", buf, src, 0, lambda f: self._native(buf).irecv(f, src, tag))
 
     def _native(self, buf):
-        return self._backend(buf)[0] if is_device_array(buf) else self._mpi
+        return self._backend(buf)[0] if is_device_array(buf) else self._user_nb
 
     # -------------------------------------------------- small Python objects
-    def _arrive(self):
-        """Pickled collectives block in MPI (busy-polling). When ranks outnumber cores,
-        meet first in a cooperative barrier, so early ranks sleep instead of spinning
-        and the pickled call finds every rank already there."""
-        if self.size > 1 and cooperative():
-            wait_all([self.comm.Ibarrier()])
-
-    def gather_object(self, obj, dst=0):
-        """[obj_0, ..., obj_{n-1}] at dst (None elsewhere). Pickled: not for hot paths."""
-        self._arrive()
-        return self.comm.gather(obj, root=dst)
-
-    def all_gather_object(self, obj):
-        self._arrive()
-        return self.comm.allgather(obj)
-
-    def broadcast_object(self, obj, src=0):
-        self._arrive()
-        return self.comm.bcast(obj, root=src)
-
     def split(self, color, key=None, name=None):
         """Sub-groups of ranks with equal ``color`` ordered by ``key`` (MPI Split). Collective."""
-        sub = self.comm.Split(color, self.rank if key is None else key)
+        sub = self._object_op("split", 0, lambda: self.comm.Split(color, self.rank if key is None else key))
         return ProcessGroup(sub, name or f"{self.name}.{color}")

@@ -15,8 +15,16 @@ blocking operation is issued non-blocking and finished by ``wait_all``:
 ``PDIST_WAIT_YIELD_US`` (1000 us: short waits, e.g. a transfer in flight, stay
 fast), then sleep with exponential backoff from 20 us up to 250 us (long waits,
 e.g. for a slower pipeline stage, leave the core to the rank that computes).
-Otherwise the fast path is MPI's own blocking call. Override the choice with
-``PDIST_COOPERATIVE_WAIT=0|1``.
+Otherwise a waiting rank spins on ``Test()`` as MPI's own blocking calls would.
+Override the choice with ``PDIST_COOPERATIVE_WAIT=0|1``.
+
+Deadlines. In both modes operations are issued non-blocking and finished by
+``wait_all``, not by a blocking MPI call (which could not be interrupted):
+every ``PROBE_S`` (2 ms) the wait checks its deadline and the control channel
+(watchdog.py), so a rank that waits for a peer that exited or failed, or past
+``PDIST_TIMEOUT``, raises ``CollectiveTimeoutError``. The one blocking call
+left is the data phase of a collective whose fingerprint check has just shown
+every rank to be in it (``MPICollectives``).
 """
 import os
 import time
@@ -26,6 +34,7 @@ import mpi4py
 mpi4py.rc.initialize = True
 from mpi4py import MPI  # noqa: E402
 
+from pdist.comm import watchdog  # noqa: E402
 from pdist.comm.work import Work  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
@@ -33,6 +42,7 @@ _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None
 SEGMENT_BYTES = 1 << 19    # ring reduce-scatter pipelines reductions in 512 KiB pieces
 YIELD_SECONDS = float(os.environ.get("PDIST_WAIT_YIELD_US", "1000")) * 1e-6  # Test + yield phase
 SLEEP_MIN, SLEEP_MAX = 20e-6, 250e-6
+USER_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
 
 
 def cores_available():
@@ -54,21 +64,26 @@ def local_size(comm=None):
 
 
 def setup(comm=None):
-    """Once per process: BLAS threads = max(1, cores // local ranks); decide waits.
+    """Once per process: BLAS threads = max(1, cores // local ranks) unless the
+    user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; decide waits.
 
     Collective over ``comm`` (the node split, and the agreement on the wait mode).
-    Returns (threads, cooperative)."""
+    Returns (threads, cooperative); threads is None when the user's setting stands."""
     if _state["cooperative"] is not None:
         return _state["limits_n"], _state["cooperative"]
+    from pdist.backend import env_flag
     cores, local = cores_available(), local_size(comm)
     threads = max(1, cores // local)
-    try:
-        from threadpoolctl import threadpool_limits
-        _state["limits"] = threadpool_limits(limits=threads)
-    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-        pass
-    env = os.environ.get("PDIST_COOPERATIVE_WAIT", "").strip()
-    coop = (env == "1") if env in ("0", "1") else local > cores
+    if any(os.environ.get(v, "").strip() for v in USER_THREAD_VARS):
+        threads = None                     # the user's choice wins
+    else:
+        try:
+            from threadpoolctl import threadpool_limits
+            _state["limits"] = threadpool_limits(limits=threads)
+        except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+            pass
+    auto = os.environ.get("PDIST_COOPERATIVE_WAIT", "").strip() == ""
+    coop = local > cores if auto else env_flag("PDIST_COOPERATIVE_WAIT", False)
     # every rank must wait the same way: a blocking collective never matches a
     # non-blocking one in MPI, and nodes may differ in cores or ranks per node
     coop = bool((comm or MPI.COMM_WORLD).allreduce(int(coop), op=MPI.MAX))
@@ -87,16 +102,23 @@ def set_cooperative(flag):
 
 
 def wait_all(reqs, statuses=None):
-    """Finish MPI requests: ``Waitall`` normally; Test + yield/sleep when
-    cooperative, so a waiting rank leaves its core to the ranks that work."""
-    if not cooperative():
-        MPI.Request.Waitall(reqs, statuses)
+    """Finish MPI requests: Test until done (yield/sleep when cooperative, spin
+    otherwise), checking the deadline and the control channel every PROBE_S."""
+    if MPI.Request.Testall(reqs, statuses):
         return
-    sleep, t_yield = SLEEP_MIN, None
+    coop, now = _state["cooperative"], time.perf_counter
+    t0 = now()
+    watch, t_check = None, t0 + watchdog.PROBE_S
+    sleep, t_yield = SLEEP_MIN, t0 + YIELD_SECONDS
     while not MPI.Request.Testall(reqs, statuses):
-        if t_yield is None:
-            t_yield = time.perf_counter() + YIELD_SECONDS
-        if time.perf_counter() < t_yield:
+        t = now()
+        if t >= t_check:
+            watch = watch or watchdog.Watch(t0)
+            watch.check(t)                 # raises CollectiveTimeoutError
+            t_check = watch.next
+        if not coop:
+            continue
+        if t < t_yield:
             os.sched_yield()
         else:
             time.sleep(sleep)
@@ -126,27 +148,18 @@ class MPIP2P:
 
     def send(self, buf, dst, tag=0):
         self.wire_bytes += buf.nbytes
-        if cooperative():
-            wait_all([self.comm.Isend(buf, dst, tag)])
-        else:
-            self.comm.Send(buf, dst, tag)
+        wait_all([self.comm.Isend(buf, dst, tag)])
 
     def recv(self, buf, src, tag=0):
         status = MPI.Status()
-        if cooperative():
-            wait_all([self.comm.Irecv(buf, src, tag)], [status])
-        else:
-            self.comm.Recv(buf, src, tag, status)
+        wait_all([self.comm.Irecv(buf, src, tag)], [status])
         check_count(status, buf)
 
     def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
         """Send ``sendbuf`` to ``dst`` while receiving ``recvbuf`` from ``src``
         (both posted at once, so a ring of these never deadlocks)."""
         self.wire_bytes += sendbuf.nbytes
-        if cooperative():
-            wait_all([self.comm.Irecv(recvbuf, src, tag), self.comm.Isend(sendbuf, dst, tag)])
-        else:
-            self.comm.Sendrecv(sendbuf, dst, tag, recvbuf, src, tag)
+        wait_all([self.comm.Irecv(recvbuf, src, tag), self.comm.Isend(sendbuf, dst, tag)])
 
     def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0, segment_bytes=None):
         """``sendrecv`` in segments, all posted at once, yielding each received
@@ -195,21 +208,26 @@ def _typed(buf, counts=None):
 class MPICollectives:
     """MPI's own collectives on flat NumPy buffers (algorithm ``"mpi"``).
 
-    Each method runs the blocking call (fast path), or the non-blocking one
-    finished by a cooperative ``wait_all`` when ranks outnumber cores; with
-    ``nb=True`` it returns a pending ``Work`` instead."""
+    Each method issues the non-blocking call and finishes it with ``wait_all``
+    (which has a deadline, see above); with ``nb=True`` it returns a pending
+    ``Work`` instead. One exception, the fast path: when the group has just
+    verified that every rank is in this very collective (``verified``: the
+    fingerprint check passed) and waits are not cooperative, MPI's blocking
+    call runs. It cannot wait for a missing rank; a rank that dies meanwhile
+    ends the job (SIGKILL: the launcher; an exception: its failure hook)."""
 
     def __init__(self, comm):
         self.comm = comm
+        self.verified = False        # set by the group just before each call
 
     def _go(self, blocking, nonblocking, nb):
         if nb:
             reqs = nonblocking()
             return Work(wait=lambda: wait_all(reqs), test=lambda: MPI.Request.Testall(reqs))
-        if cooperative():
-            wait_all(nonblocking())
-        else:
+        if self.verified and not _state["cooperative"]:
             blocking()
+        else:
+            wait_all(nonblocking())
         return None
 
     def all_reduce(self, buf, op, nb=False):
@@ -251,7 +269,7 @@ class MPICollectives:
 
     def isend(self, buf, dst, tag):
         req = self.comm.Isend(buf, dst, tag)
-        return Work(wait=lambda: wait_all([req]), test=req.Test)
+        return Work(wait=lambda: wait_all([req]), test=req.Test, keep=(buf,))
 
     def irecv(self, buf, src, tag):
         req, status = self.comm.Irecv(buf, src, tag), MPI.Status()
@@ -259,4 +277,5 @@ class MPICollectives:
         def wait():
             wait_all([req], [status])
             check_count(status, buf)
-        return Work(wait=wait, test=lambda: req.Test(status) and (check_count(status, buf) or True))
+        return Work(wait=wait, test=lambda: req.Test(status) and (check_count(status, buf) or True),
+                    keep=(buf,))

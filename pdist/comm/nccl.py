@@ -6,8 +6,8 @@ communicator over the same ranks: rank 0 draws the 128-byte unique id
 rank then calls ``ncclCommInitRank(n, id, rank)``. One communicator per group
 (dp, tp, pp each get their own). NCCL kernels run on CuPy's current stream, so
 later CuPy work on that stream is ordered after them without a host sync; an
-``async_op=True`` call returns a ``Work`` whose ``wait()`` synchronizes a CUDA
-event recorded after the NCCL call.
+``async_op=True`` call returns a ``Work`` whose ``wait()`` polls a CUDA event
+recorded after the NCCL call (``watchdog.poll``: with the deadline).
 
 NCCL wants equal counts for reduce-scatter / all-gather; uneven chunks
 (``chunk_bounds``) go through a buffer padded to n * max-chunk. ``op="avg"`` is
@@ -22,6 +22,7 @@ try:  # pragma: no cover - depends on the machine
 except Exception:  # ImportError, or a CUDA library that fails to load
     cupy, _nccl = None, None
 
+from pdist.comm import watchdog
 from pdist.comm.work import Work
 
 
@@ -74,7 +75,7 @@ class NCCLBackend:
             return None
         ev = cupy.cuda.Event()
         ev.record(self._stream())
-        return Work(wait=ev.synchronize, test=lambda: ev.done)
+        return Work(wait=lambda: watchdog.poll(lambda: ev.done), test=lambda: ev.done)
 
     def all_reduce(self, buf, op, nb=False):
         if buf.size:

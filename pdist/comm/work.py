@@ -4,20 +4,52 @@
     loss = more_compute()                    # ... overlaps with it
     w.wait()                                 # grad now holds the sum
 
-``wait()`` blocks until the operation is done (cooperatively when ranks
-outnumber cores), then runs the operation's finishing step (e.g. the division
-of ``op="avg"``) and records its trace span from issue to completion.
-``is_completed()`` polls without blocking (and also drives MPI's progress).
+``wait()`` first checks that every rank issued the same collective (the
+fingerprint exchange posted at issue, check.py), then waits for the data (with
+the watchdog's deadline, watchdog.py), runs the operation's finishing step
+(e.g. the division of ``op="avg"``) and records its trace span from issue to
+completion. ``is_completed()`` polls without blocking.
+
+Buffers. MPI reads and writes the arrays until the operation completes, so
+the handle, and the group's record of it (``Pending``), hold references to
+them until ``wait()``: an async op on a temporary array stays safe, and even a
+dropped handle cannot free memory MPI still writes to. A dropped handle is
+reported at the group's next collective (every rank raises), and a handle
+never waited on at exit fails the job.
 """
 from pdist import trace
+from pdist.comm import watchdog
+
+
+class Pending:
+    """The group's record of one async op until it is waited on."""
+    __slots__ = ("check", "wait", "keep", "entry", "group", "waited", "dropped", "error")
+
+    def __init__(self, check, wait, keep, entry, group):
+        self.check, self.wait, self.keep, self.entry, self.group = check, wait, keep, entry, group
+        self.waited = self.dropped = False
+        self.error = None
+
+    def verify(self):
+        """Run the deferred fingerprint check once (raises on a mismatch, every rank)."""
+        if self.error is not None:
+            raise self.error
+        if self.check is not None:
+            check, self.check = self.check, None
+            try:
+                check()
+            except Exception as e:
+                self.error, self.waited = e, True
+                raise
 
 
 class Work:
-    __slots__ = ("_wait", "_test", "_then", "_done", "_span", "_check")
+    __slots__ = ("_wait", "_test", "_then", "_done", "_span", "_keep", "_pending", "__weakref__")
 
-    def __init__(self, wait=None, test=None, then=None, span=None):
+    def __init__(self, wait=None, test=None, then=None, span=None, keep=()):
         self._wait, self._test, self._then, self._span = wait, test, then, span
-        self._check = None      # the deferred argument check of an async collective
+        self._keep = keep            # buffers MPI may still touch
+        self._pending = None         # the group's record (async collectives)
         self._done = wait is None
 
     @classmethod
@@ -26,14 +58,15 @@ class Work:
         run eagerly even when ``async_op=True``)."""
         return cls()
 
-    def _verify(self):
-        if self._check is not None:
-            check, self._check = self._check, None
-            check()          # raises CollectiveMismatchError on every rank on a mismatch
-
     def _finish(self):
-        self._verify()
-        self._done = True
+        p = self._pending
+        if p is not None:
+            p.verify()
+            p.waited, p.keep, p.entry.state = True, None, "done"
+            last = p.group._last                  # what an exit announces: "exited after #k"
+            if last is None or last.seq < p.entry.seq:
+                p.group._last = p.entry
+        self._done, self._keep = True, None
         if self._then is not None:
             self._then()
         if self._span is not None:
@@ -43,7 +76,10 @@ class Work:
     def wait(self):
         """Block until done; afterwards the output buffers hold the result."""
         if not self._done:
-            self._verify()   # before waiting on data that a mismatch may never deliver
+            p = self._pending
+            if p is not None:
+                p.verify()   # before waiting on data that a mismatch may never deliver
+                watchdog._cur[0] = p.entry
             self._wait()
             self._finish()
 
@@ -53,5 +89,39 @@ class Work:
             self._finish()
         return self._done
 
+    def __del__(self):
+        p = self._pending
+        if p is not None and not p.waited:
+            p.dropped = True          # the group reports it at its next collective
+
     def __repr__(self):
         return f"<Work {'done' if self._done else 'pending'}>"
+
+
+def settle(group, error):
+    """Before a new collective on ``group``: finish earlier async ops' fingerprint
+    checks, in issue order (a mismatch raises on every rank, as the other ranks
+    meet the same check at the same place); complete any op whose handle was
+    dropped without ``wait()`` and return that as the new call's local error
+    (so every rank raises); keep the rest for their ``wait()``."""
+    keep = []
+    for p in group._pending:
+        if p.waited:
+            continue
+        try:
+            p.verify()
+        except Exception:                     # a mismatch (or a timeout) on every rank
+            group._orphans.append(p)          # its data may never complete: keep the buffers
+            group._pending = [q for q in group._pending if q is not p and not q.waited]
+            raise
+        if p.dropped:
+            p.wait()                          # every rank issued it: it completes
+            p.waited, p.entry.state = True, "dropped"
+            if group._last is None or group._last.seq < p.entry.seq:
+                group._last = p.entry
+            error = error or (f"async {watchdog.describe(p.entry.as_dict())} was never waited "
+                              f"on (its Work was dropped); call .wait() on every Work")
+            continue
+        keep.append(p)
+    group._pending = keep
+    return error

@@ -12,6 +12,7 @@ import numpy as np
 
 from pdist import comm, trace
 from pdist.comm.mpi import cooperative
+from pdist.testing import report
 
 SIZES = [0, 1, 2, 7, 1001, 20003]
 DTYPES = [np.float64, np.float32, np.int64]
@@ -201,8 +202,7 @@ def main():
         check_group(mesh.dp_group, "dp")
         check_group(mesh.tp_group, "tp")
     world.barrier()
-    if world.rank == 0:
-        print(f"comm_collectives OK n={world.size} cooperative={cooperative()}")
+    report(rank=world.rank, n=world.size, cooperative=cooperative(), ok=True)
 
 
 if __name__ == "__main__":

@@ -5,6 +5,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.comm import CollectiveMismatchError
+from pdist.testing import report
 
 
 def expect(g, fn, exc, *words):
@@ -80,8 +81,7 @@ def main():
         h = g.split(0, name="async-check")
         expect(h, lambda: h.all_reduce(np.zeros(10 if r == 0 else 11), async_op=True).wait(),
                CollectiveMismatchError, "all_reduce", "size=10", "size=11")
-    if r == 0:
-        print(f"comm_errors OK n={n}")
+    report(rank=r, n=n, ok=True)
 
 
 if __name__ == "__main__":

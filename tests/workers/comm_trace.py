@@ -5,6 +5,7 @@ import time
 import numpy as np
 
 from pdist import comm, trace
+from pdist.testing import report
 
 
 def main():
@@ -30,8 +31,7 @@ def main():
     assert e["end"] >= e["start"]
     count = trace.write_chrome_trace(path, g)
     assert (count is not None) == (g.rank == 0)
-    if g.rank == 0:
-        print(f"trace OK n={g.size} events={count}")
+    report(rank=g.rank, n=g.size, events=count)
 
 
 if __name__ == "__main__":

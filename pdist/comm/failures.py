@@ -1,0 +1,150 @@
+"""A failure on any rank ends the whole job within seconds, the failing rank named.
+
+Without this, MPI leaves a job hanging: a rank that raises enters
+``MPI_Finalize`` at exit and waits there for ranks that wait for it in a
+collective. ``comm.init()`` installs three hooks (only when the world has more
+than one rank):
+
+* ``sys.excepthook``: an uncaught exception (KeyboardInterrupt included)
+  prints the traceback, each line tagged ``[rank r]``, between
+  ``[pdist rank r FAILED]`` and ``[pdist rank r END]``, dumps the flight
+  recorder, announces "failed" on the control channel (watchdog.py), waits up
+  to ``GRACE_S`` for the other ranks to print their own errors (ranks waiting
+  in a collective see the announcement and raise at once), then calls
+  ``MPI_Abort``, which ends every rank with a non-zero exit.
+* SIGINT: the first one raises KeyboardInterrupt where the rank is (waits
+  poll, so that is soon); a second one aborts at once.
+* ``atexit``: a rank that exits (``sys.exit(0)`` included) announces "exited
+  after #k" and waits for the others. If all of them exit too, the job ends
+  cleanly (exit 0). If one fails instead (e.g. it was waiting for this rank in
+  a collective and raised), the job is aborted. An async op never waited on
+  is reported here too.
+
+This mirrors ``python -m mpi4py``'s run mode (abort on an uncaught exception)
+but works under plain ``mpirun python script.py`` and lets every rank print its
+own error first. A dead rank (SIGKILL) needs nothing: the MPI launcher ends
+the job at once.
+"""
+import atexit
+import os
+import signal
+import sys
+import time
+import traceback
+
+from mpi4py import MPI
+
+from pdist.comm import watchdog
+
+GRACE_S = 2.0          # how long a failing rank waits for the others to print before aborting
+
+_state = {"installed": False, "ending": False, "sigint": 0, "hook": None}
+
+
+def install():
+    """Install the three hooks (idempotent; nothing for a world of one)."""
+    if _state["installed"] or MPI.COMM_WORLD.Get_size() == 1:
+        return
+    _state["installed"], _state["hook"] = True, sys.excepthook
+    sys.excepthook = _excepthook
+    try:
+        if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
+            signal.signal(signal.SIGINT, _on_sigint)
+    except ValueError:          # not the main thread: leave signals alone
+        pass
+    atexit.register(_at_exit)
+
+
+def installed():
+    return _state["installed"]
+
+
+def _tagged(text):
+    r = watchdog._S["rank"]
+    return "\n".join(f"[rank {r}] {line}" for line in text.rstrip("\n").splitlines())
+
+
+def _print_block(text, word="FAILED"):
+    r = watchdog._S["rank"]
+    try:
+        sys.stdout.flush()
+    except Exception:
+        pass
+    sys.stderr.write(f"[pdist rank {r} {word}]\n{_tagged(text)}\n[pdist rank {r} END]\n")
+    sys.stderr.flush()
+
+
+def fail(text, error_line, reason="exception", word="FAILED"):
+    """Print ``text`` as this rank's failure, tell the others, abort the job.
+    ``word`` STOPPED marks a rank that only stopped because another one failed."""
+    if _state["ending"]:
+        os._exit(1)
+    _state["ending"] = True
+    path = watchdog.dump(reason)
+    _print_block(text + f"\nflight recorder: {path}", word)
+    if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
+        watchdog.announce("failed", error=error_line)
+        watchdog.wait_for_peers(GRACE_S)
+        time.sleep(0.05)                      # let the launcher forward the output
+        MPI.COMM_WORLD.Abort(1)
+    os._exit(1)
+
+
+def fail_exception(exc_type, exc, tb):
+    """The failure of an uncaught exception (used by excepthook and pdist.testing)."""
+    text = "".join(traceback.format_exception(exc_type, exc, tb))
+    first = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
+    cur = watchdog._cur[0]
+    if cur is not None:
+        first += f" (in {watchdog.describe(cur.as_dict())})"
+    if exc_type is KeyboardInterrupt:
+        first = "KeyboardInterrupt (SIGINT)"
+    stopped = isinstance(exc, watchdog.CollectiveTimeoutError) and exc.reason == "failed"
+    fail(text, first, "sigint" if exc_type is KeyboardInterrupt else "exception",
+         "STOPPED" if stopped else "FAILED")
+
+
+def _excepthook(exc_type, exc, tb):
+    fail_exception(exc_type, exc, tb)
+
+
+def _on_sigint(signum, frame):
+    _state["sigint"] += 1
+    if _state["sigint"] > 1:                  # a second Ctrl-C: no more waiting
+        fail("second SIGINT: aborting now", "KeyboardInterrupt (second SIGINT)", "sigint")
+    raise KeyboardInterrupt
+
+
+def unwaited():
+    """Descriptions of async ops issued on this rank and never waited on."""
+    out = []
+    for g in watchdog.groups():
+        for p in g._pending:
+            if not p.waited:
+                out.append(f"async {watchdog.describe(p.entry.as_dict())} was never waited on")
+    return out
+
+
+def _at_exit():
+    if _state["ending"] or not MPI.Is_initialized() or MPI.Is_finalized():
+        return
+    left = unwaited()
+    if left:
+        fail("\n".join(left) + "\n(call .wait() on every Work an async_op=True call returns)",
+             left[0], "unwaited")
+    watchdog._cur[0] = None
+    watchdog.announce("exited")
+    outcome = watchdog.wait_for_peers(max(watchdog.timeout(), GRACE_S), until_all_gone=False)
+    if outcome == "clean":
+        return
+    _state["ending"] = True
+    peers = watchdog.peers()
+    bad = sorted(r for r, m in peers.items() if m["kind"] == "failed")
+    last = [f"{watchdog.describe(e)}" for e in watchdog._lasts().values()]
+    why = (f"rank(s) {bad} failed while this rank had already exited" if bad else
+           f"other ranks were still running {watchdog.timeout():g} s (PDIST_TIMEOUT) after this rank exited")
+    _print_block(f"this rank exited (last: {', '.join(last) or 'no collective'}) but the job did not "
+                 f"end cleanly: {why}; aborting the job")
+    watchdog.wait_for_peers(GRACE_S)          # let the failing ranks print their errors
+    time.sleep(0.05)
+    MPI.COMM_WORLD.Abort(1)
