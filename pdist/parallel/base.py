@@ -44,6 +44,7 @@ class Strategy:
     microbatches = 1          # backward passes per step (each parameter's grad completes this often)
     has_late_grads = False    # True when finish_grad_sync() still changes gradients after backward
     pipeline = False          # True when a pipeline runs the micro-batches (it replaces compute)
+    stamps_step = True        # forward_backward stamps the training step into every collective's check
     seq_shards = 1            # activations between blocks hold T / seq_shards tokens (sequence parallel)
 
     def named_parameters(self):
@@ -57,7 +58,8 @@ class Strategy:
         """One step's forward and backward on this rank's rows (x, y) (from ``local_batch``).
         Returns the loss, the mean over the global batch, on every rank; afterwards every
         tensor in ``parameters()`` holds its gradient of that loss, synchronized."""
-        comm.set_step(self.steps)
+        if self.stamps_step:        # collectives carry the step: a rank that skips one is caught
+            comm.set_step(self.steps)
         self.zero_grad()
         local = self.compute(x, y)
         self.finish_grad_sync()
@@ -175,7 +177,10 @@ class Strategy:
 class Local(Strategy):
     """The end of every chain: the plain model on this process. ``compute`` runs
     ``microbatches`` forward/backward passes, each on 1/k of the rows with its loss
-    scaled by 1/k (gradient accumulation: the sum is the gradient of the mean)."""
+    scaled by 1/k (gradient accumulation: the sum is the gradient of the mean).
+    Alone it talks to no rank, so it leaves the process's step stamp alone."""
+
+    stamps_step = False
 
     def __init__(self, module, microbatches=1):
         if not isinstance(microbatches, int) or microbatches < 1:
