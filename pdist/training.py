@@ -18,7 +18,7 @@ def train(model, optimizer, get_batch, steps, on_step=None, start=0):
     losses = []
     for step in range(start, start + steps):
         x, y = model.local_batch(*get_batch(step))
-        loss = model.forward_backward(x, y)
+        loss = model.forward_backward(x, y, step=step)
         optimizer.step()
         optimizer.zero_grad(set_to_none=False)
         losses.append(loss)

@@ -61,3 +61,14 @@ def test_bad_layout_fails_on_every_rank(args, words):
                timeout=120)
     msg = str(e.value)
     assert words in msg, msg
+
+
+@pytest.mark.parametrize("n,case,zero", [(2, "one", 0), (4, "one", 1), (2, "two", 0), (4, "two", 2)])
+def test_a_skipped_step_is_caught_on_every_rank(n, case, zero):
+    got = reports(mpirun(n, "tests/workers/skip_step.py", case, zero, timeout=120))
+    assert sorted(r["rank"] for r in got) == list(range(n)), got
+    for r in got:
+        assert r["error"] and "disagree on step" in r["error"], r
+        assert max(r["done"] or [0]) <= 2, r            # nobody trained past the skipped step
+    first = {"one": "rank 1 is at step 3", "two": "rank 0 is at step 2"}[case]   # the first rank off the step
+    assert all(first in r["error"] for r in got), got

@@ -3,12 +3,10 @@ with each pair of strategies, writes the JSON contract, and a bad layout stops e
 rank with exit code 2 before any collective."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from pdist.testing import mpirun
+from pdist.testing import launch, mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L06 = os.path.join(ROOT, "lessons", "06_mesh.py")
@@ -45,9 +43,7 @@ def test_lesson_06_pairs_at_4_ranks(layout):
     ("--dp 2 --pp 2 --zero 3", "ZeRO-3 does not compose with pipeline parallelism"),
 ])
 def test_bad_layout_stops_every_rank(args, words):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    p = subprocess.run([mpiexec, "-n", "4", sys.executable, L06, *args.split()], capture_output=True, text=True,
-                       timeout=120, cwd=ROOT, stdin=subprocess.DEVNULL)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.count(words) == 4, p.stderr          # the same message from every rank
-    assert "PASS" not in p.stdout and "FAIL" not in p.stdout
+    r = launch(4, L06, *args.split(), timeout=120, wrap=False)       # as a user runs it
+    assert r.rc == 2, r.out
+    assert r.out.count(words) == 4, r.out                # the same message from every rank
+    assert "PASS" not in r.out and "FAIL" not in r.out

@@ -2,12 +2,10 @@
 JSON summary contract, and bad flags stopping every rank with exit code 2."""
 import json
 import os
-import subprocess
-import sys
 
 import pytest
 
-from pdist.testing import mpirun
+from pdist.testing import launch, mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L02 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
@@ -62,9 +60,7 @@ def test_lesson_03_three_ranks(tmp_path):
 
 @pytest.mark.parametrize("script", [L02, L03])
 def test_bad_flag_exits_2_on_every_rank(script):
-    mpiexec = os.path.join(os.path.dirname(sys.executable), "mpirun")
-    p = subprocess.run([mpiexec, "-n", "2", sys.executable, script, "--batch-size", "0"], capture_output=True,
-                       text=True, timeout=60, cwd=ROOT, stdin=subprocess.DEVNULL)
-    assert p.returncode == 2, p.stdout + p.stderr
-    assert p.stderr.count("--batch-size must be >= 1, got 0") == 2, p.stderr   # both ranks
-    assert p.stderr.count("usage:") == 2 and "PASS" not in p.stdout and "FAIL" not in p.stdout
+    r = launch(2, script, "--batch-size", "0", timeout=60, wrap=False)       # as a user runs it
+    assert r.rc == 2, r.out
+    assert r.out.count("--batch-size must be >= 1, got 0") == 2, r.out       # both ranks
+    assert r.out.count("usage:") == 2 and "PASS" not in r.out and "FAIL" not in r.out

@@ -1,27 +1,19 @@
 """Lessons 04 (tensor parallelism) and 05 (pipeline parallelism) under real mpiexec:
 their JSON summaries, and their flag checks (every rank stops before training, exit 2)."""
 import json
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
-from pdist.testing import mpiexec_path, mpirun
+from pdist.testing import launch, mpirun
 
 REPO = Path(__file__).resolve().parent.parent
 
 
 def run_plain(n, script, *args, timeout=120):
-    """``mpiexec -n n python script args`` without pdist.testing's wrapper (which turns any
-    non-zero exit into an abort): (exit status, combined output)."""
-    env = dict(os.environ, PYTHONUNBUFFERED="1",
-               PYTHONPATH=str(REPO) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    cmd = [mpiexec_path(), "-n", str(n), sys.executable, str(REPO / script), *map(str, args)]
-    p = subprocess.run(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                       env=env, text=True, timeout=timeout, cwd=REPO)
-    return p.returncode, p.stdout
+    """``mpiexec -n n python script args`` as a user runs it: (exit code, output)."""
+    r = launch(n, REPO / script, *args, timeout=timeout, wrap=False)
+    return r.rc, r.out
 
 
 def test_lesson_04(tmp_path):

@@ -54,10 +54,15 @@ class Strategy:
     def parameters(self):
         return [t for _, t in self.named_parameters()]
 
-    def forward_backward(self, x, y):
+    def forward_backward(self, x, y, step=None):
         """One step's forward and backward on this rank's rows (x, y) (from ``local_batch``).
         Returns the loss, the mean over the global batch, on every rank; afterwards every
-        tensor in ``parameters()`` holds its gradient of that loss, synchronized."""
+        tensor in ``parameters()`` holds its gradient of that loss, synchronized.
+        ``step``: the training step (the one loop passes it; default: one more than the
+        last), stamped into every collective's check, so a rank that skips or repeats a
+        step raises CollectiveMismatchError on every rank, naming the steps."""
+        if step is not None:
+            self.steps = int(step)
         if self.stamps_step:        # collectives carry the step: a rank that skips one is caught
             comm.set_step(self.steps)
         self.zero_grad()
