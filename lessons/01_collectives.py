@@ -122,7 +122,7 @@ def main():
     p.add_argument("--sizes-kib", default="64,1024,4096", help="all-reduce sizes for the table")
     args = lesson.validate(p, p.parse_args())  # on every rank, before any collective
     sizes = parse_sizes_kib(p, args.sizes_kib)
-    g = comm.init()
+    g = comm.init(timeout=lesson.TIMEOUT)
     demo(g)
     passed = check_all(g, args.seed, args.dtype)
     passed = all(g.all_gather_object(passed))

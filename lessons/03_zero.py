@@ -133,7 +133,7 @@ def main():
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
     args = lesson.validate(p, p.parse_args())
-    world = comm.init()
+    world = comm.init(timeout=lesson.TIMEOUT)
     n, rank = world.size, world.rank
     if args.batch_size % n:    # the same on every rank, before any collective
         p.error(f"--batch-size {args.batch_size} does not divide by the {n} ranks; use a multiple of {n}")

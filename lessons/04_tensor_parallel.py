@@ -187,7 +187,7 @@ def main():
     ap = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=8)
     args = lesson.validate(ap, ap.parse_args())
     set_default_dtype(args.dtype)
-    world = comm.init()
+    world = comm.init(timeout=lesson.TIMEOUT)
     t, rank = world.size, world.rank
     tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, tok.vocab_size)

@@ -162,7 +162,7 @@ def main():
     ap.add_argument("--png", metavar="PATH", default=None, help="also draw planned vs measured (matplotlib)")
     args = lesson.validate(ap, ap.parse_args())
     set_default_dtype(args.dtype)
-    world = comm.init()
+    world = comm.init(timeout=lesson.TIMEOUT)
     n, rank = world.size, world.rank
     tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, tok.vocab_size)

@@ -156,7 +156,7 @@ def comm_theory(cfg, args, coords, b):
 
 def main():
     parser, args = parse()
-    world = comm.init()
+    world = comm.init(timeout=lesson.TIMEOUT)
     layout_for(args, world.size)
     set_default_dtype(args.dtype)
     tokens, tok = data.char_dataset()

@@ -13,6 +13,7 @@ import sys
 import tempfile
 
 
+TIMEOUT = 120     # s: a lesson's collectives wait this long at most (PDIST_TIMEOUT, when set, wins)
 MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 
 

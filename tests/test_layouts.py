@@ -7,6 +7,8 @@ the same box of the single-process tensors (float64, rtol 1e-9), ``full_state_di
 against the single-process state_dict, and ``load_full_state_dict`` as its inverse.
 Also: non-finite values raise NonFiniteError on every rank (tests/workers/nonfinite.py),
 and bad layouts raise before any collective."""
+import re
+
 import pytest
 
 from pdist.testing import MPIRunError, mpirun, reports
@@ -70,6 +72,5 @@ def test_a_skipped_step_is_caught_on_every_rank(n, case, zero):
     for r in got:
         assert r["error"] and "disagree on step" in r["error"], r
         assert max(r["done"] or [0]) <= 2, r            # nobody trained past the skipped step
-    import re            # the ranks off the step are named with their steps, e.g. "rank 1 at step 3"
     off, at = {"one": (1, 3), "two": (0, 2)}[case]
     assert all(re.search(rf"rank {off} (is )?at step {at}", r["error"]) for r in got), got
