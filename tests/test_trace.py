@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pdist.testing import mpirun
+from pdist.testing import mpirun, reports
 
 W = Path(__file__).parent / "workers"
 
@@ -30,9 +30,12 @@ def test_local_recorder():
 @pytest.mark.parametrize("n", [1, 4])
 def test_chrome_trace_merges_ranks(n, tmp_path):
     path = tmp_path / "trace.json"
-    mpirun(n, W / "comm_trace.py", path, timeout=120)
+    got = reports(mpirun(n, W / "comm_trace.py", path, timeout=120))
     doc = json.loads(path.read_text())
     ev = [e for e in doc["traceEvents"] if e["ph"] == "X"]
+    assert sorted(r["rank"] for r in got) == list(range(n)) and all(r["n"] == n for r in got), got
+    counts = {r["rank"]: r["events"] for r in got}   # rank 0 writes the merged file and counts it
+    assert counts[0] in (len(ev), len(doc["traceEvents"])) and all(counts[r] is None for r in range(1, n)), counts
     assert {e["pid"] for e in ev} == set(range(n))
     for r in range(n):
         mine = [e for e in ev if e["pid"] == r]
