@@ -50,8 +50,8 @@ import statistics
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory, trace
-from pdist.backend import set_default_dtype, to_numpy
+from pdist import data, lesson, memory, trace
+from pdist.backend import to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import DataParallel, DataParallelNaive, Local
 from pdist.training import train
@@ -151,13 +151,11 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
 
 def main():
     p, args = parse_args()
-    world = comm.init(timeout=lesson.TIMEOUT)
+    world, tokens, tok = lesson.start(args)
     n, rank, k = world.size, world.rank, args.micro_batches
     if args.batch_size % (n * k):   # the same on every rank, before any collective
         p.error(f"--batch-size {args.batch_size} must divide into {n} ranks x {k} micro-batches "
                 f"(use a multiple of {n * k})")
-    set_default_dtype(args.dtype)
-    tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, tok.vocab_size)
     check_at = min(args.steps, CHECK_STEPS)
     base_losses, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)

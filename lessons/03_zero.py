@@ -51,8 +51,8 @@ import time
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory
-from pdist.backend import set_default_dtype, to_numpy
+from pdist import data, lesson, memory
+from pdist.backend import to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import ZeRO
 from pdist.parallel.layout import box_slices
@@ -133,14 +133,12 @@ def main():
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
     args = lesson.validate(p, p.parse_args())
-    world = comm.init(timeout=lesson.TIMEOUT)
+    world, tokens, tok = lesson.start(args)
     n, rank = world.size, world.rank
     if args.batch_size % n:    # the same on every rank, before any collective
         p.error(f"--batch-size {args.batch_size} does not divide by the {n} ranks; use a multiple of {n}")
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
 
-    set_default_dtype(args.dtype)
-    tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, tok.vocab_size)
     b = np.dtype(args.dtype).itemsize
     # the check (as lesson 02's): shards after min(steps, 10) steps and the losses of those steps

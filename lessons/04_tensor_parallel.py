@@ -46,8 +46,8 @@ import time
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory
-from pdist.backend import set_default_dtype, to_numpy
+from pdist import data, lesson, memory
+from pdist.backend import to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import TensorParallel
 from pdist.parallel.layout import box_slices
@@ -186,10 +186,8 @@ def report(tp_run, sp_run, cfg, args, t):
 def main():
     ap = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=8)
     args = lesson.validate(ap, ap.parse_args())
-    set_default_dtype(args.dtype)
-    world = comm.init(timeout=lesson.TIMEOUT)
+    world, tokens, tok = lesson.start(args)
     t, rank = world.size, world.rank
-    tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, tok.vocab_size)
     try:  # the same check, the same message on every rank, before any collective
         check_tp_config(cfg, t)

@@ -29,7 +29,7 @@ from collections import namedtuple
 import numpy as np
 
 from pdist import comm, data, lesson
-from pdist.backend import set_default_dtype, to_numpy
+from pdist.backend import to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import DataParallel, PipelineParallel, check_layout, parallelize
 from pdist.parallel import schedules as S
@@ -161,10 +161,8 @@ def main():
     ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8)
     ap.add_argument("--png", metavar="PATH", default=None, help="also draw planned vs measured (matplotlib)")
     args = lesson.validate(ap, ap.parse_args())
-    set_default_dtype(args.dtype)
-    world = comm.init(timeout=lesson.TIMEOUT)
+    world, tokens, tok = lesson.start(args)
     n, rank = world.size, world.rank
-    tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, tok.vocab_size)
     try:  # every run's layout and batch, checked on every rank before any training
         pp, runs = plan(n, cfg, args.batch_size)

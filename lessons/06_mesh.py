@@ -48,7 +48,6 @@ from types import SimpleNamespace
 import numpy as np
 
 from pdist import comm, data, lesson, memory
-from pdist.backend import set_default_dtype
 from pdist.gpt import GPT
 from pdist.parallel import Local, check_layout, parallelize
 from pdist.parallel.layout import box_slices
@@ -156,10 +155,8 @@ def comm_theory(cfg, args, coords, b):
 
 def main():
     parser, args = parse()
-    world = comm.init(timeout=lesson.TIMEOUT)
+    world, tokens, tok = lesson.start(args)
     layout_for(args, world.size)
-    set_default_dtype(args.dtype)
-    tokens, tok = data.char_dataset()
     cfg = lesson.config_from_args(args, -(-tok.vocab_size // args.tp) * args.tp)   # padded to a multiple of tp
     if args.dp * args.tp * args.pp != world.size:
         parser.error(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = {args.dp * args.tp * args.pp}, "

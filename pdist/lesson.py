@@ -34,6 +34,18 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     return p
 
 
+def start(args):
+    """After the flags are parsed and validated, what every training lesson does first:
+    the default dtype, the world (collectives wait at most TIMEOUT), the corpus.
+    Returns (world, tokens, tokenizer)."""
+    from pdist import comm, data
+    from pdist.backend import set_default_dtype
+    set_default_dtype(args.dtype)
+    world = comm.init(timeout=TIMEOUT)
+    tokens, tok = data.char_dataset()
+    return world, tokens, tok
+
+
 def config_from_args(args, vocab_size):
     """The lesson's GPTConfig from the size flags of ``parser()``."""
     return gpt_config(vocab_size, dtype=args.dtype, **{k: getattr(args, k) for k in MODEL_DEFAULTS})

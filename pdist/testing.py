@@ -76,7 +76,7 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True):
             full_env[k] = str(v)
     py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
-    # own session: on timeout the whole launch (mpiexec, proxies, ranks) is killed
+    # its own process group: on timeout the whole launch (mpiexec, proxies, ranks) is killed
     # by its process group, never by a name pattern
     t0 = time.perf_counter()
     proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,

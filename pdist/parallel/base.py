@@ -47,11 +47,8 @@ class Strategy:
     stamps_step = True        # forward_backward stamps the training step into every collective's check
     seq_shards = 1            # activations between blocks hold T / seq_shards tokens (sequence parallel)
 
-    def named_parameters(self):
-        """(name, tensor) for what this rank's optimizer updates."""
-        raise NotImplementedError
-
     def parameters(self):
+        """What this rank's optimizer updates (``named_parameters()``, without the names)."""
         return [t for _, t in self.named_parameters()]
 
     def forward_backward(self, x, y, step=None):
@@ -102,10 +99,6 @@ class Strategy:
                              "through the gradient averaging).")
 
     # ------------------------------------------------------------------- state
-    def pieces(self):
-        """[Piece]: where this rank's tensors sit in the single-process model (layout.py)."""
-        raise NotImplementedError
-
     def span_group(self):
         """The ranks that together hold the whole model (state-dict collectives)."""
         return comm.get_world()
