@@ -27,8 +27,9 @@ Safety (docs/failures.md): every call is fingerprinted (check.py) and recorded
 in the flight recorder, every wait has a deadline (watchdog.py), and an async
 op's buffers are held until it is waited on (work.py). Before a new
 collective the group settles earlier async ops: it finishes their fingerprint
-checks (so a mismatch is raised on every rank in the same order) and reports
-any whose handle was dropped without ``wait()``.
+checks (so a mismatch is raised on every rank in the same order; before another
+async op, only the checks already complete) and reports any whose handle was
+dropped without ``wait()``.
 """
 import numpy as np
 
@@ -111,9 +112,9 @@ class ProcessGroup(ObjectCollectives):
         self._orphans.append(self._mpi)
         self._mpi = MPICollectives(self._vcomm.Dup())
 
-    def _settle(self, error):
+    def _settle(self, error, block=True):
         """Finish earlier async ops' fingerprint checks (work.settle)."""
-        return settle(self, error)
+        return settle(self, error, block)
 
     def _run(self, op, arr, theory, native, hand, algorithm, async_op,
              redop="", root=-1, error=None, then=None, keep=()):
@@ -122,7 +123,7 @@ class ProcessGroup(ObjectCollectives):
         if algorithm not in ALGORITHMS[op]:
             raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
         if self._pending:
-            error = self._settle(error)
+            error = self._settle(error, block=not (async_op and algorithm == "mpi"))
         self._seq += 1
         size, dtype = (arr.size, arr.dtype) if arr is not None else (0, None)
         ent = watchdog.enter(self, op, self._seq, size, dtype)

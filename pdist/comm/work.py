@@ -30,6 +30,10 @@ class Pending:
         self.waited = self.dropped = False
         self.error = None
 
+    def ready(self):
+        """True when the fingerprint check can finish without waiting (or is done)."""
+        return self.error is not None or self.check is None or getattr(self.check, "ready", lambda: True)()
+
     def verify(self):
         """Run the deferred fingerprint check once (raises on a mismatch, every rank)."""
         if self.error is not None:
@@ -98,16 +102,22 @@ class Work:
         return f"<Work {'done' if self._done else 'pending'}>"
 
 
-def settle(group, error):
+def settle(group, error, block=True):
     """Before a new collective on ``group``: finish earlier async ops' fingerprint
     checks, in issue order (a mismatch raises on every rank, as the other ranks
     meet the same check at the same place); complete any op whose handle was
     dropped without ``wait()`` and return that as the new call's local error
-    (so every rank raises); keep the rest for their ``wait()``."""
+    (so every rank raises); keep the rest for their ``wait()``. Before another
+    async op (``block=False``: DDP issuing its buckets during backward) it only
+    finishes the checks that are already complete, in order, and never waits for
+    a slower rank: a mismatch then shows at a ``wait()`` or the next blocking call."""
     keep = []
-    for p in group._pending:
+    for i, p in enumerate(group._pending):
         if p.waited:
             continue
+        if not block and not p.ready():
+            keep += [q for q in group._pending[i:] if not q.waited]
+            break
         try:
             p.verify()
         except Exception:                     # a mismatch (or a timeout) on every rank
