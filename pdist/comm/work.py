@@ -43,7 +43,15 @@ class Pending:
             try:
                 check()
             except Exception as e:
-                self.error, self.waited = e, True
+                # a mismatch: this op and every later async op of the group were issued on
+                # misaligned collectives; they raise the same error if waited on, and keep
+                # their buffers (MPI may still touch them) without failing the exit
+                g = self.group
+                later = [q for q in g._pending if not q.waited and q.entry.seq > self.entry.seq]
+                for q in [self] + later:
+                    q.error, q.waited, q.check = e, True, None
+                g._orphans.extend([self] + later)
+                g._pending = [q for q in g._pending if not q.waited]
                 raise
 
 
