@@ -29,6 +29,7 @@ import numpy as np
 from pdist import comm, trace
 from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
+from pdist.optim import nonfinite_report
 from pdist.parallel.layout import box_slices, shards_of, whole
 
 def default_group(group):
@@ -77,10 +78,12 @@ class Strategy:
     def _nonfinite(self, loss):
         """Names of what is non-finite on this rank: "loss", and the single-process names
         of the parameters whose gradient piece here is (one check per tensor first)."""
-        names = [] if np.isfinite(loss) else ["loss"]
-        bad = {id(t) for t in self.parameters() if t.grad is not None and not bool(xp.isfinite(t.grad).all())}
-        if bad:
-            names += sorted({p.name for p in self.pieces() if id(p.tensor) in bad
+        tensors = {str(id(t)): t for t in self.parameters()}
+        found = nonfinite_report([(k, t.grad) for k, t in tensors.items()], loss)
+        bad = {k for k in found if k != "loss"}
+        names = ["loss"] if "loss" in found else []
+        if bad:                     # which single-process parameters (a ZeRO shard spans several)
+            names += sorted({p.name for p in self.pieces() if str(id(p.tensor)) in bad
                              and not bool(xp.isfinite(p.view(p.tensor.grad)).all())})
         return names
 
