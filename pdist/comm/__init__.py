@@ -22,7 +22,7 @@ from pdist.comm.work import Work
 
 __all__ = ["init", "get_world", "ProcessGroup", "DeviceMesh", "Work", "chunk_bounds",
            "CollectiveMismatchError", "CollectiveTimeoutError", "is_initialized",
-           "set_step", "get_step"]
+           "set_step", "get_step", "self_group"]
 
 _world = {"group": None}
 
@@ -54,6 +54,15 @@ def init(device=None, timeout=None):
 def get_world():
     """The world group (calls ``init()`` if nobody has yet)."""
     return _world["group"] or init()
+
+
+def self_group():
+    """This process alone as a ProcessGroup (made without any collective: a rank can
+    hold a whole model by itself, e.g. a single-process checkpoint load)."""
+    if _world.get("self") is None:
+        from pdist.comm.mpi import MPI
+        _world["self"] = ProcessGroup(MPI.COMM_SELF.Dup(), "self")
+    return _world["self"]
 
 
 def is_initialized():

@@ -236,6 +236,10 @@ class Local(Strategy):
         ps = self.parameters()
         return [p.data for p in ps], [p.grad for p in ps if p.grad is not None]
 
+    def span_group(self):
+        """One process holds the whole model: state-dict collectives involve only it."""
+        return comm.self_group()
+
     def __call__(self, *args, **kw):
         return self.module(*args, **kw)
 
