@@ -31,7 +31,9 @@ def hf_config(cfg):
             "n_layer": cfg["n_layer"], "n_head": cfg["n_head"], "n_inner": None,
             "activation_function": "gelu_new", "layer_norm_epsilon": 1e-5, "initializer_range": 0.02,
             "resid_pdrop": p, "embd_pdrop": p, "attn_pdrop": p, "tie_word_embeddings": True,
-            "torch_dtype": cfg["dtype"]}
+            "scale_attn_weights": True, "scale_attn_by_inverse_layer_idx": False,
+            "reorder_and_upcast_attn": False, "bos_token_id": None, "eos_token_id": None,
+            "torch_dtype": cfg["dtype"], "dtype": cfg["dtype"]}     # transformers < 5 and >= 5
 
 
 def consolidate(dir, out):
@@ -53,24 +55,29 @@ def consolidate(dir, out):
 def from_pretrained(path, dtype=None):
     """A ``pdist.gpt.GPT`` with the weights of the Hugging Face GPT-2 directory ``path``
     (``config.json`` + ``model.safetensors``). ``dtype``: "float32"/"float64" (default:
-    the config's ``torch_dtype`` when it is one of those, else float32). Dropout is 0."""
+    the config's ``dtype``/``torch_dtype``, else the saved weights', else float32). Dropout is 0."""
     from safetensors.numpy import load_file
 
     from pdist.gpt import GPT, GPTConfig
     with open(os.path.join(path, CONFIG)) as f:
         hf = json.load(f)
     act, eps = hf.get("activation_function", "gelu_new"), hf.get("layer_norm_epsilon", 1e-5)
-    if act not in ("gelu_new", "gelu_pytorch_tanh") or eps != 1e-5 or hf.get("n_inner") not in (None, 4 * hf["n_embd"]):
-        raise ValueError(f"{path}: pdist's GPT has tanh GELU, LayerNorm eps 1e-5 and a 4x MLP; this config has "
-                         f"activation {act!r}, eps {eps}, n_inner {hf.get('n_inner')}")
+    if (act not in ("gelu_new", "gelu_pytorch_tanh") or eps != 1e-5 or hf.get("n_inner") not in (None, 4 * hf["n_embd"])
+            or not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx")):
+        raise ValueError(f"{path}: pdist's GPT has tanh GELU, LayerNorm eps 1e-5, a 4x MLP and attention scaled "
+                         f"by 1/sqrt(d); this config has activation {act!r}, eps {eps}, n_inner {hf.get('n_inner')}, "
+                         f"scale_attn_weights {hf.get('scale_attn_weights', True)}, "
+                         f"scale_attn_by_inverse_layer_idx {hf.get('scale_attn_by_inverse_layer_idx')}")
     weights = os.path.join(path, WEIGHTS)
     if not os.path.exists(weights):
         raise FileNotFoundError(f"{weights}: not found (save_pretrained(..., safe_serialization=True) writes it)")
-    dtype = dtype or (hf.get("torch_dtype") if hf.get("torch_dtype") in ("float32", "float64") else "float32")
-    cfg = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
-                    n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0, dtype=dtype)
     sd = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
           for k, v in load_file(weights).items()}
+    floats = ("float32", "float64")
+    saved = str(sd["transformer.wte.weight"].dtype) if "transformer.wte.weight" in sd else None
+    dtype = dtype or next((d for d in (hf.get("dtype"), hf.get("torch_dtype"), saved) if d in floats), "float32")
+    cfg = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
+                    n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0, dtype=dtype)
     model = GPT(cfg, seed=0)
     model.load_state_dict(sd)
     return model
