@@ -46,7 +46,7 @@ def _agree(group, err):
     if bad:
         r, e = bad[0]
         more = f"; {len(bad)} ranks failed" if len(bad) > 1 else ""
-        raise CheckpointError(f"{e} (rank {r}{more}; nothing was loaded)" if group.size > 1 else e)
+        raise CheckpointError(f"{e} (found on rank {r}{more}; nothing was loaded)" if group.size > 1 else e)
 
 
 def _layout(model):
@@ -202,7 +202,7 @@ def load(model, optimizer, dir, checksums=True):
         err = str(e)
     _agree(group, err)
     try:
-        check_files(dir, index, sorted(index["files"])[me::n], checksums)
+        check_files(dir, index, sorted(index["files"])[me::n] if checksums else None, checksums)
     except CheckpointError as e:
         err = str(e)
     _agree(group, err)

@@ -72,6 +72,8 @@ else:
     for spec in args.layout:
         model = build(spec)
         opt = optimizer(model)
+        if "pp=" not in spec:           # a forward first: ZeRO-1/2 then hold gathered (soon stale) params
+            model(model.local_batch(*batch(0))[0])
         step, extra = checkpoint.load(model, opt, src)
         checkpoint.save(model, opt, os.path.join(args.dir, f"reloaded-{tag(spec)}"), step, extra=extra)
         losses = train(model, opt, batch, args.K - step, start=step)
