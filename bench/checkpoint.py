@@ -46,7 +46,8 @@ ap.add_argument("--dir", default=os.path.join(tempfile.gettempdir(), "pdist-benc
 args = ap.parse_args()
 world = comm.init()
 me = world.rank
-cfg = lesson.gpt_config(96, dtype="float32", block_size=64, n_layer=args.n_layer, n_head=8, n_embd=args.n_embd)
+cfg = lesson.gpt_config(96, dtype="float32", block_size=64, n_layer=args.n_layer, n_head=8,
+                        n_embd=args.n_embd)
 
 
 def build(**layout):
@@ -88,15 +89,18 @@ def read_raw():
             pass
 
 
-runs = {k: [] for k in ("raw write+fsync", "save", "raw read", "load", "load, checksums=False", "load into tp 2")}
+names = ("raw write+fsync", "save", "raw read", "load", "load, checksums=False", "load into tp 2")
+runs = {k: [] for k in names}
 for _ in range(args.repeats):
     runs["raw write+fsync"].append(timed(lambda: write_file(raw, blob)))
     runs["save"].append(timed(lambda: checkpoint.save(model, opt, ckpt, 1)))
     runs["raw read"].append(timed(read_raw))
     runs["load"].append(timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt)))
-    runs["load, checksums=False"].append(timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt, checksums=False)))
+    runs["load, checksums=False"].append(
+        timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt, checksums=False)))
     runs["load into tp 2"].append(timed(lambda: checkpoint.load(other, other_opt, ckpt)))
-same = all(np.array_equal(a.view(a.tensor.data), b.view(b.tensor.data)) for a, b in zip(model.pieces(), fresh.pieces()))
+same = all(np.array_equal(a.view(a.tensor.data), b.view(b.tensor.data))
+           for a, b in zip(model.pieces(), fresh.pieces()))
 if me == 0:
     print(f"# bench/checkpoint.py  {time.strftime('%Y-%m-%d %H:%M:%S %Z')}  cores {os.cpu_count()}  "
           f"load average {' '.join(f'{x:.2f}' for x in os.getloadavg())}")

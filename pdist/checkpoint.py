@@ -107,8 +107,8 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
         for name, a in _entries(p, optimizer):
             key = piece_key(name, p.offsets)
             arrays[key] = np.ascontiguousarray(to_numpy(p.view(a)))
-            slices.append((name, list(p.global_shape), str(arrays[key].dtype),
-                           {"file": rank_file(me), "key": key, "offsets": list(p.offsets), "shape": list(p.shape)}))
+            box = {"file": rank_file(me), "key": key, "offsets": list(p.offsets), "shape": list(p.shape)}
+            slices.append((name, list(p.global_shape), str(arrays[key].dtype), box))
     size, digest = write_file(os.path.join(tmp, rank_file(me)), to_bytes(arrays))
     parts = group.all_gather_object((slices, size, digest, sorted(steps))) if group.size > 1 \
         else [(slices, size, digest, sorted(steps))]
@@ -116,7 +116,8 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
     if me == 0:
         adam = sorted({s for part in parts for s in part[3]})
         if len(adam) > 1:
-            raise CheckpointError(f"{dir}: Adam's step differs between tensors ({adam}); cannot save one step")
+            raise CheckpointError(f"{dir}: Adam's step differs between tensors ({adam}); "
+                                  "cannot save one step")
         tensors = {}
         for part in parts:
             for name, gshape, dtype, s in part[0]:
@@ -125,7 +126,8 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
         index = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
                  "adam_step": adam[0] if adam else None, "layout": _layout(model),
                  "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
-                 "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]} for r, part in enumerate(parts)},
+                 "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
+                           for r, part in enumerate(parts)},
                  "tensors": tensors}
         text = json.dumps(index, indent=1, allow_nan=False) + "\n"
         write_file(os.path.join(tmp, INDEX), text.encode())      # last: it makes the directory a checkpoint
@@ -182,8 +184,8 @@ def _check_config(index, model, dir):
     diff = [f"{k}: checkpoint {index['config'].get(k)!r} vs model {v!r}" for k, v in mine.items()
             if index["config"].get(k) != v]
     if diff:
-        raise CheckpointError(f"{os.path.join(dir, INDEX)}: the checkpoint's config does not match the model ("
-                              + "; ".join(diff) + ")")
+        raise CheckpointError(f"{os.path.join(dir, INDEX)}: the checkpoint's config does not match the "
+                              "model (" + "; ".join(diff) + ")")
 
 
 def load(model, optimizer, dir, checksums=True):
@@ -242,7 +244,8 @@ def describe(dir):
     """What ``inspect`` prints: the step, the layout, and every tensor with its size."""
     index = read_index(dir)
     lay = index["layout"]
-    lines = [f"{dir}: pdist checkpoint v{index['version']}, step {index['step']}, Adam step {index['adam_step']}",
+    lines = [f"{dir}: pdist checkpoint v{index['version']}, step {index['step']}, "
+             f"Adam step {index['adam_step']}",
              f"layout: world {lay['world_size']}, mesh {lay['mesh']}",
              "chain: " + " <- ".join(", ".join(f"{k}={v}" for k, v in d.items()) for d in lay["chain"]),
              f"config: {index['config']}", f"extra: {index['extra']}",
@@ -263,7 +266,8 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("verify", help="check completeness and checksums (exit 0/1)").add_argument("dir")
     sub.add_parser("inspect", help="print the layout, step, tensors and sizes").add_argument("dir")
-    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 (model.safetensors, config.json)")
+    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 (model.safetensors, "
+                       "config.json) in OUT")
     c.add_argument("dir")
     c.add_argument("out")
     a = ap.parse_args(argv)

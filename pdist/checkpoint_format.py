@@ -103,7 +103,8 @@ def check_files(d, index, names=None, checksums=True):
             raise CheckpointError(f"{path}: missing rank file (the index lists it, {want['bytes']} bytes)")
         size = os.path.getsize(path)
         if size != want["bytes"]:
-            raise CheckpointError(f"{path}: truncated or resized: {size} bytes, the index says {want['bytes']}")
+            raise CheckpointError(f"{path}: truncated or resized: {size} bytes, the index says "
+                                  f"{want['bytes']}")
         if checksums and sha256_file(path) != want["sha256"]:
             raise CheckpointError(f"{path}: sha256 mismatch (the file's bytes changed since it was saved)")
 
@@ -118,8 +119,8 @@ def check_coverage(index):
                                       f"outside the tensor's shape {t['shape']}")
             covered[tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["shape"]))] = True
         if not covered.all():
-            raise CheckpointError(f"{INDEX}: {name}: {int((~covered).sum())} of {covered.size} elements are in "
-                                  f"no rank file (incomplete checkpoint)")
+            raise CheckpointError(f"{INDEX}: {name}: {int((~covered).sum())} of {covered.size} elements "
+                                  f"are in no rank file (incomplete checkpoint)")
 
 
 def verify(d, checksums=True):

@@ -43,7 +43,8 @@ def consolidate(dir, out):
     index = read_index(dir)
     if index.get("config") is None:
         raise CheckpointError(f"{os.path.join(dir, 'index.json')}: no model config to write config.json from")
-    params = {k: np.ascontiguousarray(v) for k, v in read_tensors(dir).items() if not k.startswith("optimizer.")}
+    params = {k: np.ascontiguousarray(v) for k, v in read_tensors(dir).items()
+              if not k.startswith("optimizer.")}
     os.makedirs(out, exist_ok=True)
     save_file(params, os.path.join(out, WEIGHTS), metadata={"format": "pt"})   # HF wants format=pt
     with open(os.path.join(out, CONFIG), "w") as f:
@@ -62,20 +63,24 @@ def from_pretrained(path, dtype=None):
     with open(os.path.join(path, CONFIG)) as f:
         hf = json.load(f)
     act, eps = hf.get("activation_function", "gelu_new"), hf.get("layer_norm_epsilon", 1e-5)
-    if (act not in ("gelu_new", "gelu_pytorch_tanh") or eps != 1e-5 or hf.get("n_inner") not in (None, 4 * hf["n_embd"])
+    if (act not in ("gelu_new", "gelu_pytorch_tanh") or eps != 1e-5
+            or hf.get("n_inner") not in (None, 4 * hf["n_embd"])
             or not hf.get("scale_attn_weights", True) or hf.get("scale_attn_by_inverse_layer_idx")):
-        raise ValueError(f"{path}: pdist's GPT has tanh GELU, LayerNorm eps 1e-5, a 4x MLP and attention scaled "
-                         f"by 1/sqrt(d); this config has activation {act!r}, eps {eps}, n_inner {hf.get('n_inner')}, "
+        raise ValueError(f"{path}: pdist's GPT has tanh GELU, LayerNorm eps 1e-5, a 4x MLP and attention "
+                         f"scaled by 1/sqrt(d); this config has activation {act!r}, eps {eps}, "
+                         f"n_inner {hf.get('n_inner')}, "
                          f"scale_attn_weights {hf.get('scale_attn_weights', True)}, "
                          f"scale_attn_by_inverse_layer_idx {hf.get('scale_attn_by_inverse_layer_idx')}")
     weights = os.path.join(path, WEIGHTS)
     if not os.path.exists(weights):
-        raise FileNotFoundError(f"{weights}: not found (save_pretrained(..., safe_serialization=True) writes it)")
+        raise FileNotFoundError(f"{weights}: not found (save_pretrained(..., safe_serialization=True) "
+                                "writes it)")
     sd = {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v
           for k, v in load_file(weights).items()}
     floats = ("float32", "float64")
     saved = str(sd["transformer.wte.weight"].dtype) if "transformer.wte.weight" in sd else None
-    dtype = dtype or next((d for d in (hf.get("dtype"), hf.get("torch_dtype"), saved) if d in floats), "float32")
+    dtype = dtype or next((d for d in (hf.get("dtype"), hf.get("torch_dtype"), saved) if d in floats),
+                          "float32")
     cfg = GPTConfig(vocab_size=hf["vocab_size"], block_size=hf["n_positions"], n_layer=hf["n_layer"],
                     n_head=hf["n_head"], n_embd=hf["n_embd"], dropout=0.0, dtype=dtype)
     model = GPT(cfg, seed=0)

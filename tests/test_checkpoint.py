@@ -53,7 +53,8 @@ def test_save_writes_an_index_and_keeps_the_last_three(run):
     assert index["step"] == 4 and index["adam_step"] == 4 and index["extra"] == {"seed": 3, "data_step": 4}
     assert index["layout"]["mesh"] == {"dp": 2, "tp": 2, "pp": 1}
     assert [c["strategy"] for c in index["layout"]["chain"]] == ["ZeRO", "TensorParallel", "Local"]
-    assert index["config"]["n_embd"] == 32 and sorted(index["files"]) == [f"rank-0000{r}.safetensors" for r in range(4)]
+    assert index["config"]["n_embd"] == 32
+    assert sorted(index["files"]) == [f"rank-0000{r}.safetensors" for r in range(4)]
     for name, t in index["tensors"].items():    # replicas written once, no padding: the boxes tile the tensor
         assert sum(int(np.prod(s["shape"])) for s in t["slices"]) == int(np.prod(t["shape"])), name
     assert len([k for k in index["tensors"] if not k.startswith("optimizer.")]) == 28
@@ -64,11 +65,13 @@ def test_resume_under_any_layout(run, n, spec):
     d, resumed = run
     got = [r for r in resumed(n) if r["layout"] == spec]
     assert len(got) == n and all(r["step"] == 2 and r["extra"] == {"seed": 3, "data_step": 2} for r in got)
-    src, again = read_tensors(os.path.join(d, "step-000002")), read_tensors(os.path.join(d, f"reloaded-{tag(spec)}"))
+    src = read_tensors(os.path.join(d, "step-000002"))
+    again = read_tensors(os.path.join(d, f"reloaded-{tag(spec)}"))
     assert sorted(src) == sorted(again) and len(src) == 84
     for k in src:                               # load -> save under another layout: the same numbers
         assert np.array_equal(src[k], again[k]), k
-    straight, res = read_tensors(os.path.join(d, "step-000004")), read_tensors(os.path.join(d, f"resumed-{tag(spec)}"))
+    straight = read_tensors(os.path.join(d, "step-000004"))
+    res = read_tensors(os.path.join(d, f"resumed-{tag(spec)}"))
     for k in straight:
         if spec == SAVED_AT:
             assert np.array_equal(res[k], straight[k]), k          # same layout: bit for bit
@@ -93,7 +96,8 @@ def _corrupt(src, root):
         f.seek(-3, 2)
         f.write(bytes([b[0] ^ 0x10]))
     os.remove(os.path.join(copy("missing"), "rank-00003.safetensors"))
-    for case, edit in (("config", lambda i: i["config"].update(n_embd=64)), ("version", lambda i: i.update(version=99))):
+    for case, edit in (("config", lambda i: i["config"].update(n_embd=64)),
+                       ("version", lambda i: i.update(version=99))):
         p = os.path.join(copy(case), "index.json")
         index = json.load(open(p))
         edit(index)
@@ -104,9 +108,12 @@ def _corrupt(src, root):
     return cases
 
 
-EXPECT = {"truncated": ("rank-00001.safetensors", "truncated"), "flipped": ("rank-00002.safetensors", "sha256 mismatch"),
-          "missing": ("rank-00003.safetensors", "missing rank file"), "config": ("index.json", "n_embd: checkpoint 64 vs model 32"),
-          "version": ("index.json", "unknown format version 99"), "notckpt": ("notckpt", "not a pdist checkpoint")}
+EXPECT = {"truncated": ("rank-00001.safetensors", "truncated"),
+          "flipped": ("rank-00002.safetensors", "sha256 mismatch"),
+          "missing": ("rank-00003.safetensors", "missing rank file"),
+          "config": ("index.json", "n_embd: checkpoint 64 vs model 32"),
+          "version": ("index.json", "unknown format version 99"),
+          "notckpt": ("notckpt", "not a pdist checkpoint")}
 
 
 def test_bad_checkpoints_raise_the_same_error_on_every_rank_and_touch_nothing(run, tmp_path):
@@ -144,7 +151,8 @@ def test_a_rank_killed_mid_save_leaves_the_previous_checkpoint(tmp_path):
 
 
 def cli(*args):
-    return subprocess.run([sys.executable, "-m", "pdist.checkpoint", *args], capture_output=True, text=True, timeout=60)
+    return subprocess.run([sys.executable, "-m", "pdist.checkpoint", *args], capture_output=True, text=True,
+                          timeout=60)
 
 
 def test_cli_verify_inspect_consolidate(run, tmp_path):
@@ -160,7 +168,8 @@ def test_cli_verify_inspect_consolidate(run, tmp_path):
     assert r.returncode == 0 and "step 4" in r.stdout and "mesh {'dp': 2, 'tp': 2, 'pp': 1}" in r.stdout, r
     assert "optimizer.exp_avg_sq.transformer.h.1.mlp.c_fc.weight" in r.stdout and "(32, 128)" in r.stdout, r
     r = cli("consolidate", good, str(tmp_path / "hf"))
-    assert r.returncode == 0 and sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"], r
+    assert r.returncode == 0, r
+    assert sorted(os.listdir(tmp_path / "hf")) == ["config.json", "model.safetensors"]
     full = read_tensors(good)
     back = from_pretrained(str(tmp_path / "hf")).state_dict()
     assert sorted(back) == sorted(k for k in full if not k.startswith("optimizer."))

@@ -44,7 +44,8 @@ def build(spec):
         return Local(GPT(cfg, SEED))
     kw = dict(kv.split("=") for kv in spec.split(","))
     mesh = comm.DeviceMesh(dp=int(kw.get("dp", 1)), tp=int(kw.get("tp", 1)), pp=int(kw.get("pp", 1)))
-    return parallelize(GPT(cfg, SEED), mesh, zero_stage=int(kw.get("zero", 0)), sequence_parallel=bool(int(kw.get("sp", 0))),
+    return parallelize(GPT(cfg, SEED), mesh, zero_stage=int(kw.get("zero", 0)),
+                       sequence_parallel=bool(int(kw.get("sp", 0))),
                        microbatches=int(kw.get("mb", 1)), schedule=kw.get("schedule", "1f1b"))
 
 
@@ -78,4 +79,5 @@ else:
         checkpoint.save(model, opt, os.path.join(args.dir, f"reloaded-{tag(spec)}"), step, extra=extra)
         losses = train(model, opt, batch, args.K - step, start=step)
         checkpoint.save(model, opt, os.path.join(args.dir, f"resumed-{tag(spec)}"), args.K, extra=extra)
-        report(rank=world.rank, phase="resume", layout=spec, tag=tag(spec), step=step, extra=extra, losses=losses)
+        report(rank=world.rank, phase="resume", layout=spec, tag=tag(spec), step=step, extra=extra,
+               losses=losses)
