@@ -23,7 +23,7 @@ from pdist.testing import launch, mpirun, reports
 
 W = "tests/workers/ckpt_resume.py"
 SAVED_AT = "dp=2,tp=2,zero=1"
-RESUME = {4: [SAVED_AT, "dp=4,zero=3", "pp=2,dp=2,mb=2"], 2: ["tp=2,sp=1", "dp=2,zero=2"], 1: ["local"]}
+RESUME = {4: [SAVED_AT, "dp=4,zero=3", "pp=2,dp=2,mb=2", "pp=2,dp=2,zero=1,mb=2"], 2: ["tp=2,sp=1", "dp=2,zero=2"], 1: ["local"]}
 
 
 def tag(spec):
@@ -176,6 +176,16 @@ def test_cli_verify_inspect_consolidate(run, tmp_path):
     assert all(np.array_equal(back[k], full[k]) for k in back)
 
 
+def _hf():
+    """torch and transformers, or a skip (they are optional: not installed, or failing to import)."""
+    try:
+        import torch
+        import transformers
+    except Exception as e:          # noqa: BLE001 - a broken install skips too
+        pytest.skip(f"torch/transformers not importable: {e}")
+    return torch, transformers
+
+
 def _logits(model, idx):
     from pdist.autograd import no_grad
     with no_grad():
@@ -183,8 +193,7 @@ def _logits(model, idx):
 
 
 def test_consolidated_checkpoint_loads_in_transformers(run, tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = _hf()
     d, _ = run
     out = consolidate(os.path.join(d, "step-000004"), str(tmp_path / "hf"))
     hf = transformers.GPT2LMHeadModel.from_pretrained(out, torch_dtype=torch.float64).eval()
@@ -196,8 +205,7 @@ def test_consolidated_checkpoint_loads_in_transformers(run, tmp_path):
 
 
 def test_from_pretrained_reads_save_pretrained(tmp_path):
-    torch = pytest.importorskip("torch")
-    transformers = pytest.importorskip("transformers")
+    torch, transformers = _hf()
     cfg = transformers.GPT2Config(vocab_size=50, n_positions=16, n_embd=32, n_layer=2, n_head=4,
                                   resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0)
     torch.manual_seed(0)
