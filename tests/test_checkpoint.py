@@ -23,7 +23,8 @@ from pdist.testing import launch, mpirun, reports
 
 W = "tests/workers/ckpt_resume.py"
 SAVED_AT = "dp=2,tp=2,zero=1"
-RESUME = {4: [SAVED_AT, "dp=4,zero=3", "pp=2,dp=2,mb=2", "pp=2,dp=2,zero=1,mb=2"], 2: ["tp=2,sp=1", "dp=2,zero=2"], 1: ["local"]}
+RESUME = {4: [SAVED_AT, "dp=4,zero=3", "pp=2,dp=2,mb=2", "pp=2,dp=2,zero=1,mb=2"],
+          2: ["tp=2,sp=1", "dp=2,zero=2"], 1: ["local"]}
 
 
 def tag(spec):
