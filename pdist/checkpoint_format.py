@@ -1,0 +1,199 @@
+"""The on-disk format of a pdist checkpoint, read and checked without MPI.
+
+A checkpoint is a directory of rank files and one index:
+
+    step-000100/
+      rank-00000.safetensors   this rank's pieces: "<tensor>@<off0>,<off1>" -> array
+      rank-00001.safetensors   (a replicated piece is written once, by the lowest rank holding it)
+      index.json               written last: for every tensor its global shape, dtype and
+                               which file holds which box (offsets, shape, key); the layout it
+                               came from, the model config, the step, ``extra``, each file's
+                               size and sha256
+
+Tensors are the single-process model's, under Hugging Face GPT-2 names, and Adam's
+state under ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` (the same
+boxes as the parameter). A reader that wants a box of a tensor intersects it with the
+saved boxes (``read_box``), so any layout can read what any layout wrote.
+
+Everything here raises ``CheckpointError`` naming the file and what is wrong.
+"""
+import hashlib
+import json
+import os
+
+import numpy as np
+
+FORMAT, VERSION = "pdist-checkpoint", 1
+INDEX = "index.json"
+
+
+class CheckpointError(Exception):
+    """A checkpoint that cannot be used: the message names the file and what is wrong."""
+
+
+def rank_file(rank):
+    return f"rank-{rank:05d}.safetensors"
+
+
+def piece_key(tensor, offsets):
+    return f"{tensor}@{','.join(map(str, offsets))}"
+
+
+def write_file(path, data):
+    """Write bytes, flush and fsync; return (size, sha256 hex)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+    return len(data), hashlib.sha256(data).hexdigest()
+
+
+def fsync_dir(path):
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def sha256_file(path, chunk=1 << 22):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def read_index(d):
+    """The parsed index of checkpoint directory ``d``; CheckpointError when ``d`` is not
+    a complete checkpoint of a format version this code reads."""
+    d = os.fspath(d)
+    path = os.path.join(d, INDEX)
+    if not os.path.isdir(d):
+        aside = [n for n in os.listdir(os.path.dirname(os.path.abspath(d)) or ".")
+                 if n.startswith(os.path.basename(os.path.abspath(d)) + ".old-")] \
+            if os.path.isdir(os.path.dirname(os.path.abspath(d)) or ".") else []
+        hint = f" (a save was interrupted while swapping directories: the previous one is {aside[0]})" \
+            if aside else ""
+        raise CheckpointError(f"{d}: no such checkpoint directory{hint}")
+    if not os.path.exists(path):
+        raise CheckpointError(f"{d}: not a pdist checkpoint (no {INDEX}; an interrupted save never "
+                              f"writes it, so this directory is incomplete or something else)")
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, ValueError) as e:
+        raise CheckpointError(f"{path}: unreadable index ({e})") from None
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a pdist checkpoint index (format {index.get('format')!r}, "
+                              f"want {FORMAT!r})" if isinstance(index, dict) else f"{path}: not an object")
+    if index.get("version") != VERSION:
+        raise CheckpointError(f"{path}: unknown format version {index.get('version')!r} (this pdist reads "
+                              f"version {VERSION})")
+    return index
+
+
+def check_files(d, index, names=None, checksums=True):
+    """Every rank file named in the index (or just ``names``) exists, has its size and
+    (``checksums``) its sha256. Raises CheckpointError on the first problem."""
+    files = index["files"]
+    for name in (sorted(files) if names is None else names):
+        path, want = os.path.join(d, name), files[name]
+        if not os.path.exists(path):
+            raise CheckpointError(f"{path}: missing rank file (the index lists it, {want['bytes']} bytes)")
+        size = os.path.getsize(path)
+        if size != want["bytes"]:
+            raise CheckpointError(f"{path}: truncated or resized: {size} bytes, the index says "
+                                  f"{want['bytes']}")
+        if checksums and sha256_file(path) != want["sha256"]:
+            raise CheckpointError(f"{path}: sha256 mismatch (the file's bytes changed since it was saved)")
+
+
+def check_coverage(index):
+    """Every element of every tensor lies in some saved box (no gaps, nothing outside)."""
+    for name, t in index["tensors"].items():
+        covered = np.zeros(t["shape"], dtype=bool)
+        for s in t["slices"]:
+            if any(o < 0 or o + n > g for o, n, g in zip(s["offsets"], s["shape"], t["shape"])):
+                raise CheckpointError(f"{INDEX}: {name}: box {s['offsets']}+{s['shape']} in {s['file']} lies "
+                                      f"outside the tensor's shape {t['shape']}")
+            covered[tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["shape"]))] = True
+        if not covered.all():
+            raise CheckpointError(f"{INDEX}: {name}: {int((~covered).sum())} of {covered.size} elements "
+                                  f"are in no rank file (incomplete checkpoint)")
+
+
+def verify(d, checksums=True):
+    """A checkpoint is complete and intact: its index, every rank file's size and sha256,
+    every tensor covered. Returns the index; raises CheckpointError."""
+    index = read_index(d)
+    check_files(d, index, checksums=checksums)
+    check_coverage(index)
+    return index
+
+
+class Reader:
+    """Reads boxes of saved tensors: each rank file opened once, memory-mapped by
+    safetensors; only the intersecting part of each saved slice is read."""
+
+    def __init__(self, d, index):
+        self.d, self.index, self.handles = os.fspath(d), index, {}
+
+    def _open(self, name):
+        if name not in self.handles:
+            from safetensors import safe_open
+            path = os.path.join(self.d, name)
+            try:
+                self.handles[name] = safe_open(path, framework="numpy")
+            except Exception as e:          # safetensors raises its own error types
+                raise CheckpointError(f"{path}: cannot open as safetensors ({e})") from None
+        return self.handles[name]
+
+    def read_box(self, name, offsets, shape, dtype=None):
+        """``global[name][offsets : offsets + shape]`` assembled from every saved box
+        that overlaps it (box intersection)."""
+        t = self.index["tensors"].get(name)
+        if t is None:
+            raise CheckpointError(f"{INDEX}: no tensor {name!r} in the checkpoint")
+        out = np.empty(shape, dtype=dtype or t["dtype"])
+        covered = np.zeros(shape, dtype=bool)
+        for s in t["slices"]:
+            lo = [max(a, b) for a, b in zip(offsets, s["offsets"])]
+            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, s["offsets"], s["shape"])]
+            if any(h <= low for low, h in zip(lo, hi)):
+                continue
+            src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s["offsets"]))
+            dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
+            path = os.path.join(self.d, s["file"])
+            try:
+                part = self._open(s["file"]).get_slice(s["key"])[src] if src else \
+                    self._open(s["file"]).get_tensor(s["key"])
+            except CheckpointError:
+                raise
+            except Exception as e:
+                raise CheckpointError(f"{path}: cannot read {s['key']!r} ({e})") from None
+            if tuple(np.shape(part)) != tuple(h - low for low, h in zip(lo, hi)):
+                raise CheckpointError(f"{path}: {s['key']!r} has shape {np.shape(part)} where the index says "
+                                      f"{s['shape']}")
+            out[dst] = part
+            covered[dst] = True
+        if not covered.all():
+            raise CheckpointError(f"{INDEX}: {name} at {list(offsets)}+{list(shape)}: "
+                                  f"{int((~covered).sum())} elements are in no rank file")
+        return out
+
+    def read_full(self, name, dtype=None):
+        t = self.index["tensors"][name]
+        return self.read_box(name, (0,) * len(t["shape"]), tuple(t["shape"]), dtype)
+
+
+def read_tensors(d, prefix=""):
+    """{name: full array} of every saved tensor whose name starts with ``prefix``
+    (``""``: parameters and optimizer state; consolidate uses the parameters)."""
+    index = read_index(d)
+    r = Reader(d, index)
+    return {k: r.read_full(k) for k in index["tensors"] if k.startswith(prefix)}
+
+
+__all__ = ["CheckpointError", "FORMAT", "VERSION", "INDEX", "rank_file", "piece_key", "write_file",
+           "fsync_dir", "read_index", "check_files", "check_coverage", "verify", "Reader", "read_tensors"]

@@ -1,0 +1,50 @@
+"""A rank dies in the middle of ``save``: the previous checkpoint stays whole.
+
+    mpiexec -n 2 python tests/workers/ckpt_crash.py DIR
+
+Saves DIR at step 1, trains a step, then saves DIR again (step 2) with the last rank
+killed (``os._exit``) after writing half of its rank file. The test then checks that
+DIR still verifies and holds step 1 (run with ``launch(..., wrap=False)``)."""
+import os
+import sys
+
+from pdist import checkpoint, checkpoint_format, comm, data, lesson
+from pdist.backend import set_default_dtype
+from pdist.gpt import GPT
+from pdist.optim import AdamW
+from pdist.parallel import parallelize
+from pdist.testing import report
+from pdist.training import train
+
+set_default_dtype("float64")
+world = comm.init()
+d = sys.argv[1]
+tokens, _ = data.char_dataset(20_000)
+cfg = lesson.gpt_config(96, dtype="float64", block_size=8, n_layer=2, n_head=4, n_embd=32)
+model = parallelize(GPT(cfg, 3), comm.DeviceMesh(dp=world.size), zero_stage=2)
+opt = AdamW(model.parameters())
+
+
+def batch(step):
+    x, y = data.get_batch(tokens, 8, 8, 3, step)
+    return x % cfg.vocab_size, y % cfg.vocab_size
+
+
+train(model, opt, batch, 1)
+checkpoint.save(model, opt, d, 1)
+train(model, opt, batch, 1, start=1)
+report(rank=world.rank, saved=1)
+real = checkpoint_format.write_file
+
+
+def dying_write(path, data):
+    if world.rank == world.size - 1:
+        with open(path, "wb") as f:
+            f.write(data[:len(data) // 2])
+        os._exit(7)                  # dies mid-write: no exception, no cleanup
+    return real(path, data)
+
+
+checkpoint.write_file = dying_write
+checkpoint.save(model, opt, d, 2)
+report(rank=world.rank, saved=2)     # never reached on the dying rank; the others are stopped
