@@ -40,6 +40,8 @@ bench: $(STAMP)
 	$(MPIRUN) -n 2 $(PY) bench/zero.py
 	$(PY) bench/tensor_parallel.py
 	$(PY) bench/pipeline.py
+	$(MPIRUN) -n 2 $(PY) bench/checkpoint.py
+	$(PY) bench/failures.py
 
 # pyflakes-level checks (undefined names, unused variables, syntax)
 lint: $(STAMP)

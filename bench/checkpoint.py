@@ -9,16 +9,18 @@ half the model. Per repeat, interleaved:
 
 * ``raw write+fsync``: each rank writes as many bytes as its rank file to its own file
   and fsyncs it (what the disk can do at best);
-* ``save``: ``pdist.checkpoint.save`` (pieces -> safetensors bytes, sha256, write+fsync,
-  index, rename, fsync of the directory);
+* ``save``: ``pdist.checkpoint.save`` into a new step directory (pieces -> safetensors,
+  written from the arrays, sha256 while the pages are flushed, fsync, index, rename,
+  fsync of the directory); deleting the previous checkpoint is not timed;
 * ``raw read``: each rank reads its raw file back;
 * ``load``: ``pdist.checkpoint.load`` into a fresh model of the same layout (checksums
   of every file, split over the ranks, and the pieces read memory-mapped); also
   ``checksums=False`` and into another layout (tp 2).
 
 Times are the slowest rank's (every operation is collective: barrier, time, barrier).
-Reads hit the page cache (the files were just written; nothing drops caches), for the
-raw read as for load. Prints the conditions: cores, load average, date, command.
+"(disk)": the files' pages were dropped from the page cache first (posix_fadvise
+DONTNEED), so the raw read and the load read the disk; "(cache)": read again right
+after, from the page cache. Prints the conditions: cores, load average, date, command.
 """
 import argparse
 import os
@@ -33,7 +35,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import numpy as np  # noqa: E402
 
 from pdist import checkpoint, comm, lesson  # noqa: E402
-from pdist.checkpoint_format import write_file  # noqa: E402
 from pdist.gpt import GPT  # noqa: E402
 from pdist.optim import AdamW  # noqa: E402
 from pdist.parallel import parallelize  # noqa: E402
@@ -57,6 +58,7 @@ def build(**layout):
 
 
 def timed(fn):
+    os.sync()                      # start clean: no one pays for the previous step's writeback
     world.barrier()
     t0 = time.perf_counter()
     fn()
@@ -83,22 +85,51 @@ fresh, fresh_opt = build(dp=world.size)
 other, other_opt = build(tp=world.size)
 
 
+def write_plain(path, data):
+    """What the disk can do: one write of the same bytes, flush, fsync (no hashing)."""
+    with open(path, "wb") as f:
+        f.write(data)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def evict(*paths):
+    """Drop these files' pages from the page cache (posix_fadvise DONTNEED; they are clean
+    after fsync), so the next read comes from the disk."""
+    for path in paths:
+        for f in ([os.path.join(path, x) for x in os.listdir(path)] if os.path.isdir(path) else [path]):
+            fd = os.open(f, os.O_RDONLY)
+            try:
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+    world.barrier()
+
+
 def read_raw():
     with open(raw, "rb") as f:
         while f.read(1 << 24):
             pass
 
 
-names = ("raw write+fsync", "save", "raw read", "load", "load, checksums=False", "load into tp 2")
+names = ("raw write+fsync", "save", "raw read (disk)", "load (disk)", "raw read (cache)", "load (cache)",
+         "load, checksums=False (cache)", "load into tp 2 (cache)")
 runs = {k: [] for k in names}
-for _ in range(args.repeats):
-    runs["raw write+fsync"].append(timed(lambda: write_file(raw, blob)))
-    runs["save"].append(timed(lambda: checkpoint.save(model, opt, ckpt, 1)))
-    runs["raw read"].append(timed(read_raw))
-    runs["load"].append(timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt)))
-    runs["load, checksums=False"].append(
+for i in range(args.repeats):
+    runs["raw write+fsync"].append(timed(lambda: write_plain(raw, blob)))
+    new = os.path.join(args.dir, f"step-{i + 2:06d}")      # a new step directory, as training saves
+    runs["save"].append(timed(lambda: checkpoint.save(model, opt, new, i + 2)))
+    if me == 0:                                            # the previous one goes, outside the timing
+        shutil.rmtree(ckpt)
+    ckpt = new
+    evict(raw, ckpt)
+    runs["raw read (disk)"].append(timed(read_raw))
+    runs["load (disk)"].append(timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt)))
+    runs["raw read (cache)"].append(timed(read_raw))
+    runs["load (cache)"].append(timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt)))
+    runs["load, checksums=False (cache)"].append(
         timed(lambda: checkpoint.load(fresh, fresh_opt, ckpt, checksums=False)))
-    runs["load into tp 2"].append(timed(lambda: checkpoint.load(other, other_opt, ckpt)))
+    runs["load into tp 2 (cache)"].append(timed(lambda: checkpoint.load(other, other_opt, ckpt)))
 same = all(np.array_equal(a.view(a.tensor.data), b.view(b.tensor.data))
            for a, b in zip(model.pieces(), fresh.pieces()))
 if me == 0:
@@ -108,10 +139,14 @@ if me == 0:
     print(f"# model: Ψ = {cfg.num_params() / 1e6:.1f} M float32 at dp {world.size} ZeRO-1; checkpoint "
           f"{total[0] / 1e6:.1f} MB in {world.size} rank files (params + Adam m, v); "
           f"per rank {nbytes / 1e6:.1f} MB; disk {args.dir}; loaded == saved: {same}")
-    print(f"{'operation':24s} {'median s':>9s} {'min s':>7s} {'GB/s (all ranks)':>17s}")
+    print(f"{'operation':30s} {'median s':>9s} {'min s':>7s} {'GB/s (all ranks)':>17s}")
     for k, v in runs.items():
         med = statistics.median(v)
-        print(f"{k:24s} {med:9.3f} {min(v):7.3f} {total[0] / med / 1e9:17.2f}")
+        print(f"{k:30s} {med:9.3f} {min(v):7.3f} {total[0] / med / 1e9:17.2f}")
+    print("# every repeat, s:", {k: [round(x, 3) for x in v] for k, v in runs.items() if k in ("save", "raw write+fsync")})
+    med = {k: statistics.median(v) for k, v in runs.items()}
+    print(f"save / raw write: {med['raw write+fsync'] / med['save']:.2f} of the raw speed; "
+          f"load / raw read from disk: {med['raw read (disk)'] / med['load (disk)']:.2f}")
 world.barrier()
 if me == 0:
     shutil.rmtree(args.dir)

@@ -33,7 +33,8 @@ import numpy as np
 
 from pdist.backend import to_numpy, xp
 from pdist.checkpoint_format import (FORMAT, INDEX, VERSION, CheckpointError, Reader, check_files,
-                                     fsync_dir, piece_key, rank_file, read_index, verify, write_file)
+                                     fsync_dir, piece_key, rank_file, read_index, verify, write_file,
+                                     write_safetensors)
 from pdist.checkpoint_hf import consolidate, from_pretrained
 
 STATES = ("exp_avg", "exp_avg_sq")      # Adam's arrays, pieces like their parameter's
@@ -81,7 +82,6 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
     ``dir``. Collective. ``extra``: JSON data kept in the index (seed, data position).
     ``keep=K``: when ``dir`` ends in a number (``ckpt/step-000100``), keep only the K
     newest complete siblings of that pattern. Returns the index (on rank 0; None elsewhere)."""
-    from safetensors.numpy import save as to_bytes
     group = model.span_group()
     me, dir = group.rank, os.path.abspath(os.fspath(dir))
     tmp = None
@@ -109,7 +109,7 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
             arrays[key] = np.ascontiguousarray(to_numpy(p.view(a)))
             box = {"file": rank_file(me), "key": key, "offsets": list(p.offsets), "shape": list(p.shape)}
             slices.append((name, list(p.global_shape), str(arrays[key].dtype), box))
-    size, digest = write_file(os.path.join(tmp, rank_file(me)), to_bytes(arrays))
+    size, digest = write_safetensors(os.path.join(tmp, rank_file(me)), arrays)
     parts = group.all_gather_object((slices, size, digest, sorted(steps))) if group.size > 1 \
         else [(slices, size, digest, sorted(steps))]
     index = None                       # every rank's file is fsynced once rank 0 has all the parts

@@ -34,17 +34,18 @@ train(model, opt, batch, 1)
 checkpoint.save(model, opt, d, 1)
 train(model, opt, batch, 1, start=1)
 report(rank=world.rank, saved=1)
-real = checkpoint_format.write_file
+real = checkpoint_format.write_safetensors
 
 
-def dying_write(path, data):
+def dying_write(path, arrays):
     if world.rank == world.size - 1:
-        with open(path, "wb") as f:
-            f.write(data[:len(data) // 2])
-        os._exit(7)                  # dies mid-write: no exception, no cleanup
-    return real(path, data)
+        real(path, arrays)
+        with open(path, "r+b") as f:
+            f.truncate(os.path.getsize(path) // 2)
+        os._exit(7)                  # dies mid-write: half a file, no exception, no cleanup
+    return real(path, arrays)
 
 
-checkpoint.write_file = dying_write
+checkpoint.write_safetensors = dying_write
 checkpoint.save(model, opt, d, 2)
 report(rank=world.rank, saved=2)     # never reached on the dying rank; the others are stopped
