@@ -66,7 +66,7 @@ def search(model, cluster="a100", gpus=8, global_batch=0, precision="mixed", mic
             dp = gpus // (tp * pp)
             if B % (dp * micro_batch):
                 continue
-            for zero in range(4):
+            for zero in range(4 if dp > 1 else 1):           # ZeRO shards over dp: nothing at dp = 1
                 for rc in recompute:
                     lay = Layout(dp=dp, tp=tp, pp=pp, zero=zero, sp=tp > 1, recompute=rc, precision=precision,
                                  micro_batch=micro_batch, seq_len=seq_len)

@@ -1,0 +1,166 @@
+"""pdist.plan, checked three ways: against pdist's own measured runs (lessons 03 and 06, byte
+for byte), against the ZeRO paper's per-device memory (Ψ = 7.5 B, N_d = 64), and against
+Korthikanti et al. 2022 (Table 2, activations per layer) and Narayanan et al. 2021 (Table 1,
+TFLOP/s per GPU)."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from pdist.gpt import GPTConfig
+from pdist.plan import main, plan, search, text_chart
+from pdist.plan_model import Layout, layer_activations
+from pdist.plan_presets import CLUSTERS, MODELS, NARAYANAN_TABLE1, narayanan_flops
+from pdist.testing import mpirun
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def lesson_cfg(psi, n_layer, C=64, T=32, heads=4):
+    """The lesson's GPTConfig, its vocabulary recovered from Ψ = V·C + T·C + L(12C² + 13C) + 2C."""
+    rest = psi - T * C - n_layer * (12 * C * C + 13 * C) - 2 * C
+    assert rest % C == 0
+    cfg = GPTConfig(vocab_size=rest // C, block_size=T, n_layer=n_layer, n_head=heads, n_embd=C)
+    assert cfg.num_params() == psi
+    return cfg
+
+
+# --- 1. pdist's own runs -----------------------------------------------------------------------
+
+@pytest.mark.parametrize("n", [2, 4])
+def test_lesson_03_bytes_equal_the_plan(tmp_path, n):
+    path = tmp_path / "z.json"
+    mpirun(n, os.path.join(ROOT, "lessons", "03_zero.py"), "--steps", "2", "--json", path, timeout=240)
+    s = json.loads(path.read_text())
+    assert len(s["runs"]) == 4
+    for run in s["runs"]:
+        cfg = lesson_cfg(run["params"], 2)
+        stage = run["layout"]["zero_stage"]
+        p = plan(cfg, "this", dp=n, zero=stage, precision="fp32", micro_batch=12 // n)
+        (st,) = p["memory_per_stage"]
+        assert len(run["memory_per_rank"]) == n
+        for m in run["memory_per_rank"]:          # every rank, every category, exactly
+            assert (m["params_bytes"], m["grads_bytes"], m["optim_bytes"]) == \
+                (st["params"], st["grads"], st["optimizer"]), (stage, m, st)
+        for sent in run["comm_bytes_per_step"]:   # ring accounting, within the lesson's own slack
+            assert abs(sent - st["comm_bytes"]["dp"]) <= cfg.n_layer + 2, (stage, sent, st["comm_bytes"])
+
+
+@pytest.mark.parametrize("layout,lay", [
+    ("--dp 2 --tp 2", dict(dp=2, tp=2, pp=1, zero=1, sp=True)),
+    ("--tp 2 --pp 2", dict(dp=1, tp=2, pp=2, zero=0, sp=True)),
+])
+def test_lesson_06_memory_and_group_bytes_equal_the_plan(tmp_path, layout, lay):
+    path = tmp_path / "m.json"
+    mpirun(4, os.path.join(ROOT, "lessons", "06_mesh.py"), "--steps", "2", *layout.split(), "--json", path,
+           timeout=240)
+    (run,) = json.loads(path.read_text())["runs"]
+    cfg = lesson_cfg(run["params"], 4)
+    m = 4                                                        # the lesson's --microbatches
+    p = plan(cfg, "this", precision="fp64", m=m, micro_batch=16 // lay["dp"] // m, **lay)
+    for mem, sent in zip(run["memory_per_rank"], run["comm_bytes_per_group"]):
+        pp_rank = mem["rank"] // (lay["dp"] * lay["tp"])         # world = (pp·DP + dp)·TP + tp
+        st = p["memory_per_stage"][pp_rank]
+        assert [mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"]] == \
+            [st["params"], st["grads"], st["optimizer"]], (mem, st)
+        for k in ("dp", "tp", "pp"):
+            assert abs(sent[k] - st["comm_bytes"][k]) <= 64, (k, sent, st["comm_bytes"])
+
+
+# --- 2. the ZeRO paper ---------------------------------------------------------------------------
+
+@pytest.mark.parametrize("stage,gb", [(0, 120.0), (1, 31.4), (2, 16.6), (3, 1.9)])
+def test_zero_paper_7_5b_on_64_gpus(stage, gb):
+    """Rajbhandari et al. 2020, Figure 1 / Table 1: Ψ = 7.5 B, N_d = 64, K = 12 (decimal GB)."""
+    out = subprocess.run([sys.executable, "-m", "pdist.plan", "--params", "7.5e9", "--dp", "64", "--zero",
+                          str(stage), "--precision", "mixed", "--json"], capture_output=True, text=True,
+                         check=True, cwd=ROOT).stdout
+    j = json.loads(out)
+    m = j["memory_per_gpu"]
+    assert m["activations"] is None and j["time_per_step"] is None
+    assert m["total"] == m["params"] + m["grads"] + m["optimizer"]
+    assert round(m["total"] / 1e9, 1) == gb
+    psi = 7.5e9
+    assert m["optimizer"] == 12 * psi / (64 if stage else 1)
+
+
+# --- 3. Korthikanti et al. 2022 and Narayanan et al. 2021 -----------------------------------------
+
+@pytest.mark.parametrize("t", [1, 2, 8])
+def test_korthikanti_table_2(t):
+    s, b, h, a = 2048, 1, 12288, 96
+    sbh = s * b * h
+    assert layer_activations(s, b, h, a) == pytest.approx(sbh * (34 + 5 * a * s / h))
+    assert layer_activations(s, b, h, a, t) == pytest.approx(sbh * (10 + 24 / t + 5 * a * s / (h * t)))
+    assert layer_activations(s, b, h, a, t, sp=True) == pytest.approx(sbh * (34 / t + 5 * a * s / (h * t)))
+    assert layer_activations(s, b, h, a, t, recompute="selective") == pytest.approx(sbh * (10 + 24 / t))
+    assert layer_activations(s, b, h, a, t, sp=True, recompute="selective") == pytest.approx(sbh * 34 / t)
+    assert layer_activations(s, b, h, a, t, sp=True, recompute="full") == 2 * sbh
+
+
+def test_pipeline_stash():
+    """1F1B's first stage holds p micro-batches of L/p layers (L layers' worth, Korthikanti §4.2.3),
+    GPipe m, interleaved L·(1 + (p−1)/(p·v))."""
+    cfg, p, m = MODELS["gpt3-175b"], 8, 16
+    A = layer_activations(2048, 1, 12288, 96, 8, sp=True, recompute="selective")
+    L = cfg.n_layer
+
+    def act(**kw):
+        return plan(cfg, tp=8, pp=p, m=m, sp=True, recompute="selective", **kw)["memory_per_stage"][0]["activations"]
+    assert act() == pytest.approx(L * A, rel=1e-9)
+    assert act(schedule="gpipe") == pytest.approx(m * L / p * A, rel=1e-9)
+    assert act(schedule="interleaved", v=2) == pytest.approx(L * A * (1 + (p - 1) / (p * 2)), rel=1e-9)
+
+
+def test_narayanan_table_1_within_13_percent():
+    """Every row of Table 1 (A100, mixed precision, V 51200, s 2048), planned as 1F1B with micro-batch 1,
+    full recompute, sequence-parallel pipeline sends (Narayanan's scatter/gather), efficiency 0.55:
+    the paper's Eq. 3 FLOPs over the predicted step time is within 13% of the reported TFLOP/s."""
+    for P, a, h, L, t, p, n, B, tflops, pct in NARAYANAN_TABLE1:
+        cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=L, n_head=a, n_embd=h)
+        assert abs(cfg.num_params() / 1e9 - P) <= 0.05 + 0.001 * P     # the table rounds Ψ
+        r = plan(cfg, "a100", dp=n // (t * p), tp=t, pp=p, sp=True, recompute="full", global_batch=B,
+                 efficiency=0.55)
+        assert r["fits"]
+        pred = narayanan_flops(B, 2048, L, h, 51200) / n / r["time_per_step"]["total"] / 1e12
+        assert abs(pred / tflops - 1) < 0.13, (P, pred, tflops)
+        if P == 1008.0:
+            assert abs(pred / tflops - 1) < 0.12 and r["links"] == {"tp": "intra-node", "dp": "inter-node",
+                                                                     "pp": "inter-node"}
+
+
+# --- the planner's own behaviour -------------------------------------------------------------------
+
+def test_tp_across_nodes_swamps_compute():
+    cfg = MODELS["gpt3-175b"]
+    inside = plan(cfg, tp=8, pp=16, dp=1, sp=True, recompute="selective", global_batch=64)
+    across = plan(cfg, tp=16, pp=8, dp=1, sp=True, recompute="selective", global_batch=64)
+    assert inside["links"]["tp"] == "intra-node" and across["links"]["tp"] == "inter-node"
+    assert across["time_per_step"]["comm_tp"] > 5 * inside["time_per_step"]["comm_tp"]
+    assert across["time_per_step"]["comm_tp"] > across["time_per_step"]["compute"]
+
+
+def test_search_ranks_layouts_that_fit(capsys):
+    plans = search("gpt2-xl", "a100", gpus=16, global_batch=64)
+    assert plans and all(p["fits"] and p["gpus"] == 16 and 8 % p["layout"]["tp"] == 0 for p in plans)
+    times = [p["time_per_step"]["total"] for p in plans]
+    assert times == sorted(times)
+    assert {p["layout"]["zero"] for p in plans} == {0, 1, 2, 3}
+    assert not search("gpt3-175b", "a100", gpus=8, global_batch=8)      # 175 B does not fit on one node
+    main(["--model", "gpt2", "--cluster", "this", "--gpus", "2", "--precision", "fp32", "--global-batch", "16",
+          "--search", "--top", "3"])
+    out = capsys.readouterr().out.splitlines()
+    assert out[3].startswith("dp2 tp1 pp1 z2 ") and "P params" in out[-1], out   # ZeRO-2: least memory of the tied
+    assert not any(" z1" in line for line in out if line.startswith("dp1 "))      # no ZeRO without dp
+
+
+def test_text_chart_and_bad_layouts():
+    p = plan("gpt2", "a100", dp=8, zero=1)
+    assert "|" in text_chart([p], CLUSTERS["a100"].memory)
+    with pytest.raises(ValueError, match="ZeRO-3 does not compose"):
+        plan("gpt2", pp=2, zero=3)
+    with pytest.raises(ValueError, match="tp = 5 must divide"):
+        plan("gpt2", tp=5)
+    assert Layout(dp=2, tp=4, pp=8).gpus == 64
