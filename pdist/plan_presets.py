@@ -97,6 +97,12 @@ CLUSTERS = {
         source="NVIDIA A100 datasheet: bf16/fp16 dense 312 TFLOP/s, fp32 19.5, fp64 tensor 19.5; "
                "NVLink 600 GB/s both ways = 300 GB/s each way; 200 Gb/s = 25 GB/s per GPU; "
                "α 5 µs / 10 µs assumed"),
+    "a100-eth": Cluster(
+        "8 x A100-80GB (NVLink 600 GB/s), nodes joined by one 100 Gb/s Ethernet port", 8, 80 * GiB,
+        {"mixed": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(12.5e9 / 8, 30e-6),
+        source="as a100, but 100 Gb/s = 12.5 GB/s per node shared by its 8 GPUs (1.56 GB/s each); "
+               "α 30 µs assumed"),
     "h100": Cluster(
         "8 x H100-80GB SXM (NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
         {"mixed": 989e12, "fp32": 67e12, "fp64": 67e12},

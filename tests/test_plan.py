@@ -29,7 +29,7 @@ def lesson_cfg(psi, n_layer, C=64, T=32, heads=4):
 
 # --- 1. pdist's own runs -----------------------------------------------------------------------
 
-@pytest.mark.parametrize("n", [2, 4])
+@pytest.mark.parametrize("n", [2, 3, 4])     # n = 3: units padded to a multiple of 3
 def test_lesson_03_bytes_equal_the_plan(tmp_path, n):
     path = tmp_path / "z.json"
     mpirun(n, os.path.join(ROOT, "lessons", "03_zero.py"), "--steps", "2", "--json", path, timeout=240)
