@@ -164,3 +164,8 @@ def test_text_chart_and_bad_layouts():
     with pytest.raises(ValueError, match="tp = 5 must divide"):
         plan("gpt2", tp=5)
     assert Layout(dp=2, tp=4, pp=8).gpus == 64
+
+
+def test_plan_never_imports_mpi():
+    code = "import sys, pdist.plan; sys.exit(any(m.startswith('mpi4py') or m.startswith('pdist.comm') for m in sys.modules))"
+    assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
