@@ -20,6 +20,11 @@ which step diverged.
 Math. As in exercise 02: the mean of the per-rank mean losses is the global mean
 (equal shards), and averaged gradients are the global-batch gradient (Li et al. 2020).
 
+Hints.
+* Which rank raised, in which collective, at which step? Is that collective called
+  by every rank, every step?
+* ``loss.item()`` is this rank's loss, not the global batch's.
+
 Grade: ``python -m pdist.grade 10`` (4 ranks).
 """
 import numpy as np
