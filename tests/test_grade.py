@@ -104,3 +104,26 @@ def test_deadlock_line_names_each_rank():
     line = grade.deadlock_line([{"rank": 0, "where": "send to rank 1 on group 'world'"},
                                 {"rank": 1, "where": "send to rank 0 on group 'world'"}])
     assert line.startswith("deadlocked: rank 0 and rank 1 are both in send")
+
+
+def test_lesson05_png_without_matplotlib_fails_at_once():
+    pytest.importorskip("numpy")
+    try:
+        import matplotlib  # noqa: F401
+        pytest.skip("matplotlib is installed")
+    except ImportError:
+        pass
+    p = subprocess.run([sys.executable, "lessons/05_pipeline_parallel.py", "--png", "x.png"], cwd=ROOT,
+                       capture_output=True, text=True, timeout=60)
+    assert p.returncode == 2 and "pip install 'pdist[plots]'" in p.stderr
+
+
+def test_shared_core_warning_once_on_rank_0(tmp_path):
+    from pdist.testing import launch
+    script = tmp_path / "w.py"
+    script.write_text("from pdist import comm, lesson\nimport os\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+                      "from pdist.testing import report\nw = comm.init()\nreport(warned=lesson.warn_shared_cores(w))\n")
+    run = launch(2, script, timeout=60)
+    assert run.rc == 0, run.out
+    from pdist.testing import reports
+    assert run.out.count("shared-core timings") == 1 and [r["warned"] for r in reports(run.out)] == [True, True]
