@@ -9,7 +9,7 @@ N      ?= 1
 ARGS   ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv lesson test test-fast bench lint clean
+.PHONY: venv lesson test test-fast bench lint clean grade
 
 venv: $(STAMP)
 
@@ -30,6 +30,11 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
+
+# the course's autograder: every exercise in lessons/exercises/ (EX="01 03" for some; ARGS="--reference" etc.)
+EX ?=
+grade: $(STAMP)
+	$(PY) -m pdist.grade $(EX) $(ARGS)
 
 # every benchmark, each launched the way its docstring says (prints tables; takes a few minutes)
 bench: $(STAMP)

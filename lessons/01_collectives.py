@@ -123,6 +123,7 @@ def main():
     args = lesson.validate(p, p.parse_args())  # on every rank, before any collective
     sizes = parse_sizes_kib(p, args.sizes_kib)
     g = comm.init(timeout=lesson.TIMEOUT)
+    lesson.warn_shared_cores(g)
     demo(g)
     passed = check_all(g, args.seed, args.dtype)
     passed = all(g.all_gather_object(passed))

@@ -152,6 +152,7 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
 def main():
     p, args = parse_args()
     world, tokens, tok = lesson.start(args)
+    lesson.warn_shared_cores(world)
     n, rank, k = world.size, world.rank, args.micro_batches
     if args.batch_size % (n * k):   # the same on every rank, before any collective
         p.error(f"--batch-size {args.batch_size} must divide into {n} ranks x {k} micro-batches "

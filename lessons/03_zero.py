@@ -134,6 +134,7 @@ def main():
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
     args = lesson.validate(p, p.parse_args())
     world, tokens, tok = lesson.start(args)
+    lesson.warn_shared_cores(world)
     n, rank = world.size, world.rank
     if args.batch_size % n:    # the same on every rank, before any collective
         p.error(f"--batch-size {args.batch_size} does not divide by the {n} ranks; use a multiple of {n}")

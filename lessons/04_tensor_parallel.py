@@ -187,6 +187,7 @@ def main():
     ap = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=8)
     args = lesson.validate(ap, ap.parse_args())
     world, tokens, tok = lesson.start(args)
+    lesson.warn_shared_cores(world)
     t, rank = world.size, world.rank
     cfg = lesson.config_from_args(args, tok.vocab_size)
     try:  # the same check, the same message on every rank, before any collective

@@ -22,6 +22,7 @@ planned and measured (``--png PATH`` also draws it with matplotlib).
 Every flag is checked before training, on every rank: the batch must split into
 dp x m micro-batches for every run, and 2p (interleaved) stages need as many blocks.
 """
+import importlib.util
 import math
 import time
 from collections import namedtuple
@@ -161,7 +162,10 @@ def main():
     ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8)
     ap.add_argument("--png", metavar="PATH", default=None, help="also draw planned vs measured (matplotlib)")
     args = lesson.validate(ap, ap.parse_args())
+    if args.png and importlib.util.find_spec("matplotlib") is None:   # fail now, not after the run
+        ap.error("--png needs matplotlib: .venv/bin/pip install 'pdist[plots]' (or leave out --png)")
     world, tokens, tok = lesson.start(args)
+    lesson.warn_shared_cores(world)
     n, rank = world.size, world.rank
     cfg = lesson.config_from_args(args, tok.vocab_size)
     try:  # every run's layout and batch, checked on every rank before any training

@@ -156,6 +156,7 @@ def comm_theory(cfg, args, coords, b):
 def main():
     parser, args = parse()
     world, tokens, tok = lesson.start(args)
+    lesson.warn_shared_cores(world)
     layout_for(args, world.size)
     cfg = lesson.config_from_args(args, -(-tok.vocab_size // args.tp) * args.tp)   # padded to a multiple of tp
     if args.dp * args.tp * args.pp != world.size:

@@ -95,6 +95,7 @@ def continue_from(name, model, ckpt, args, batch, ref_sd):
 def main():
     parser, args = parse()
     world, tokens, tok = lesson.start(args)
+    lesson.warn_shared_cores(world)
     if world.size != 4:
         parser.error(f"this lesson saves on 4 ranks and loads into 4, 2 and 1: run it with mpirun -n 4 "
                      f"(got {world.size})")

@@ -230,3 +230,18 @@ def write_json_atomic(path, obj):
             os.close(dfd)
     except OSError:  # pragma: no cover - file systems without directory fsync
         pass
+
+
+def warn_shared_cores(world):
+    """One line on rank 0 when the ranks on this node outnumber its cores: every timing
+    the lesson prints is then a shared-core timing (ranks take turns on a core, so
+    ms/step and idle time grow with the ranks, not with the algorithm). Returns True
+    when it warned. Call it right after ``start(args)`` / ``comm.init()``."""
+    from pdist.comm.mpi import cores_available, local_size
+    ranks, cores = local_size(), cores_available()
+    if ranks <= cores:
+        return False
+    if world.rank == 0:
+        print(f"note: {ranks} ranks share {cores} cores on this node: the timings below are shared-core "
+              f"timings (the checks are unaffected)", flush=True)
+    return True

@@ -322,6 +322,18 @@ class ProcessGroup(ObjectCollectives):
         """Non-blocking receive: returns a Work; buf is valid after wait()."""
         return self._p2p("irecv", buf, src, 0, lambda f: self._native(buf).irecv(f, src, tag))
 
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
+        """Send ``sendbuf`` to rank ``dst`` while receiving ``recvbuf`` from rank ``src``;
+        returns when both are done. The deadlock-free exchange: the receive is posted
+        before either side waits, so a ring (every rank sends right, receives left) never
+        deadlocks, where ``send`` then ``recv`` on every rank waits forever once a message
+        is too large for MPI to buffer (docs/collectives.md). Counts as a send of
+        sendbuf.nbytes (stats["send"]) and a receive."""
+        r = self.irecv(recvbuf, src, tag)
+        s = self.isend(sendbuf, dst, tag)
+        r.wait()
+        s.wait()
+
     def _native(self, buf):
         return self._backend(buf)[0] if is_device_array(buf) else self._user_nb
 
