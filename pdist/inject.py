@@ -102,6 +102,8 @@ class Injector:
         self.uneven = next((kv for k, kv in mine if k == "uneven-shard"), None)
         self.at = {(k, kv["step"]) for k, kv in mine if "step" in kv}
         self.token_scale = 1.0
+        for k, kv in mine:       # the trace marks when each fault was switched on
+            trace.instant(f"inject {k}", cat="fault", **{a: str(v) for a, v in kv.items()})
 
     def _say(self, step, what, **args):
         print(f"[inject] rank {self.rank} step {step}: {what} at t={time.time():.6f}", flush=True)
