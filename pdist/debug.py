@@ -150,11 +150,11 @@ def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
         tok_rest = _mean(tok[j] for j in range(k) if j not in slow_steps)
         wait_ph = max(PHASES, key=lambda ph: _mean(by[q][s]["wait_" + ph] for q in others for s in steps))
         cause = None
-        if frac >= 0.8:
-            cause, why = "throttled device", f"slow in compute on {len(slow_steps)}/{k} steps, with the same tokens"
-        elif tok_rest and tok_slow > 1.05 * tok_rest:
+        if tok_rest and tok_slow > 1.05 * tok_rest:     # its slow steps are the ones with more tokens
             cause, why = "uneven shard", (f"slow on {len(slow_steps)}/{k} steps only, the steps where it holds "
                                           f"{tok_slow / tok_rest:.2f}x the tokens")
+        elif frac >= 0.8:
+            cause, why = "throttled device", f"slow in compute on {len(slow_steps)}/{k} steps, with the same tokens"
         elif comm_t <= 0.3 * step_t and mean_ex[slow] > 2 * threshold:   # above the noise of shared cores
             cause, why = "intermittent", f"slow on {len(slow_steps)}/{k} steps, same tokens (contention? noise?)"
         if cause is not None:
