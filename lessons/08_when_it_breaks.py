@@ -27,6 +27,7 @@ The cluster is scaled to the lesson's tiny model: a 64-wide GPT computes a step 
 milliseconds, so the inter-node link is 20 MB/s with 200 us latency (with 1000x the
 parameters and compute: 20 GB/s; a latency that a tiny step feels as a real one feels 10 us). The ratio of communication to compute is what matters.
 """
+import argparse
 import os
 import re
 import shutil
@@ -48,14 +49,9 @@ CHILD_FAULTS = {"early exit": "exit:rank=1,step=3", "skipped collective": "skip-
 
 def parse():
     p = lesson.parser(__doc__, steps=8, dtype="float32", batch_size=16)
-    p.add_argument("--child", default=None, help=argparse_hide())
+    p.add_argument("--child", default=None, help=argparse.SUPPRESS)     # act 3's child jobs
     args = lesson.validate(p, p.parse_args())
     return p, args
-
-
-def argparse_hide():
-    import argparse
-    return argparse.SUPPRESS
 
 
 def say(world, *a):

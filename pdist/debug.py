@@ -146,13 +146,16 @@ def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
         extra = _mean(comp[slow][j] - _median([comp[q][j] for q in others]) for j in slow_steps)
         factor = 1 + _mean(excess[slow][j] for j in slow_steps)
         tok = [by[slow][steps[j]]["tokens"] for j in range(k)]
-        tok_slow = _mean(tok[j] for j in slow_steps)
-        tok_rest = _mean(tok[j] for j in range(k) if j not in slow_steps)
+        mid = 0.5 * (min(tok) + max(tok))
+        heavy = [j for j in range(k) if tok[j] > mid] if max(tok) > 1.05 * min(tok) else []
+        light = [j for j in range(k) if j not in heavy]
+        ex_heavy, ex_light = _mean(excess[slow][j] for j in heavy), _mean(excess[slow][j] for j in light)
         wait_ph = max(PHASES, key=lambda ph: _mean(by[q][s]["wait_" + ph] for q in others for s in steps))
         cause = None
-        if tok_rest and tok_slow > 1.05 * tok_rest:     # its slow steps are the ones with more tokens
-            cause, why = "uneven shard", (f"slow on {len(slow_steps)}/{k} steps only, the steps where it holds "
-                                          f"{tok_slow / tok_rest:.2f}x the tokens")
+        if heavy and light and ex_heavy - ex_light > threshold:   # slow where it holds more tokens
+            cause, why = "uneven shard", (
+                f"slow on the {len(heavy)}/{k} steps where it holds {_mean(tok[j] for j in heavy) / _mean(tok[j] for j in light):.2f}x "
+                f"the tokens ({1 + ex_heavy:.2f}x the others' compute there, {1 + ex_light:.2f}x elsewhere)")
         elif frac >= 0.8:
             cause, why = "throttled device", f"slow in compute on {len(slow_steps)}/{k} steps, with the same tokens"
         elif comm_t <= 0.3 * step_t and mean_ex[slow] > 2 * threshold:   # above the noise of shared cores
