@@ -130,9 +130,11 @@ def act_links(world, cfg, batch, args):
             mesh = comm.DeviceMesh(**shape)
             plains[key] = timed_run(parallelize(GPT(cfg, args.seed), mesh, zero_stage=stage), batch, 2 * steps)
         plain = plains[key]
-        mesh = comm.DeviceMesh(**shape, topology=CLUSTER.format(nodes=nodes))
-        model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=stage)
-        measured = timed_run(model, batch, steps)
+        measured = float("inf")
+        for _ in range(2):       # the faster of two runs: load from other processes only adds time
+            mesh = comm.DeviceMesh(**shape, topology=CLUSTER.format(nodes=nodes))
+            model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=stage)
+            measured = min(measured, max(world.all_gather_object(timed_run(model, batch, steps))))
         groups = watchdog.groups()
         link_s = sum(s for _, s in topology.predict(groups).values()) / steps
         pl = per_link(groups)
@@ -152,7 +154,7 @@ def act_links(world, cfg, batch, args):
                "(many messages, bytes growing with batch x sequence x width); data parallelism all-reduces the "
                "gradients once per step. Put the chatty axis (tp) on the fast links inside a node, and the "
                "once-a-step axis (dp) across nodes. ZeRO-3 moves 1.5x DDP's bytes (3 psi vs 2 psi) in many more "
-               "messages, so over a slow link it pays more; DDP also hides part of its all-reduce behind backward.")
+               "messages, so over a slow link it pays more. Measured below predicted = overlap: DDP issues its all-reduce during backward, ZeRO-3 prefetches the next unit.")
     say(world, f"{'PASS' if ok else 'FAIL'}: act 2 -- measured step times order as the alpha-beta prediction: "
                f"tp in node {a[0] * 1e3:.0f} ms < tp across {b[0] * 1e3:.0f} ms; "
                f"DDP {c[0] * 1e3:.0f} ms vs ZeRO-3 {d[0] * 1e3:.0f} ms (predicted {c[1] * 1e3:.0f} vs {d[1] * 1e3:.0f})")

@@ -101,8 +101,8 @@ def test_detector_names_uneven_shard():
 
 
 def test_simulated_cluster_layouts_order_as_predicted():
-    """tp inside a node / dp across vs tp across / dp inside, inter-node 20 MB/s."""
-    got = reports(mpirun(4, W / "debug_worker.py", "layouts", 5, timeout=120))[0]
+    """tp inside a node / dp across vs tp across / dp inside, inter-node 20 MB/s, 200 us."""
+    got = reports(mpirun(4, W / "debug_worker.py", "layouts", 6, timeout=120))[0]
     a, b = got["tp-in-node"], got["tp-across"]
     assert a["pred_link_s"] < b["pred_link_s"], got           # more tp bytes and messages cross the slow link
     assert a["step_s"] < b["step_s"], got                     # and the measured step times agree
