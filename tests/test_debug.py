@@ -8,7 +8,7 @@ import pytest
 
 from pdist import debug, inject, trace
 from pdist.comm import topology
-from pdist.testing import mpirun, reports
+from pdist.testing import launch, mpirun, reports
 
 ROOT = Path(__file__).resolve().parent.parent
 W = ROOT / "tests" / "workers"
@@ -105,7 +105,9 @@ def test_simulated_cluster_layouts_order_as_predicted():
     got = reports(mpirun(4, W / "debug_worker.py", "layouts", 6, timeout=120))[0]
     a, b = got["tp-in-node"], got["tp-across"]
     assert a["pred_link_s"] < b["pred_link_s"], got           # more tp bytes and messages cross the slow link
-    assert a["step_s"] < b["step_s"], got                     # and the measured step times agree
+    assert a["step_s"] < b["step_s"], got                     # and the measured step times agree,
+    # by about the predicted difference (the link is charged: without it the two are one layout)
+    assert b["step_s"] - a["step_s"] > 0.5 * (b["pred_link_s"] - a["pred_link_s"]), got
 
 
 def validate_chrome_trace(doc):
@@ -123,8 +125,11 @@ def validate_chrome_trace(doc):
 
 def test_lesson_08_passes_and_its_trace_validates(tmp_path):
     path, js = tmp_path / "trace.json", tmp_path / "s.json"
-    out = mpirun(4, ROOT / "lessons" / "08_when_it_breaks.py", "--trace", path, "--json", js, timeout=180)
-    assert "PASS: 08_when_it_breaks" in out and out.count("PASS: act") == 4, out[-3000:]
+    run = launch(4, ROOT / "lessons" / "08_when_it_breaks.py", "--trace", path, "--json", js, timeout=180)
+    out = run.out
+    verdicts = "\n".join(ln for ln in out.splitlines() if ln.startswith(("PASS", "FAIL", "step time")))
+    assert run.rc == 0 and "PASS: 08_when_it_breaks" in out and out.count("PASS: act") == 4, \
+        (run.rc, verdicts or out[-3000:])
     assert json.loads(js.read_text())["check"] == "PASS"
     doc = json.loads(path.read_text())
     validate_chrome_trace(doc)
