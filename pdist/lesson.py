@@ -31,17 +31,38 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     for k, v in sizes.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"GPT {k} (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=batch_size, help="global batch in rows (default %(default)s)")
+    p.add_argument("--inject", metavar="FAULT", action="append", default=None,
+                   help="inject a fault for teaching (pdist/inject.py), e.g. straggler:rank=2,slowdown=1.5; "
+                        "uneven-shard:rank=1,extra=0.3; slow-link:ranks=0-1,gbps=1; skip-collective:rank=3,step=5; "
+                        "exception:rank=1,step=4; exit:rank=1,step=4; nan:rank=0,step=3 (repeatable)")
+    p.add_argument("--trace", metavar="PATH", default=None,
+                   help="write one Chrome/Perfetto trace merged over ranks here (open at https://ui.perfetto.dev)")
     return p
 
 
 def start(args):
     """After the flags are parsed and validated, what every training lesson does first:
     the default dtype, the world (collectives wait at most TIMEOUT), the corpus.
-    Returns (world, tokens, tokenizer)."""
-    from pdist import comm, data
+    Returns (world, tokens, tokenizer). ``--inject`` faults are activated here (every
+    rank parses the same flags: a bad spec exits on every rank before any collective);
+    ``--trace`` turns on the detailed trace (waits and step phases) for ``finish``."""
+    from pdist import comm, data, inject, trace
     from pdist.backend import set_default_dtype
+    faults = getattr(args, "inject", None)
+    if faults:
+        try:
+            inject.parse(faults)
+        except ValueError as e:
+            sys.exit(f"error: {e}")
+    if getattr(args, "trace", None):
+        problem = json_path_problem(args.trace)
+        if problem:
+            sys.exit(f"error: --trace {args.trace}: {problem}")
+        trace.set_detail(True)
     set_default_dtype(args.dtype)
     world = comm.init(timeout=TIMEOUT)
+    if faults:
+        inject.set(faults)
     tokens, tok = data.char_dataset()
     return world, tokens, tok
 
@@ -82,6 +103,8 @@ def finish(name, passed, runs, args, rank=0, world_size=1, detail=""):
     and +-Infinity floats, at any depth, are written as ``null`` (a diverged loss
     is ``null`` in the file, never the non-standard ``NaN`` token)."""
     check = "PASS" if passed else "FAIL"
+    if args is not None and getattr(args, "trace", None):
+        write_trace(args.trace)
     if rank == 0:
         if args is not None and getattr(args, "json", None):
             summary = {"lesson": name, "world_size": world_size, "check": check, "runs": runs}
@@ -90,6 +113,18 @@ def finish(name, passed, runs, args, rank=0, world_size=1, detail=""):
         sys.stdout.flush()
     if not passed:
         sys.exit(1)
+
+
+def write_trace(path):
+    """``--trace PATH``: one Chrome/Perfetto JSON merged over the world's ranks (collective:
+    every rank calls it, as every rank calls ``finish``); one process alone writes its own."""
+    from pdist import comm, trace
+    if comm.is_initialized():
+        trace.write_chrome_trace(path, comm.get_world())
+    else:
+        with open(path, "w") as f:
+            json.dump({"traceEvents": trace.chrome_events(trace.events(), 0, min(
+                [e["start"] for e in trace.events()] or [0.0])), "displayTimeUnit": "ms"}, f)
 
 
 def _jsonable(v):

@@ -11,6 +11,15 @@ other code records its own:
         y = model(x)
     trace.write_chrome_trace("trace.json", world)     # collective: every rank calls it
 
+Tracks (one Chrome "thread" per category, so a straggler reads at a glance):
+``comm`` (tid 0: each collective, issue to completion), ``compute`` (tid 1),
+``wait`` (tid 2: polled waits for other ranks, longer than 50 us, pdist/comm/mpi.py;
+only with ``set_detail(True)``, which lessons' ``--trace`` turns on, or PDIST_TRACE_DETAIL=1),
+``link`` (tid 3: the simulated link time of pdist/comm/topology.py), ``step``
+(tid 4: the phases of ``forward_backward``, pdist/parallel/base.py; with detail too); an
+``instant(name, cat="fault")`` (an injected fault, pdist/inject.py) is an
+instant event (``"ph": "i"``, ``"s": "p"``) across the rank's tracks.
+
 Alignment. ``write_chrome_trace`` runs a barrier; each rank reads its clock as it
 leaves, and rank r's times become ``t - t_barrier_r``: the ranks' clocks are
 aligned at the barrier exit (error: the barrier's exit skew, microseconds on one
@@ -29,6 +38,7 @@ import time
 from pdist.backend import env_flag
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
+DETAIL = [env_flag("PDIST_TRACE_DETAIL", False)]   # also the waits and the step phases (see below)
 _events = collections.deque(maxlen=int(os.environ.get("PDIST_TRACE_MAX", "200000")))
 now = time.perf_counter
 
@@ -46,6 +56,11 @@ def disable():
     _cfg["on"] = False
 
 
+def set_detail(flag=True):
+    """Also record every wait longer than 50 us and each step's phases (lessons' --trace)."""
+    DETAIL[0] = bool(flag)
+
+
 def enabled():
     return _cfg["on"]
 
@@ -58,6 +73,12 @@ def record(name, cat, start, end, **args):
     """Add one finished span (perf_counter seconds)."""
     if _cfg["on"]:
         _events.append((name, cat, start, end, args))
+
+
+def instant(name, cat="fault", **args):
+    """Add one instant event (a moment, e.g. an injected fault): ``"ph": "i"`` in the file."""
+    if _cfg["on"]:
+        _events.append((name, cat, now(), None, args))
 
 
 class span:
@@ -82,14 +103,26 @@ def events():
     return [{"name": n, "cat": c, "start": s, "end": e, "args": dict(a)} for n, c, s, e, a in _events]
 
 
+TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4}
+
+
 def chrome_events(evs, pid, t0):
-    """Chrome trace 'complete' events ("ph": "X", microseconds) for one rank."""
+    """Chrome trace events for one rank (microseconds): 'complete' events ("ph": "X")
+    on the track of their category (``TRACKS``; others on the compute track), and
+    instant events ("ph": "i", "s": "p") for moments."""
     out = [{"name": "process_name", "ph": "M", "pid": pid, "tid": 0, "args": {"name": f"rank {pid}"}}]
+    out += [{"name": "thread_name", "ph": "M", "pid": pid, "tid": tid, "args": {"name": cat}}
+            for cat, tid in TRACKS.items()]
     for e in evs:
+        args = {k: _plain(v) for k, v in e["args"].items()}
+        if e["end"] is None:
+            out.append({"name": e["name"], "cat": e["cat"], "ph": "i", "s": "p", "pid": pid, "tid": 1,
+                        "ts": (e["start"] - t0) * 1e6, "args": args})
+            continue
         out.append({"name": e["name"], "cat": e["cat"], "ph": "X", "pid": pid,
-                    "tid": 0 if e["cat"] == "comm" else 1,
+                    "tid": TRACKS.get(e["cat"], 1),
                     "ts": (e["start"] - t0) * 1e6, "dur": max(0.0, (e["end"] - e["start"]) * 1e6),
-                    "args": {k: _plain(v) for k, v in e["args"].items()}})
+                    "args": args})
     return out
 
 
@@ -115,7 +148,8 @@ def write_chrome_trace(path, group=None):
         mine = events()
         for e in mine:
             e["start"] -= t_sync
-            e["end"] -= t_sync
+            if e["end"] is not None:
+                e["end"] -= t_sync
         per_rank = group.gather_object(mine, dst=0)
     finally:
         _cfg["on"] = was_on
@@ -134,7 +168,7 @@ def write_chrome_trace(path, group=None):
 def comm_seconds(evs=None):
     """Total seconds spent inside 'comm' spans (overlaps counted once)."""
     evs = events() if evs is None else evs
-    spans = sorted((e["start"], e["end"]) for e in evs if e["cat"] == "comm")
+    spans = sorted((e["start"], e["end"]) for e in evs if e["cat"] == "comm" and e["end"] is not None)
     total, cur_s, cur_e = 0.0, None, None
     for s, e in spans:
         if cur_e is None or s > cur_e:

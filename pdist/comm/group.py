@@ -37,7 +37,7 @@ from pdist import trace
 from pdist.backend import is_device_array
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
-from pdist.comm import watchdog
+from pdist.comm import topology, watchdog
 from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
 from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
 from pdist.comm.watchdog import _cur, _step
@@ -72,6 +72,7 @@ class ProcessGroup(ObjectCollectives):
         self._pending, self._orphans = [], []      # async ops not yet waited on; abandoned ones
         self._last = None                          # the last collective finished (flight entry)
         self.stats = {}
+        self._link = topology.link_for(self.ranks)   # simulated cluster (topology.py): None = off
         watchdog.register(self)
 
     def __repr__(self):
@@ -141,6 +142,8 @@ class ProcessGroup(ObjectCollectives):
             raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
         args = {"op": op, "bytes": int(arr.nbytes) if arr is not None else 0,
                 "group": self.name, "algorithm": algorithm}
+        if self._link is not None:                 # a simulated link: charge its alpha-beta time
+            then = topology.then_charge(self, op, theory, then, async_op and algorithm == "mpi")
         t0 = trace.now()
         if algorithm == "mpi":
             be = self._backend(arr)[0] if arr is not None else self._mpi
@@ -294,6 +297,13 @@ class ProcessGroup(ObjectCollectives):
         t0 = trace.now()
         work = start(flat)
         args = {"op": op, "bytes": int(flat.nbytes), "group": self.name, "peer": peer}
+        if self._link is not None:                 # a simulated link between the two ranks
+            link = topology.link_for([self.ranks[self.rank], self.ranks[peer]])
+            if work is None:
+                topology.charge(self, op, flat.nbytes, link)
+            else:
+                since, w = trace.now(), work._wait
+                work._wait = lambda: (w(), topology.charge(self, op, flat.nbytes, link, since))
         if work is None:
             trace.record(op, "comm", t0, trace.now(), **args)
             ent.state = "done"

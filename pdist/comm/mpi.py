@@ -34,6 +34,7 @@ import mpi4py
 mpi4py.rc.initialize = True
 from mpi4py import MPI  # noqa: E402
 
+from pdist import trace  # noqa: E402
 from pdist.comm import watchdog  # noqa: E402
 from pdist.comm.work import Work  # noqa: E402
 
@@ -42,7 +43,11 @@ _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None
 SEGMENT_BYTES = 1 << 19    # ring reduce-scatter pipelines reductions in 512 KiB pieces
 YIELD_SECONDS = float(os.environ.get("PDIST_WAIT_YIELD_US", "1000")) * 1e-6  # Test + yield phase
 SLEEP_MIN, SLEEP_MAX = 20e-6, 250e-6
+WAIT_SPAN_S = 50e-6
 USER_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
+# seconds this process spent in polled waits that did not finish at once (pdist.debug reads it
+# around each phase of a step: the straggler detector's "waiting"); only the slow path adds to it
+WAITED = [0.0]
 
 
 def cores_available():
@@ -123,6 +128,10 @@ def wait_all(reqs, statuses=None):
         else:
             time.sleep(sleep)
             sleep = min(sleep * 2, SLEEP_MAX)
+    t1 = now()
+    WAITED[0] += t1 - t0
+    if trace.DETAIL[0] and t1 - t0 > WAIT_SPAN_S:   # a detailed trace shows waits > 50 us (cat "wait")
+        trace.record("wait", "wait", t0, t1)
 
 
 def contiguous_flat(a, what="buffer"):

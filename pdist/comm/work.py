@@ -40,6 +40,7 @@ class Pending:
             raise self.error
         if self.check is not None:
             check, self.check = self.check, None
+            watchdog._cur[0] = self.entry   # a wait here reports this op (and sees a peer's exit)
             try:
                 check()
             except Exception as e:

@@ -26,7 +26,7 @@ batch. ``pieces()`` says where each piece of each single-process tensor lives
 """
 import numpy as np
 
-from pdist import comm, trace
+from pdist import comm, debug, inject, trace
 from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
 from pdist.optim import nonfinite_report
@@ -63,11 +63,27 @@ class Strategy:
             self.steps = int(step)
         if self.stamps_step:        # collectives carry the step: a rank that skips one is caught
             comm.set_step(self.steps)
+        inj, now, waited = inject.ACTIVE[0], debug.now, debug.WAITED   # inj: None unless --inject
+        if inj is not None:
+            inj.before_step(self.steps)
+        t0, w0, l0 = now(), waited[0], debug.LINK[0]       # the straggler detector's clocks (debug.py)
         self.zero_grad()
+        t1, w1 = now(), waited[0]
         local = self.compute(x, y)
-        self.finish_grad_sync()
+        if inj is not None:
+            inj.after_compute(self, self.steps, now() - t1)
+        t2, w2 = now(), waited[0]
+        if inj is None or not inj.skip_sync(self.steps):
+            self.finish_grad_sync()
+        t3, w3 = now(), waited[0]
         bad = self._nonfinite(local) if self.check_finite else []
         v = self.reduce_stats(np.array([local, float(len(bad))]))
+        t4, w4 = now(), waited[0]
+        debug.note((self.steps, t1 - t0, t2 - t1, t3 - t2, t4 - t3, w1 - w0, w2 - w1, w3 - w2, w4 - w3,
+                    debug.LINK[0] - l0, getattr(x, "size", 0) * (inj.token_scale if inj is not None else 1)))
+        if trace.DETAIL[0]:
+            trace.record("compute", "step", t1, t2, step=self.steps)
+            trace.record("grad_sync", "step", t2, t3, step=self.steps)
         if v[1] > 0:
             self._raise_nonfinite(bad)
         self.steps += 1

@@ -1,0 +1,206 @@
+"""Who is slow, by how much, and where the time went: the straggler detector.
+
+Every ``forward_backward`` (pdist/parallel/base.py) notes, per step on every rank, the
+seconds of each phase (zero_grad, compute, grad_sync, stats), the seconds of each phase
+spent *waiting* for other ranks (polled waits that did not finish at once,
+``pdist.comm.mpi.WAITED``), the simulated link time (``pdist.comm.topology.LINK``) and
+the tokens it computed on. Ten floats in a bounded deque: no communication; the cost
+is measured by bench/straggler.py. Then, on demand, on every rank (collective):
+
+    rep = debug.straggler_report(model)            # gathers the last steps of every rank
+    print(rep)                                     # names the slow rank, the cause, the phase
+    rep.rank, rep.cause, rep.slowdown              # e.g. 2, "throttled device", 1.48
+    train(model, opt, batch, steps, on_step=debug.monitor(every=10))   # one gather every K steps
+
+``straggler_report(records)`` also takes records already gathered (a list per rank of
+``Record`` dicts, e.g. from ``gather()``), and needs no MPI then.
+
+Signatures (the common causes told apart):
+
+* throttled device: one rank's compute (its phase time less its waits and link time)
+  is above the others' median on (almost) every step; the others wait in grad_sync;
+* uneven shard: one rank is slow on some steps only, and those are the steps where it
+  holds more tokens;
+* slow link: nobody's compute stands out; every rank of one group spends the step in
+  communication (the link time of the simulated cluster, or the transfer itself),
+  not in waiting for a peer. The report names the group and its ranks.
+"""
+import collections
+import time
+
+from pdist.comm import mpi, topology
+
+FIELDS = ("step", "zero_grad", "compute", "grad_sync", "stats",
+          "wait_zero_grad", "wait_compute", "wait_grad_sync", "wait_stats", "link", "tokens")
+PHASES = ("zero_grad", "compute", "grad_sync", "stats")
+KEEP = 256
+_records = collections.deque(maxlen=KEEP)
+now = time.perf_counter
+WAITED, LINK = mpi.WAITED, topology.LINK
+
+
+def note(rec):
+    """Add one step's record (a tuple in FIELDS order; base.py calls this)."""
+    _records.append(rec)
+
+
+def clear():
+    _records.clear()
+
+
+def records(last=None):
+    """This rank's records as dicts (newest ``last``)."""
+    rs = list(_records)[-last:] if last else list(_records)
+    return [dict(zip(FIELDS, r)) for r in rs]
+
+
+def gather(group=None, last=32):
+    """Every rank's last ``last`` records and its per-group link seconds, on every
+    rank of ``group`` (the world by default): one object all-gather. Collective."""
+    from pdist import comm
+    from pdist.comm import watchdog
+    group = group or comm.get_world()
+    links = {g.name: (list(g.ranks), getattr(g, "_link_s", 0.0)) for g in watchdog.groups()
+             if getattr(g, "_link_s", 0.0) > 0}
+    mine = {"rank": group.ranks[group.rank], "records": records(last), "links": links}
+    return group.all_gather_object(mine) if group.size > 1 else [mine]
+
+
+class Report:
+    """What ``straggler_report`` found: ``rank`` (None when balanced), ``cause``
+    ("throttled device", "uneven shard", "slow link", "intermittent", "balanced"),
+    ``slowdown`` (the slow rank's compute / the others' median), ``extra_s`` (its
+    extra compute seconds per step), ``phase`` (where the others waited for it, or
+    where the time went), ``link`` (slow link: (group name, world ranks, s/step)),
+    ``rows`` (per rank: step, compute, wait, comm, link seconds per step, mean)."""
+
+    def __init__(self, **kw):
+        self.__dict__.update(kw)
+
+    def as_dict(self):
+        return dict(self.__dict__)
+
+    def __str__(self):
+        head = "rank  step_ms  compute_ms  wait_ms  comm_ms  link_ms  tokens"
+        lines = [head, "-" * len(head)]
+        for r in self.rows:
+            lines.append(f"{r['rank']:>4}  {r['step'] * 1e3:7.2f}  {r['compute'] * 1e3:10.2f}  "
+                         f"{r['wait'] * 1e3:7.2f}  {r['comm'] * 1e3:7.2f}  {r['link'] * 1e3:7.2f}  {r['tokens']:6.0f}")
+        return "\n".join(lines + [self.text])
+
+
+def _median(v):
+    v = sorted(v)
+    n = len(v)
+    return 0.0 if n == 0 else (v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2]))
+
+
+def _mean(v):
+    v = list(v)
+    return sum(v) / len(v) if v else 0.0
+
+
+def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
+    """Name the slow rank and tell the cause (module doc). ``source``: a model (or
+    None): gather the last ``last`` steps of every rank (collective over ``group``);
+    or a list (per rank) of gathered dicts / lists of records. The first ``skip``
+    steps (warm-up) are dropped when more remain. ``threshold``: a rank whose compute
+    exceeds the others' median by more than this fraction is a straggler."""
+    if source is None or not isinstance(source, list):
+        source = gather(group, last)
+    per = [s if isinstance(s, dict) else {"rank": i, "records": s, "links": {}} for i, s in enumerate(source)]
+    steps = sorted(set.intersection(*[{r["step"] for r in p["records"]} for p in per])) if per else []
+    if len(steps) > skip + 1:
+        steps = steps[skip:]
+    ranks = [p["rank"] for p in per]
+    by = [{r["step"]: r for r in p["records"]} for p in per]
+    if not steps:
+        return Report(rank=None, cause="no data", slowdown=1.0, extra_s=0.0, phase=None, link=None, rows=[],
+                      text="no step recorded on every rank (run forward_backward first)")
+
+    def wait(r):
+        return sum(r["wait_" + ph] for ph in PHASES)
+
+    def net_compute(r):     # compute phase less its waits (TP peers) and simulated link time
+        return max(0.0, r["compute"] - r["wait_compute"])
+    comp = [[net_compute(b[s]) for s in steps] for b in by]
+    rows = []
+    for i, b in enumerate(by):
+        rs = [b[s] for s in steps]
+        step_t = _mean(sum(r[ph] for ph in PHASES) for r in rs)
+        w, lk = _mean(wait(r) for r in rs), _mean(r["link"] for r in rs)
+        rows.append({"rank": ranks[i], "step": step_t, "compute": _mean(comp[i]), "wait": w, "link": lk,
+                     "comm": max(0.0, step_t - _mean(comp[i]) - w - lk), "tokens": _mean(r["tokens"] for r in rs)})
+    n, k = len(by), len(steps)
+    # per step, each rank's compute against the median of the others
+    excess = [[comp[i][j] / max(1e-12, _median([comp[q][j] for q in range(n) if q != i] or [comp[i][j]])) - 1
+               for j in range(k)] for i in range(n)]
+    mean_ex = [_mean(e) for e in excess]
+    slow = max(range(n), key=lambda i: mean_ex[i])
+    others = [q for q in range(n) if q != slow]
+    slow_steps = [j for j in range(k) if excess[slow][j] > threshold]
+    frac = len(slow_steps) / k
+    step_t = _mean(r["step"] for r in rows)
+    comm_t = _mean(r["comm"] + r["link"] for r in rows)
+    if n > 1 and slow_steps and (mean_ex[slow] > threshold or frac >= 0.25):
+        extra = _mean(comp[slow][j] - _median([comp[q][j] for q in others]) for j in slow_steps)
+        factor = 1 + _mean(excess[slow][j] for j in slow_steps)
+        tok = [by[slow][steps[j]]["tokens"] for j in range(k)]
+        mid = 0.5 * (min(tok) + max(tok))
+        heavy = [j for j in range(k) if tok[j] > mid] if max(tok) > 1.05 * min(tok) else []
+        light = [j for j in range(k) if j not in heavy]
+        ex_heavy, ex_light = _mean(excess[slow][j] for j in heavy), _mean(excess[slow][j] for j in light)
+        wait_ph = max(PHASES, key=lambda ph: _mean(by[q][s]["wait_" + ph] for q in others for s in steps))
+        cause = None
+        if heavy and light and ex_heavy - ex_light > threshold:   # slow where it holds more tokens
+            cause, why = "uneven shard", (
+                f"slow on the {len(heavy)}/{k} steps where it holds {_mean(tok[j] for j in heavy) / _mean(tok[j] for j in light):.2f}x "
+                f"the tokens ({1 + ex_heavy:.2f}x the others' compute there, {1 + ex_light:.2f}x elsewhere)")
+        elif frac >= 0.8:
+            cause, why = "throttled device", f"slow in compute on {len(slow_steps)}/{k} steps, with the same tokens"
+        elif comm_t <= 0.3 * step_t and mean_ex[slow] > 2 * threshold:   # above the noise of shared cores
+            cause, why = "intermittent", f"slow on {len(slow_steps)}/{k} steps, same tokens (contention? noise?)"
+        if cause is not None:
+            w_others = _mean(rows[q]["wait"] for q in others)
+            text = (f"straggler: rank {ranks[slow]} ({cause}): its compute is {factor:.2f}x the others' median "
+                    f"(+{extra * 1e3:.1f} ms on its slow steps); {why}. The others wait for it "
+                    f"{w_others * 1e3:.1f} ms/step, mostly in {wait_ph}.")
+            return Report(rank=ranks[slow], cause=cause, slowdown=factor, extra_s=extra, phase=wait_ph, link=None,
+                          rows=rows, steps_slow=len(slow_steps), steps=k, text=text)
+    # nobody's compute stands out every step: is the step spent on the wire?
+    links = {}
+    for p in per:
+        for name, (rk, s) in p.get("links", {}).items():
+            key = (name, tuple(rk))
+            links[key] = links.get(key, 0.0) + s / len(per)
+    if comm_t > 0.3 * step_t:
+        worst = max(links.items(), key=lambda kv: kv[1]) if links else None
+        link = (worst[0][0], list(worst[0][1]), worst[1]) if worst else None
+        where = (f"group '{link[0]}' (world ranks {link[1]}) accumulated {link[2]:.3f} s of link time"
+                 if link else "the collectives' transfers (no simulated link recorded)")
+        text = (f"slow link: no rank is slow in compute every step; every rank spends {comm_t * 1e3:.1f} of "
+                f"{step_t * 1e3:.1f} ms/step communicating, not waiting for a peer; {where}.")
+        return Report(rank=None, cause="slow link", slowdown=1 + mean_ex[slow], extra_s=0.0, phase="grad_sync",
+                      link=link, rows=rows, text=text)
+    return Report(rank=None, cause="balanced", slowdown=1 + mean_ex[slow], extra_s=0.0, phase=None, link=None,
+                  rows=rows, text=f"balanced: no rank's compute is more than {threshold:.0%} above the others' "
+                                  f"(max {1 + mean_ex[slow]:.2f}x, rank {ranks[slow]}).")
+
+
+def monitor(every=10, group=None, callback=None, last=None):
+    """An ``on_step`` for ``pdist.training.train``: every ``every`` steps, one gather
+    and a report (``callback(report)``, default: print it on rank 0)."""
+    def on_step(step, loss):
+        if (step + 1) % every:
+            return
+        rep = straggler_report(None, group=group, last=last or every)
+        if callback is not None:
+            callback(rep)
+        else:
+            from pdist import comm
+            if comm.get_world().rank == 0:
+                print(f"[debug] step {step}: {rep.text}", flush=True)
+    return on_step
+
+
+__all__ = ["straggler_report", "gather", "records", "clear", "monitor", "Report", "FIELDS"]
