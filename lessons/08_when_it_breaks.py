@@ -91,7 +91,7 @@ def act_straggler(world, cfg, batch, args):
     base, slow, fixed = reps["healthy"][0], reps["straggler"][0], reps["fault removed"][0]
     s_rep, u_rep = reps["straggler"][1], reps["uneven shard"][1]
     steps_s = [r["step"] for r in s_rep.rows]
-    paced = max(steps_s) < 1.1 * min(steps_s)       # every rank at the straggler's pace
+    paced = max(steps_s) < 1.25 * min(steps_s)      # every rank at the straggler's pace (a 3-5x fault)
     ok = (s_rep.rank == 2 and s_rep.cause == "throttled device" and u_rep.rank == 1
           and u_rep.cause == "uneven shard" and paced and slow > 1.15 * base and fixed < slow / 1.15)
     say(world, f"step time (median over steps): healthy {base * 1e3:.1f} ms, with the straggler {slow * 1e3:.1f} ms "
