@@ -7,7 +7,7 @@ layer_norm, embedding, dropout, scaled_causal_softmax, cross_entropy, mse_loss.
 import math
 
 from pdist.autograd import Function, Tensor
-from pdist.backend import scatter_add, xp
+from pdist.backend import array_module, scatter_add, xp
 
 
 class Linear(Function):
@@ -213,9 +213,11 @@ class Embedding(Function):
 
 
 class Dropout(Function):
-    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the given generator."""
+    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the given generator. The mask is
+    drawn on the host (NumPy's generator) and moved to x's device, so a CPU and a GPU run
+    with the same seed drop the same units (CuPy's generator draws other numbers)."""
     def forward(self, x, p, rng):
-        self.m = (rng.random(x.shape) >= p).astype(x.dtype) / (1.0 - p)
+        self.m = array_module(x).asarray((rng.random(x.shape) >= p).astype(x.dtype) / (1.0 - p))
         return x * self.m
 
     def backward(self, g):
