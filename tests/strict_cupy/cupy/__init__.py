@@ -163,8 +163,6 @@ class ndarray:
             return _wrap(fn)
 
         def method(*args, **kw):
-            if "out" in kw and isinstance(kw["out"], ndarray):
-                kw["out"] = kw["out"]._a
             return _wrap(fn(*_unwrap(args), **{k: _unwrap(v) for k, v in kw.items()}))
         return method
 
@@ -254,10 +252,8 @@ def __getattr__(name):
         raise AttributeError(name)
 
     def fn(*args, **kw):
-        if "out" in kw and isinstance(kw["out"], ndarray):
-            kw["out"] = kw["out"]._a
-        return _wrap(obj(*_unwrap(args, f"an argument of cupy.{name}"),
-                         **{k: _unwrap(v, f"argument {k} of cupy.{name}") for k, v in kw.items()}))
+        kw = {k: _unwrap(v, f"argument {k} of cupy.{name}") for k, v in kw.items()}
+        return _wrap(obj(*_unwrap(args, f"an argument of cupy.{name}"), **kw))
     fn.__name__ = name
     return fn
 

@@ -88,7 +88,10 @@ def groupEnd():
             reqs.append(comm.Irecv(view, source=peer, tag=_TAG_DATA))
         else:
             reqs.append(comm.Isend(view, dest=peer, tag=_TAG_DATA))
-    _mpi().Request.Waitall(reqs)
+    try:
+        _mpi().Request.Waitall(reqs)
+    except Exception as e:
+        raise NcclError(f"group of {[(k, v.nbytes, p) for _, k, v, p in ops]}: {e}") from e
 
 
 class NcclCommunicator:
