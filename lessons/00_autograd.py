@@ -31,6 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pdist import data, lesson  # noqa: E402
 from pdist.gpt import GPT  # noqa: E402
+from pdist.backend import to_numpy  # noqa: E402
 from pdist.gradcheck import central_difference  # noqa: E402
 
 STEPS = 1000
@@ -74,7 +75,7 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
         p = params[name]
         idx = tuple(i % d for i, d in zip(idx, p.shape))                  # any --n-embd
         num = central_difference(lambda: m(x, y)[1].item(), p.data, idx, h)
-        ana = float(p.grad[idx])
+        ana = float(to_numpy(p.grad[idx]))
         rel = abs(ana - num) / max(abs(num), 1e-30)
         rows.append((name, idx, ana, num, rel, abs(ana - num) <= FD_RTOL * abs(num) + FD_ATOL))
     return rows

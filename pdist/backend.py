@@ -84,8 +84,37 @@ def use_device(device):
     if n == 0:
         raise RuntimeError("PDIST_DEVICE=gpu but CuPy finds no CUDA driver/GPU: 0 devices visible "
                            "(check CUDA_VISIBLE_DEVICES; set PDIST_DEVICE=cpu to run on NumPy)")
-    cupy.cuda.Device(local_rank() % n).use()
-    _state.update(module=cupy, device="gpu")
+    lr = local_rank()
+    if lr >= n:
+        _warn_shared_gpu(lr, n)
+    cupy.cuda.Device(lr % n).use()
+    _state.update(module=cupy, device="gpu", gpu_index=lr % n, gpu_count=n)
+
+
+_warned = set()
+
+
+def _warn_shared_gpu(lr, n):
+    """Once per process: more ranks on this node than GPUs, so ranks share a GPU."""
+    if "shared" in _warned:
+        return
+    _warned.add("shared")
+    import warnings
+    warnings.warn(f"pdist: local rank {lr} but only {n} GPU(s) visible: rank {lr} shares GPU {lr % n} "
+                  f"(local_rank % {n}) with other ranks; their memory and compute add up there, and NCCL "
+                  "<= 2.29 refuses several ranks on one GPU (pdist then stages through the host over MPI, "
+                  "docs/gpu.md)", RuntimeWarning, stacklevel=3)
+
+
+def shared_gpu():
+    """True when this node runs more ranks than it has visible GPUs (several ranks per GPU).
+    Local size comes from the launcher's environment; False on CPU."""
+    if _state["device"] != "gpu":
+        return False
+    for var in ("MPI_LOCALNRANKS", "OMPI_COMM_WORLD_LOCAL_SIZE", "SLURM_NTASKS_PER_NODE", "LOCAL_WORLD_SIZE"):
+        if os.environ.get(var, "").isdigit():
+            return int(os.environ[var]) > _state.get("gpu_count", 1)
+    return False
 
 
 def device_from_env():
@@ -119,6 +148,23 @@ def default_dtype():
     return _state["dtype"]
 
 
+def array_module(a):
+    """The array module that owns ``a``: ``cupy`` for a CuPy array, else ``numpy``
+    (like ``cupy.get_array_module``). Code that works on a buffer it was given takes
+    the module from the buffer, never from the global backend: a NumPy collective
+    stays on NumPy when ``PDIST_DEVICE=gpu``, and the reverse."""
+    if is_device_array(a):
+        return sys.modules[type(a).__module__.split(".")[0]]
+    return _np
+
+
+def synchronize():
+    """Wait for the device's queued work (a no-op on CPU): timings of GPU steps
+    call it before reading the clock, or they time only the kernel launches."""
+    if _state["device"] == "gpu":
+        _state["module"].cuda.get_current_stream().synchronize()
+
+
 def is_device_array(a):
     """True for a CuPy array (lives on a GPU), False for NumPy and scalars."""
     return type(a).__module__.startswith("cupy")
@@ -129,6 +175,14 @@ def to_numpy(a):
     if is_device_array(a):
         return a.get()
     return _np.asarray(a)
+
+
+def to_device(a):
+    """A NumPy array moved to the active device (a copy on GPU, ``a`` itself on CPU);
+    anything else (a Tensor, a device array, None) unchanged."""
+    if isinstance(a, _np.ndarray) and _state["device"] == "gpu":
+        return _state["module"].asarray(a)
+    return a
 
 
 def asarray(a, dtype=None):

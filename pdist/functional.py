@@ -7,7 +7,7 @@ layer_norm, embedding, dropout, scaled_causal_softmax, cross_entropy, mse_loss.
 import math
 
 from pdist.autograd import Function, Tensor
-from pdist.backend import scatter_add, xp
+from pdist.backend import array_module, is_device_array, scatter_add, to_numpy, xp
 
 
 class Linear(Function):
@@ -194,9 +194,13 @@ def check_indices(idx, n, what="index"):
     if not hasattr(idx, "dtype") or idx.dtype.kind not in "iu":
         raise TypeError(f"{what} must be an integer array, got "
                         f"{getattr(idx, 'dtype', type(idx).__name__)}")
-    if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= n):
-        raise IndexError(f"{what} out of range: values span [{int(idx.min())}, {int(idx.max())}] "
-                         f"but must lie in [0, {n})")
+    if idx.size:
+        if is_device_array(idx):   # one device -> host transfer for both bounds
+            lo, hi = (int(v) for v in to_numpy(array_module(idx).stack([idx.min(), idx.max()])))
+        else:
+            lo, hi = int(idx.min()), int(idx.max())
+        if lo < 0 or hi >= n:
+            raise IndexError(f"{what} out of range: values span [{lo}, {hi}] but must lie in [0, {n})")
 
 
 class Embedding(Function):
@@ -213,9 +217,11 @@ class Embedding(Function):
 
 
 class Dropout(Function):
-    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the given generator."""
+    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the given generator. The mask is
+    drawn on the host (NumPy's generator) and moved to x's device, so a CPU and a GPU run
+    with the same seed drop the same units (CuPy's generator draws other numbers)."""
     def forward(self, x, p, rng):
-        self.m = (rng.random(x.shape) >= p).astype(x.dtype) / (1.0 - p)
+        self.m = array_module(x).asarray((rng.random(x.shape) >= p).astype(x.dtype) / (1.0 - p))
         return x * self.m
 
     def backward(self, g):

@@ -95,10 +95,24 @@ def stop_tracing():
         tracemalloc.stop()
 
 
+def gpu_bytes():
+    """(live, pool) bytes on this rank's GPU: ``used_bytes()`` counts the arrays alive now,
+    ``total_bytes()`` what CuPy's pool holds (cached free blocks too). (0, 0) on CPU."""
+    if not is_gpu():
+        return 0, 0
+    import cupy
+    pool = cupy.get_default_memory_pool()
+    return int(pool.used_bytes()), int(pool.total_bytes())
+
+
 class PeakMemory:
     """``with PeakMemory() as pk: ...`` -> ``pk.peak_bytes``: the most bytes
     allocated at once inside the block (tracemalloc on CPU, starting it if
-    needed; the CuPy memory pool on GPU)."""
+    needed; the CuPy memory pool on GPU). On GPU also ``pk.used_bytes`` (live arrays
+    at exit: ``pool.used_bytes()``) and ``pk.total_bytes`` (what the pool holds,
+    cached free blocks included: ``pool.total_bytes()``); ``peak_bytes`` is the
+    pool's high-water mark of ``total_bytes`` after it was emptied at entry, so
+    blocks cached before the block don't count."""
 
     def __enter__(self):
         self.peak_bytes = None
@@ -116,7 +130,9 @@ class PeakMemory:
         if is_gpu():  # pragma: no cover - GPU only
             import cupy
             cupy.cuda.Device().synchronize()
-            self.peak_bytes = int(self._pool.total_bytes())
+            self.used_bytes = int(self._pool.used_bytes())
+            self.total_bytes = int(self._pool.total_bytes())
+            self.peak_bytes = self.total_bytes
         else:
             self.peak_bytes = int(tracemalloc.get_traced_memory()[1])
         return False

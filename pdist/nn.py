@@ -197,7 +197,7 @@ class GELU(Module):
 class Dropout(Module):
     def __init__(self, p=0.0, seed=0):
         super().__init__()
-        self.p, self.rng = p, (xp.random.default_rng(seed) if p > 0 else None)
+        self.p, self.rng = p, (np.random.default_rng(seed) if p > 0 else None)   # host masks
 
     def forward(self, x):
         return F.dropout(x, self.p, self.training, self.rng)

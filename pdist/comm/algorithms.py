@@ -3,7 +3,9 @@
 Every function takes ``t``, a point-to-point transport with ``t.rank``,
 ``t.size``, ``t.send(buf, dst)``, ``t.recv(buf, src)`` and
 ``t.sendrecv(sendbuf, dst, recvbuf, src)`` and its segmented twin
-``t.sendrecv_iter`` (MPI or NCCL; the algorithm does not know which), and flat contiguous arrays of the active backend ``xp``.
+``t.sendrecv_iter`` (MPI or NCCL; the algorithm does not know which), and flat contiguous arrays, NumPy or CuPy: each function takes the array module
+from its buffers (``array_module``), never from the global backend, so a NumPy
+collective stays on the host when ``PDIST_DEVICE=gpu``.
 
 Costs use the alpha-beta model: a message of m bytes costs ``alpha + m*beta``.
 n ranks, S bytes in the full tensor. The lower bound for all-reduce is that
@@ -15,7 +17,7 @@ Chunks: the tensor is split as ``chunk_bounds(size, n)`` (numpy.array_split's
 boundaries: the first ``size % n`` chunks hold one extra element), so sizes
 not divisible by n, and sizes smaller than n (empty chunks), work.
 """
-from pdist.backend import xp
+from pdist.backend import array_module
 
 
 def chunk_bounds(size, n):
@@ -33,7 +35,8 @@ def chunk_bounds(size, n):
 def reduce_into(op, acc, other, out=None):
     """out <- acc (op) other, in place into acc unless ``out`` is given
     (op: "sum"/"avg" add, "max", "min")."""
-    fn = xp.maximum if op == "max" else xp.minimum if op == "min" else xp.add
+    m = array_module(acc)
+    fn = m.maximum if op == "max" else m.minimum if op == "min" else m.add
     fn(acc, other, out=acc if out is None else out)
 
 
@@ -50,6 +53,7 @@ def reduce_naive(t, buf, dst, op, scratch=None):
     if t.rank != dst:
         t.send(buf, dst)
         return
+    xp = array_module(buf)
     tmp = xp.empty_like(buf) if scratch is None else scratch
     acc = xp.empty_like(buf)
     for r in range(n):                      # fixed rank order: every run reduces alike
@@ -133,6 +137,7 @@ def reduce_scatter_ring(t, out, inp, op):
         out[...] = inp
         return
     m = max(b - a for a, b in bounds)
+    xp = array_module(inp)
     send_buf, recv_buf = xp.empty(m, inp.dtype), xp.empty(m, inp.dtype)
     a, b = bounds[(r - 1) % n]
     send = inp[a:b]                                         # step 0 sends our raw piece
@@ -206,7 +211,7 @@ def reduce_tree(t, buf, dst, op):
     n = t.size
     v = (t.rank - dst) % n
     acc = buf if v == 0 else buf.copy()
-    tmp = xp.empty_like(buf)
+    tmp = array_module(buf).empty_like(buf)
     mask = 1
     while mask < n:
         if v & mask:

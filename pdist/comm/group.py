@@ -34,7 +34,9 @@ dropped without ``wait()``.
 import numpy as np
 
 from pdist import trace
-from pdist.backend import is_device_array
+from contextlib import nullcontext
+
+from pdist.backend import array_module, is_device_array, is_gpu
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm import topology, watchdog
@@ -74,6 +76,8 @@ class ProcessGroup(ObjectCollectives):
         self.stats = {}
         self._link = topology.link_for(self.ranks)   # simulated cluster (topology.py): None = off
         watchdog.register(self)
+        if is_gpu():       # the device transport now, while every member is here (a lazy NCCL
+            self._device_backend()   # init in a send/recv between two of its ranks would hang)
 
     def __repr__(self):
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} world ranks {self.ranks}>"
@@ -101,11 +105,17 @@ class ProcessGroup(ObjectCollectives):
     def _backend(self, buf):
         """(native collectives, point-to-point) for this array: MPI or NCCL."""
         if is_device_array(buf):
-            if self._nccl is None:
-                from pdist.comm.nccl import NCCLBackend
-                self._nccl = NCCLBackend(self.comm)
-            return self._nccl, self._nccl.p2p
+            be = self._device_backend()
+            return be, be.p2p
         return self._mpi, self._algo
+
+    def _device_backend(self):
+        """The transport of device arrays (nccl.make_backend: NCCL, or MPI with host
+        staging); created collectively, once, at group creation on a GPU backend."""
+        if self._nccl is None:
+            from pdist.comm.nccl import make_backend
+            self._nccl = make_backend(self.comm)
+        return self._nccl
 
     def _reset_data(self):
         """After a mismatch: a fresh communicator for MPI's collectives (collective
@@ -240,7 +250,7 @@ class ProcessGroup(ObjectCollectives):
 
     def all_gather_list(self, inp, algorithm=None):
         """[inp_0, ..., inp_{n-1}] (equal shapes) on every rank."""
-        from pdist.backend import xp
+        xp = array_module(inp)
         k = inp.size
         out = xp.empty(k * self.size, dtype=inp.dtype)
         self.all_gather(out, xp.ascontiguousarray(inp), algorithm=algorithm)
@@ -343,6 +353,19 @@ class ProcessGroup(ObjectCollectives):
         s = self.isend(sendbuf, dst, tag)
         r.wait()
         s.wait()
+
+    def batch_isend_irecv(self, ops):
+        """Post ``ops`` = [("send"|"recv", buf, peer, tag)] together; returns their Works
+        in order. Over MPI each is an ``isend``/``irecv``. Over NCCL they go out in one
+        group call (ncclGroupStart/End), so a send and a receive between two ranks in one
+        batch can't deadlock (a lone NCCL send blocks its stream until matched), and a
+        message to this rank itself is a local copy."""
+        if not ops:
+            return []
+        native = self._native(ops[0][1])
+        with getattr(native, "group_p2p", nullcontext)():
+            return [(self.isend if kind == "send" else self.irecv)(buf, peer, tag)
+                    for kind, buf, peer, tag in ops]
 
     def _native(self, buf):
         return self._backend(buf)[0] if is_device_array(buf) else self._user_nb

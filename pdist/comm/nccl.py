@@ -16,6 +16,10 @@ a sum followed by a division (ProcessGroup does it, as for MPI).
 This module imports without CuPy (``available()`` is then False); nothing here
 touches a GPU until a group meets a CuPy array.
 """
+import os
+import sys
+from contextlib import contextmanager
+
 try:  # pragma: no cover - depends on the machine
     import cupy
     from cupy.cuda import nccl as _nccl
@@ -25,15 +29,85 @@ except Exception:  # ImportError, or a CUDA library that fails to load
 from pdist.comm import watchdog
 from pdist.comm.work import Work
 
+TRANSPORTS = ("nccl", "mpi-host")
+MULTI_RANK_VERSION = 23000          # NCCL 2.30.0: several ranks per GPU with NCCL_MULTI_RANK_GPU_ENABLE=1
+
+
+def version():
+    """NCCL's version code (e.g. 22304 for 2.23.4), or None where NCCL can't be loaded.
+    ``from cupy.cuda import nccl`` succeeds even without libnccl (CuPy then sets
+    ``nccl.available = False`` and every call fails): this asks the library itself."""
+    if _nccl is None or not getattr(_nccl, "available", True):
+        return None
+    try:
+        return int(_nccl.get_version())
+    except Exception:  # libnccl missing or broken
+        return None
+
+
+def version_str(code):
+    if code is None:
+        return "none"
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}" if code >= 10000 else \
+        f"{code // 1000}.{code // 100 % 10}.{code % 100}"
+
 
 def available():
-    """True when CuPy with NCCL is importable and a CUDA device is visible."""
-    if _nccl is None:
+    """True when CuPy with a loadable NCCL is importable and a CUDA device is visible."""
+    if version() is None:
         return False
     try:
         return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # pragma: no cover
+    except Exception:  # pragma: no cover - no driver
         return False
+
+
+def multi_rank_gpu_ok(code=None):
+    """Can this NCCL run several ranks on one GPU? Only 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1
+    (older ones stop with "Duplicate GPU detected")."""
+    code = version() if code is None else code
+    return code is not None and code >= MULTI_RANK_VERSION and \
+        os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip() == "1"
+
+
+def choose_transport(shares_gpu, code=None):
+    """(transport, reason) for device arrays of a group: ``PDIST_GPU_TRANSPORT=nccl|mpi-host``
+    forces one; otherwise NCCL, unless ranks of the group share a GPU on an NCCL that refuses
+    it (or NCCL can't be loaded), then MPI with host staging."""
+    code = version() if code is None else code
+    forced = os.environ.get("PDIST_GPU_TRANSPORT", "").strip().lower()
+    if forced and forced != "auto":
+        if forced not in TRANSPORTS:
+            raise ValueError(f"PDIST_GPU_TRANSPORT={forced!r}: expected one of {TRANSPORTS} or auto")
+        return forced, f"PDIST_GPU_TRANSPORT={forced} (NCCL {version_str(code)})"
+    if code is None:
+        return "mpi-host", "NCCL can't be loaded (libnccl missing): MPI with host staging"
+    if shares_gpu and not multi_rank_gpu_ok(code):
+        why = ("NCCL <= 2.29 refuses several ranks on one GPU" if code < MULTI_RANK_VERSION else
+               "NCCL 2.30+ needs NCCL_MULTI_RANK_GPU_ENABLE=1 for several ranks on one GPU")
+        return "mpi-host", f"ranks share a GPU and NCCL {version_str(code)}: {why}; using MPI with host staging"
+    return "nccl", f"NCCL {version_str(code)}" + (" with several ranks per GPU" if shares_gpu else "")
+
+
+_said = set()
+
+
+def make_backend(mpi_comm):
+    """The device-array transport of a group (collective over ``mpi_comm``): NCCL, or MPI
+    with host staging (``choose_transport``). Prints the choice once per process when
+    it is not plain NCCL."""
+    import socket
+    dev = cupy.cuda.Device().id if cupy is not None else -1
+    where = mpi_comm.allgather((socket.gethostname(), dev))
+    shares = len(set(where)) < len(where)
+    transport, why = choose_transport(shares)
+    if transport != "nccl" or shares:
+        if why not in _said and mpi_comm.Get_rank() == 0:
+            _said.add(why)
+            print(f"pdist: GPU transport {transport}: {why}", file=sys.stderr, flush=True)
+    if transport == "mpi-host":
+        return MPIHostBackend(mpi_comm)
+    return NCCLBackend(mpi_comm)
 
 
 def _dtype(a):
@@ -55,7 +129,21 @@ def _ptr(a):
 
 
 class NCCLBackend:
-    """NCCL collectives for one group; same method names as MPICollectives."""
+    """NCCL collectives for one group; same method names as MPICollectives.
+
+    Streams: NCCL runs on the group's own communication stream. Before each call an
+    event recorded on the caller's (compute) stream makes the communication stream wait
+    for the kernels that produced the buffers; after it, an event recorded on the
+    communication stream orders what follows: a blocking call makes the compute stream
+    wait for it (on the GPU: the host does not block), an ``async_op`` one returns a Work
+    whose ``wait()`` polls that event and then orders the compute stream after it, so a
+    DDP bucket's all-reduce or ZeRO's prefetch overlaps the compute issued before wait().
+
+    Point-to-point in a batch (``with be.group_p2p(): ...isend/irecv...``): the sends and
+    receives are posted in one NCCL group call (ncclGroupStart/End), which NCCL progresses
+    together, so a send and a receive between two ranks can't deadlock the way two lone
+    sends (each blocking its stream until matched) do. A rank's message to itself (the
+    interleaved pipeline with one stage) is a local copy: NCCL refuses self-sends."""
 
     def __init__(self, mpi_comm):
         if _nccl is None:
@@ -64,111 +152,296 @@ class NCCLBackend:
         uid = _nccl.get_unique_id() if self.rank == 0 else None
         uid = mpi_comm.bcast(uid, root=0)                    # the id travels over MPI
         self.nc = _nccl.NcclCommunicator(self.size, uid, self.rank)
-        self.p2p = NCCLP2P(self.nc, self.rank, self.size)
+        self.stream = cupy.cuda.Stream(non_blocking=True)
+        self.p2p = NCCLP2P(self)
+        self._batch, self._self = None, {}
+        self.verified = False
 
-    @staticmethod
-    def _stream():
-        return cupy.cuda.get_current_stream()
+    # ------------------------------------------------------------- streams
+    def _issue(self, fn):
+        """Run ``fn(stream_ptr)`` on the communication stream after the compute stream's
+        work so far; returns the event recorded after it."""
+        ready = cupy.cuda.Event(disable_timing=True)
+        ready.record(cupy.cuda.get_current_stream())
+        self.stream.wait_event(ready)
+        fn(self.stream.ptr)
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return done
 
-    def _finish(self, nb):
+    def _finish(self, done, nb, keep=()):
         if not nb:
+            cupy.cuda.get_current_stream().wait_event(done)
             return None
-        ev = cupy.cuda.Event()
-        ev.record(self._stream())
-        return Work(wait=lambda: watchdog.poll(lambda: ev.done), test=lambda: ev.done)
 
+        def wait():
+            watchdog.poll(lambda: done.done)
+            cupy.cuda.get_current_stream().wait_event(done)
+        return Work(wait=wait, test=lambda: done.done, keep=keep)
+
+    # ---------------------------------------------------------- collectives
     def all_reduce(self, buf, op, nb=False):
-        if buf.size:
-            self.nc.allReduce(_ptr(buf), _ptr(buf), buf.size, _dtype(buf), _op(op), self._stream().ptr)
-        return self._finish(nb)
+        if not buf.size:
+            return self._finish(self._issue(lambda s: None), nb)
+        return self._finish(self._issue(lambda s: self.nc.allReduce(
+            _ptr(buf), _ptr(buf), buf.size, _dtype(buf), _op(op), s)), nb, (buf,))
 
     def reduce_scatter(self, out, inp, counts, op, nb=False):
         m, n = max(counts), self.size
-        if m:
-            if len(set(counts)) == 1:
-                self.nc.reduceScatter(_ptr(inp), _ptr(out), m, _dtype(inp), _op(op), self._stream().ptr)
-            else:                                            # pad each chunk to m elements
-                pad, res, start = cupy.zeros(n * m, inp.dtype), cupy.empty(m, inp.dtype), 0
-                for q, c in enumerate(counts):
-                    pad[q * m:q * m + c] = inp[start:start + c]
-                    start += c
-                self.nc.reduceScatter(_ptr(pad), _ptr(res), m, _dtype(inp), _op(op), self._stream().ptr)
-                out[...] = res[:counts[self.rank]]
-        return self._finish(nb)
+        if not m:
+            return self._finish(self._issue(lambda s: None), nb)
+        if len(set(counts)) == 1:
+            return self._finish(self._issue(lambda s: self.nc.reduceScatter(
+                _ptr(inp), _ptr(out), m, _dtype(inp), _op(op), s)), nb, (out, inp))
+        pad, res, start = cupy.zeros(n * m, inp.dtype), cupy.empty(m, inp.dtype), 0   # chunks padded to m
+        for q, c in enumerate(counts):
+            pad[q * m:q * m + c] = inp[start:start + c]
+            start += c
+        done = self._issue(lambda s: self.nc.reduceScatter(_ptr(pad), _ptr(res), m, _dtype(inp), _op(op), s))
+        cupy.cuda.get_current_stream().wait_event(done)
+        out[...] = res[:counts[self.rank]]
+        return self._finish(done, nb, (pad, res))
 
     def all_gather(self, out, inp, counts, nb=False):
         m, n = max(counts), self.size
-        if m:
-            if len(set(counts)) == 1:
-                self.nc.allGather(_ptr(inp), _ptr(out), m, _dtype(inp), self._stream().ptr)
-            else:
-                send, pad = cupy.zeros(m, inp.dtype), cupy.empty(n * m, inp.dtype)
-                send[:inp.size] = inp
-                self.nc.allGather(_ptr(send), _ptr(pad), m, _dtype(inp), self._stream().ptr)
-                start = 0
-                for q, c in enumerate(counts):
-                    out[start:start + c] = pad[q * m:q * m + c]
-                    start += c
-        return self._finish(nb)
+        if not m:
+            return self._finish(self._issue(lambda s: None), nb)
+        if len(set(counts)) == 1:
+            return self._finish(self._issue(lambda s: self.nc.allGather(
+                _ptr(inp), _ptr(out), m, _dtype(inp), s)), nb, (out, inp))
+        send, pad = cupy.zeros(m, inp.dtype), cupy.empty(n * m, inp.dtype)
+        send[:inp.size] = inp
+        done = self._issue(lambda s: self.nc.allGather(_ptr(send), _ptr(pad), m, _dtype(inp), s))
+        cupy.cuda.get_current_stream().wait_event(done)
+        start = 0
+        for q, c in enumerate(counts):
+            out[start:start + c] = pad[q * m:q * m + c]
+            start += c
+        return self._finish(done, nb, (send, pad))
 
     def broadcast(self, buf, src, nb=False):
-        if buf.size:
-            self.nc.bcast(_ptr(buf), buf.size, _dtype(buf), src, self._stream().ptr)
-        return self._finish(nb)
+        if not buf.size:
+            return self._finish(self._issue(lambda s: None), nb)
+        return self._finish(self._issue(lambda s: self.nc.bcast(
+            _ptr(buf), buf.size, _dtype(buf), src, s)), nb, (buf,))
 
     def reduce(self, buf, dst, op, nb=False):
-        if buf.size:
-            tmp = buf if self.rank == dst else cupy.empty_like(buf)   # non-root buf unchanged
-            self.nc.reduce(_ptr(buf), _ptr(tmp), buf.size, _dtype(buf), _op(op), dst, self._stream().ptr)
-        return self._finish(nb)
+        if not buf.size:
+            return self._finish(self._issue(lambda s: None), nb)
+        tmp = buf if self.rank == dst else cupy.empty_like(buf)   # non-root buf unchanged
+        return self._finish(self._issue(lambda s: self.nc.reduce(
+            _ptr(buf), _ptr(tmp), buf.size, _dtype(buf), _op(op), dst, s)), nb, (buf, tmp))
 
     def all_to_all(self, out, inp, nb=False):
         k = inp.size // self.size
-        if k:
-            s, dt = self._stream().ptr, _dtype(inp)
+        out[self.rank * k:(self.rank + 1) * k] = inp[self.rank * k:(self.rank + 1) * k]
+
+        def go(s):
+            dt = _dtype(inp)
             _nccl.groupStart()
             for q in range(self.size):
-                self.nc.send(_ptr(inp[q * k:(q + 1) * k]), k, dt, q, s)
-                self.nc.recv(_ptr(out[q * k:(q + 1) * k]), k, dt, q, s)
+                if q != self.rank:
+                    self.nc.send(_ptr(inp[q * k:(q + 1) * k]), k, dt, q, s)
+                    self.nc.recv(_ptr(out[q * k:(q + 1) * k]), k, dt, q, s)
             _nccl.groupEnd()
-        return self._finish(nb)
+        return self._finish(self._issue(go if k and self.size > 1 else lambda s: None), nb, (out, inp))
+
+    def barrier(self, nb=False):
+        one = cupy.zeros(1, cupy.float32)
+        return self.all_reduce(one, "sum", nb)
+
+    # ------------------------------------------------------- point-to-point
+    @contextmanager
+    def group_p2p(self):
+        """Collect the isend/irecv issued inside; post them as one NCCL group call at the end."""
+        if self._batch is not None:
+            yield
+            return
+        self._batch = []
+        try:
+            yield
+        finally:
+            batch, self._batch = self._batch, None
+        self._post(batch)
+
+    def _post(self, batch):
+        """Post [(kind, buf, peer, tag, holder)]: self-messages as copies (sends first), the
+        rest in one group call; every holder gets the event recorded after it."""
+        for kind, buf, peer, tag, _ in batch:
+            if kind == "send" and peer == self.rank:
+                self._self.setdefault(tag, []).append(buf.copy())
+        for kind, buf, peer, tag, _ in batch:
+            if kind == "recv" and peer == self.rank:
+                q = self._self.get(tag)
+                if not q:
+                    raise RuntimeError(f"NCCL: a receive from this rank itself (tag {tag}) before the "
+                                       "matching send: the program must send to itself first")
+                buf[...] = q.pop(0)
+        wire = [(k, b, p) for k, b, p, _, _ in batch if p != self.rank and b.size]
+
+        def go(s):
+            if not wire:
+                return
+            _nccl.groupStart()
+            for kind, buf, peer in wire:
+                if kind == "send":
+                    self.nc.send(_ptr(buf), buf.size, _dtype(buf), peer, s)
+                else:
+                    self.nc.recv(_ptr(buf), buf.size, _dtype(buf), peer, s)
+            _nccl.groupEnd()
+        done = self._issue(go)
+        for *_, holder in batch:
+            holder.append(done)
+
+    def _p2p_work(self, kind, buf, peer, tag):
+        holder = []
+        if self._batch is not None:
+            self._batch.append((kind, buf, peer, tag, holder))
+        else:
+            self._post([(kind, buf, peer, tag, holder)])
+
+        def wait():
+            done = holder[0]
+            watchdog.poll(lambda: done.done)
+            cupy.cuda.get_current_stream().wait_event(done)
+        return Work(wait=wait, test=lambda: bool(holder) and holder[0].done, keep=(buf,))
 
     def isend(self, buf, dst, tag=0):
-        self.p2p.send(buf, dst, tag)
-        return self._finish(True)
+        self.p2p.wire_bytes += buf.nbytes
+        return self._p2p_work("send", buf, dst, tag)
 
     def irecv(self, buf, src, tag=0):
-        self.p2p.recv(buf, src, tag)
-        return self._finish(True)
+        return self._p2p_work("recv", buf, src, tag)
 
 
 class NCCLP2P:
-    """send / recv / sendrecv over NCCL (the hand-built algorithms' transport).
+    """send / recv / sendrecv over NCCL (the hand-built algorithms' transport), on the
+    group's communication stream, the compute stream ordered after each.
     NCCL has no tags: messages between two ranks match in issue order."""
 
-    def __init__(self, nc, rank, size):
-        self.nc, self.rank, self.size, self.wire_bytes = nc, rank, size, 0
+    def __init__(self, be):
+        self.be, self.nc, self.rank, self.size, self.wire_bytes = be, be.nc, be.rank, be.size, 0
+
+    def _do(self, fn):
+        cupy.cuda.get_current_stream().wait_event(self.be._issue(fn))
 
     def send(self, buf, dst, tag=0):
         self.wire_bytes += buf.nbytes
         if buf.size:
-            self.nc.send(_ptr(buf), buf.size, _dtype(buf), dst, cupy.cuda.get_current_stream().ptr)
+            self._do(lambda s: self.nc.send(_ptr(buf), buf.size, _dtype(buf), dst, s))
 
     def recv(self, buf, src, tag=0):
         if buf.size:
-            self.nc.recv(_ptr(buf), buf.size, _dtype(buf), src, cupy.cuda.get_current_stream().ptr)
+            self._do(lambda s: self.nc.recv(_ptr(buf), buf.size, _dtype(buf), src, s))
 
     def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
         self.wire_bytes += sendbuf.nbytes
-        s = cupy.cuda.get_current_stream().ptr
-        _nccl.groupStart()                                   # both at once: no deadlock in a ring
-        if sendbuf.size:
-            self.nc.send(_ptr(sendbuf), sendbuf.size, _dtype(sendbuf), dst, s)
-        if recvbuf.size:
-            self.nc.recv(_ptr(recvbuf), recvbuf.size, _dtype(recvbuf), src, s)
-        _nccl.groupEnd()
+
+        def go(s):
+            _nccl.groupStart()                                # both at once: no deadlock in a ring
+            if sendbuf.size:
+                self.nc.send(_ptr(sendbuf), sendbuf.size, _dtype(sendbuf), dst, s)
+            if recvbuf.size:
+                self.nc.recv(_ptr(recvbuf), recvbuf.size, _dtype(recvbuf), src, s)
+            _nccl.groupEnd()
+        self._do(go)
 
     def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0):
         """One segment: the GPU already overlaps (kernels queue on the stream)."""
+        self.sendrecv(sendbuf, dst, recvbuf, src, tag)
+        yield 0, recvbuf.size
+
+
+# ------------------------------------------------------------ host staging
+def _to_host(a):
+    return cupy.asnumpy(a)
+
+
+def _to_device(dst, host):
+    dst[...] = cupy.asarray(host)
+
+
+class MPIHostBackend:
+    """Device arrays over MPI, staged through the host: device -> host, MPI on the NumPy
+    copy, host -> device. The transport where NCCL can't serve (several ranks on one GPU
+    with NCCL <= 2.29, or ``PDIST_GPU_TRANSPORT=mpi-host``). Same methods as
+    MPICollectives; ``async_op`` ops stay non-blocking (the copy back runs in wait())."""
+
+    def __init__(self, mpi_comm):
+        from pdist.comm.mpi import MPICollectives, MPIP2P
+        self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
+        self.mpi = MPICollectives(mpi_comm.Dup())
+        self.user = MPICollectives(mpi_comm.Dup())
+        self.p2p = MPIHostP2P(MPIP2P(mpi_comm.Dup()))
+
+    verified = property(lambda self: self.mpi.verified,
+                        lambda self, v: setattr(self.mpi, "verified", v))
+
+    @staticmethod
+    def _staged(work, back):
+        if work is None:
+            back()
+            return None
+        return Work(wait=lambda: (work._wait(), back()), test=work._test, keep=work._keep)
+
+    def all_reduce(self, buf, op, nb=False):
+        h = _to_host(buf)
+        return self._staged(self.mpi.all_reduce(h, op, nb), lambda: _to_device(buf, h))
+
+    def reduce_scatter(self, out, inp, counts, op, nb=False):
+        h, ho = _to_host(inp), _to_host(out)
+        return self._staged(self.mpi.reduce_scatter(ho, h, counts, op, nb), lambda: _to_device(out, ho))
+
+    def all_gather(self, out, inp, counts, nb=False):
+        h, ho = _to_host(inp), _to_host(out)
+        return self._staged(self.mpi.all_gather(ho, h, counts, nb), lambda: _to_device(out, ho))
+
+    def broadcast(self, buf, src, nb=False):
+        h = _to_host(buf)
+        return self._staged(self.mpi.broadcast(h, src, nb), lambda: _to_device(buf, h))
+
+    def reduce(self, buf, dst, op, nb=False):
+        h = _to_host(buf)
+        return self._staged(self.mpi.reduce(h, dst, op, nb),
+                            lambda: _to_device(buf, h) if self.rank == dst else None)
+
+    def all_to_all(self, out, inp, nb=False):
+        h, ho = _to_host(inp), _to_host(out)
+        return self._staged(self.mpi.all_to_all(ho, h, nb), lambda: _to_device(out, ho))
+
+    def barrier(self, nb=False):
+        return self.mpi.barrier(nb)
+
+    def isend(self, buf, dst, tag=0):
+        self.p2p.wire_bytes += buf.nbytes
+        return self.user.isend(_to_host(buf), dst, tag)
+
+    def irecv(self, buf, src, tag=0):
+        h = _to_host(buf)
+        return self._staged(self.user.irecv(h, src, tag), lambda: _to_device(buf, h))
+
+
+class MPIHostP2P:
+    """The hand-built algorithms' transport for device arrays over MPI (host copies)."""
+
+    def __init__(self, mpi_p2p):
+        self.t, self.rank, self.size, self.wire_bytes = mpi_p2p, mpi_p2p.rank, mpi_p2p.size, 0
+
+    def send(self, buf, dst, tag=0):
+        self.wire_bytes += buf.nbytes
+        self.t.send(_to_host(buf), dst, tag)
+
+    def recv(self, buf, src, tag=0):
+        h = _to_host(buf)
+        self.t.recv(h, src, tag)
+        _to_device(buf, h)
+
+    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
+        self.wire_bytes += sendbuf.nbytes
+        h = _to_host(recvbuf)
+        self.t.sendrecv(_to_host(sendbuf), dst, h, src, tag)
+        _to_device(recvbuf, h)
+
+    def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0):
         self.sendrecv(sendbuf, dst, recvbuf, src, tag)
         yield 0, recvbuf.size

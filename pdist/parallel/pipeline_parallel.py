@@ -29,10 +29,10 @@ import numpy as np
 
 from pdist import nn, trace
 from pdist.autograd import Tensor
-from pdist.backend import default_dtype, xp
+from pdist.backend import default_dtype, to_device, xp
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
-                                      SEND_GRAD, Instr, make_schedule, virtual_stage)
+                                      SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
 
 
 def partition_layers(n_layers, n_stages, partition=None):
@@ -124,7 +124,11 @@ class PipelineParallel(ParallelModule):
         self.pp_is_first_stage, self.pp_is_last_stage = g.rank == 0, g.rank == g.size - 1
         self.schedule, self.num_microbatches, self.num_chunks = schedule, microbatches, chunks
         self.num_virtual_stages = g.size * chunks
-        self.program = make_schedule(schedule, g.size, microbatches, chunks)[g.rank]   # bad args raise here
+        programs = make_schedule(schedule, g.size, microbatches, chunks)   # bad args raise here
+        self.program = programs[g.rank]
+        # messages go out in batches (one NCCL group call each) in an order that can't deadlock
+        # even when every send blocks until its receive is posted (schedules.rendezvous_batches)
+        self._plan = {anchor: batch for anchor, batch in rendezvous_batches(programs)[g.rank]}
         if 2 * microbatches * self.num_virtual_stages > 32767:
             raise ValueError(f"pipeline: {microbatches} micro-batches x {self.num_virtual_stages} stages "
                              f"exceed the MPI tag space")
@@ -185,13 +189,15 @@ class PipelineParallel(ParallelModule):
         if len(x) % m:
             raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into {m} "
                              f"micro-batches; use a batch size divisible by m (x dp)")
-        self._x, self._y, self._rows = x, y, len(x) // m
-        self._recvs, self._sends, self._stash, self._grads = {}, [], {}, {}
+        self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
+        self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
         self.losses, self.timeline, self.peak_stash = [], [], 0
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
-        for ins in self.program:
+        for j, ins in enumerate(self.program):
+            if j in self._plan:
+                self._post(self._plan[j])
             self._dispatch[ins.op](ins)
         return float(sum(self.losses))
 
@@ -224,13 +230,22 @@ class PipelineParallel(ParallelModule):
         k = self._stage(ins)
         shape = self.act_shape(k if kind == "act" else k + 1, self._rows, self._x)
         buf = xp.empty(shape, dtype=self.dtype)
-        work = self.group.irecv(buf, ins.peer, self._tag(kind, ins.mb, k))
-        self._recvs[(kind, ins.mb, ins.chunk)] = (work, buf)
+        self._staged[ins] = ("recv", buf, ins.peer, self._tag(kind, ins.mb, k), (kind, ins.mb, ins.chunk))
 
     def _send(self, kind, ins, buf, k_to):
         buf = xp.ascontiguousarray(buf)
+        self._staged[ins] = ("send", buf, ins.peer, self._tag(kind, ins.mb, k_to), None)
+
+    def _post(self, batch):
+        """Post the staged messages of one batch together (group.batch_isend_irecv)."""
+        ops = [self._staged.pop(ins) for ins in batch]
         self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]   # free finished sends
-        self._sends.append((self.group.isend(buf, ins.peer, self._tag(kind, ins.mb, k_to)), buf))
+        works = self.group.batch_isend_irecv([op[:4] for op in ops])
+        for (kind, buf, _, _, key), work in zip(ops, works):
+            if kind == "recv":
+                self._recvs[key] = (work, buf)
+            else:
+                self._sends.append((work, buf))
 
     def _recv_act(self, ins):
         self._recv("act", ins)

@@ -286,3 +286,113 @@ def theoretical_bubble(p, m, v=1):
     if v > 1 and m % p:
         return None
     return (p - 1) / (v * m + p - 1)
+
+
+# ------------------------------------------------- blocking (rendezvous) transports
+_COMM = (SEND_ACT, SEND_GRAD, RECV_ACT, RECV_GRAD)
+
+
+def comm_batches(program):
+    """Each run of SEND/RECV instructions between two computes, posted together right
+    before the compute (or OPTIMIZER_STEP) that follows it: [(anchor, [Instr])], anchor =
+    the index in ``program`` of that compute. Empty runs left out."""
+    out, cur = [], []
+    for j, ins in enumerate(program):
+        if ins.op in _COMM:
+            cur.append(ins)
+        elif cur:
+            out.append((j, cur))
+            cur = []
+    if cur:
+        out.append((len(program), cur))
+    return out
+
+
+def _rendezvous(batches):
+    """Run [(anchor, [Instr])] per rank with blocking sends and receives: a batch completes
+    once each of its operations has met its partner in the partner's posted batch.
+    Returns None when all finish, else {rank: index of its stuck batch}."""
+    p = len(batches)
+    pos, done, local = [0] * p, set(), set()
+    while True:
+        posted = {}
+        for s in range(p):
+            if pos[s] < len(batches[s]):
+                for ins in batches[s][pos[s]][1]:
+                    posted[(_msg_key(s, ins, p)[0], ins.op.startswith("SEND"))] = s
+        progressed = False
+        for s in range(p):
+            if pos[s] >= len(batches[s]):
+                continue
+            ok = True
+            for ins in batches[s][pos[s]][1]:
+                msg, is_send = _msg_key(s, ins, p)[0], ins.op.startswith("SEND")
+                if ins.peer == s:                       # a message to itself: a local copy
+                    if is_send:
+                        local.add(msg)
+                    elif msg not in local:
+                        raise DeadlockError(f"rank {s}: {ins} receives from itself before its send")
+                elif (msg, is_send) in done:
+                    pass
+                elif posted.get((msg, not is_send)) == ins.peer:
+                    done.update({(msg, True), (msg, False)})
+                else:
+                    ok = False
+            if ok:
+                pos[s] += 1
+                progressed = True
+        if all(pos[s] >= len(batches[s]) for s in range(p)):
+            return None
+        if not progressed:
+            return {s: pos[s] for s in range(p) if pos[s] < len(batches[s])}
+
+
+def rendezvous_batches(schedule):
+    """The order the executor posts messages in, per rank [(anchor, [Instr])]: the batches
+    of ``comm_batches`` (one NCCL group call each, before the compute at ``anchor``), where a
+    send that would block on a receive its peer posts only later is deferred to the rank's
+    next batch, until ``simulate_rendezvous`` finishes. Deferring a send is always legal
+    (its data is ready; only its departure moves). Deterministic: every rank computes the
+    same plan."""
+    plan = [[(a, list(b)) for a, b in comm_batches(prog)] for prog in schedule]
+    p = len(schedule)
+    for _ in range(10 * sum(len(prog) for prog in schedule) + 10):
+        stuck = _rendezvous(plan)
+        if stuck is None:
+            return plan
+        posted = {}
+        for s, b in stuck.items():
+            for ins in plan[s][b][1]:
+                posted[(_msg_key(s, ins, p)[0], ins.op.startswith("SEND"))] = s
+        moved = False
+        for s, b in stuck.items():
+            if b + 1 >= len(plan[s]):
+                continue
+            late = [i for i in plan[s][b][1] if i.op.startswith("SEND") and i.peer != s
+                    and posted.get((_msg_key(s, i, p)[0], False)) != i.peer]
+            if late:
+                plan[s][b] = (plan[s][b][0], [i for i in plan[s][b][1] if i not in late])
+                plan[s][b + 1] = (plan[s][b + 1][0], late + plan[s][b + 1][1])
+                moved = True
+        plan = [[(a, b) for a, b in rank if b] for rank in plan]
+        if not moved:
+            break
+    raise DeadlockError("pipeline messages deadlock with blocking sends, even with sends deferred: "
+                        + ", ".join(f"rank {s} at {plan[s][b][1]!r}" for s, b in (_rendezvous(plan) or {}).items()))
+
+
+def simulate_rendezvous(schedule, plan=None):
+    """Check a message order under the harshest transport: every send and every receive
+    blocks its rank until the peer has posted the matching operation (a lone NCCL
+    send/recv once a message outgrows NCCL's buffers). ``plan`` per rank [(anchor,
+    [Instr])] (default: ``rendezvous_batches``, what the executor posts; ``"program"``:
+    each message alone in program order). The operations of one batch are posted
+    together (an NCCL group call). Raises DeadlockError naming each stuck rank's batch."""
+    if plan is None:
+        plan = rendezvous_batches(schedule)
+    elif plan == "program":
+        plan = [[(j, [i]) for j, i in enumerate(prog) if i.op in _COMM] for prog in schedule]
+    stuck = _rendezvous(plan)
+    if stuck:
+        raise DeadlockError("pipeline messages deadlock with blocking sends: " +
+                            ", ".join(f"rank {s} at {plan[s][b][1]!r}" for s, b in stuck.items()))

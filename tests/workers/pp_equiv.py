@@ -10,6 +10,8 @@ the measured peak stash against the schedule's, freed stashes after the step,
 and bad configs raising on every rank before any collective."""
 import numpy as np
 
+from pdist.backend import to_device, to_numpy
+
 from pdist import comm, data, lesson, nn
 from pdist.backend import set_default_dtype
 from pdist.gpt import GPT
@@ -60,7 +62,7 @@ def check_gpt(mesh, schedule, m, v=1, n_layer=None, partition=None):
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg=what)
     assert not pipe._stash and not pipe._recvs and not pipe._grads, f"{what}: stash not freed"
     for pc in model.pieces():
-        np.testing.assert_allclose(pc.view(pc.tensor.data), ref_sd[pc.name][box_slices(pc)],
+        np.testing.assert_allclose(to_numpy(pc.view(pc.tensor.data)), to_numpy(ref_sd[pc.name][box_slices(pc)]),
                                    err_msg=f"{what}: {pc.name}", **TOL)
     # every parameter of the model lives on exactly one stage (wte also as lm_head on the last)
     names = mesh.pp_group.all_gather_object(sorted(n for n, _ in model.module.named_parameters()))
@@ -94,7 +96,7 @@ def check_sequential(pg):
     popt = lesson.make_adamw(pipe.parameters())
     for step in range(K):
         x, y = data.regression_batch(B, 5, 3, SEED, step)
-        loss = nn.mse_loss(full(x), y)
+        loss = nn.mse_loss(full(to_device(x)), to_device(y))
         full.zero_grad()
         loss.backward()
         opt.step()
@@ -104,7 +106,7 @@ def check_sequential(pg):
     ref = full.state_dict()
     for name, arr in pipe.module.state_dict().items():
         assert a <= int(name.split(".")[0]) < b
-        np.testing.assert_allclose(arr, ref[name], err_msg=f"sequential {name}", **TOL)
+        np.testing.assert_allclose(to_numpy(arr), to_numpy(ref[name]), err_msg=f"sequential {name}", **TOL)
 
 
 def expect_error(fn, words):
