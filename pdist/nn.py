@@ -19,7 +19,7 @@ import numpy as np
 
 from pdist import functional
 from pdist.autograd import Tensor, zero_grads
-from pdist.backend import asarray, default_dtype, to_numpy, xp
+from pdist.backend import asarray, default_dtype, to_numpy
 
 F = functional
 _default_rng = [np.random.default_rng(0)]
