@@ -3,7 +3,9 @@
     mpirun -n 4 python lessons/08_when_it_breaks.py
     mpirun -n 4 python lessons/08_when_it_breaks.py --trace trace.json    # open at ui.perfetto.dev
 
-Four short acts, each with a measured table and a PASS line (docs/failures.md):
+Four short acts, each with a measured table and a PASS line (docs/failures.md). Acts 1 and 2
+are timings on shared cores: an act whose timings fail is measured once more (and says so)
+before it counts as FAIL.
 
 1. A straggler sets the pace. DDP on 4 ranks; rank 2 is made slow in compute
    (``--inject straggler:rank=2,slowdown=4``: after its compute it sleeps 3x as long; 4 ranks share
@@ -92,12 +94,16 @@ def act_straggler(world, cfg, batch, args):
     s_rep, u_rep = reps["straggler"][1], reps["uneven shard"][1]
     steps_s = [r["step"] for r in s_rep.rows]
     paced = max(steps_s) < 1.25 * min(steps_s)      # every rank at the straggler's pace (a 3-5x fault)
-    ok = (s_rep.rank == 2 and s_rep.cause == "throttled device" and u_rep.rank == 1
-          and u_rep.cause == "uneven shard" and paced and slow > 1.15 * base and fixed < slow / 1.15)
+    checks = {"straggler named": s_rep.rank == 2 and s_rep.cause == "throttled device",
+              "uneven shard named": u_rep.rank == 1 and u_rep.cause == "uneven shard",
+              "ranks paced together": paced, "the straggler slows the step": slow > 1.15 * base,
+              "removing it restores the pace": fixed < slow / 1.15}
+    ok = all(checks.values())
     say(world, f"step time (median over steps): healthy {base * 1e3:.1f} ms, with the straggler {slow * 1e3:.1f} ms "
                f"({slow / base:.2f}x: everyone runs at rank 2's pace), fault removed {fixed * 1e3:.1f} ms")
     say(world, f"{'PASS' if ok else 'FAIL'}: act 1 -- the detector names rank {s_rep.rank} ({s_rep.cause}, "
-               f"{s_rep.slowdown:.2f}x) and rank {u_rep.rank} ({u_rep.cause}); removing the fault restores the pace")
+               f"{s_rep.slowdown:.2f}x) and rank {u_rep.rank} ({u_rep.cause}); removing the fault restores the pace"
+               + ("" if ok else f" [failed: {', '.join(k for k, v in checks.items() if not v)}]"))
     return ok, {"name": "straggler", "step_s": {k: v[0] for k, v in reps.items()},
                 "named": {k: [v[1].rank, v[1].cause] for k, v in reps.items()}}
 
@@ -274,9 +280,13 @@ def main():
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
     t0 = time.perf_counter()
     oks, runs = [], []
-    for act in (lambda: act_straggler(world, cfg, batch, args), lambda: act_links(world, cfg, batch, args),
-                lambda: act_hangs(world, args), lambda: act_checkpoint(world, cfg, batch, args)):
+    for i, act in enumerate((lambda: act_straggler(world, cfg, batch, args),
+                             lambda: act_links(world, cfg, batch, args),
+                             lambda: act_hangs(world, args), lambda: act_checkpoint(world, cfg, batch, args))):
         ok, run = act()
+        if not ok and i < 2:       # acts 1 and 2 are timings on shared cores: measure once more
+            say(world, f"(act {i + 1}: the timings above may be disturbed by other processes; measuring again)")
+            ok, run = act()
         oks.append(ok)
         runs.append(run)
     say(world, f"\n(all four acts: {time.perf_counter() - t0:.1f} s)")
