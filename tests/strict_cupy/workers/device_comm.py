@@ -9,7 +9,8 @@ import numpy as np
 import cupy
 from pdist import comm, nn
 from pdist.backend import is_device_array, to_numpy
-from pdist.comm.nccl import MPIHostBackend, NCCLBackend
+from pdist.comm.host_staging import MPIHostBackend
+from pdist.comm.nccl import NCCLBackend
 from pdist.parallel.pipeline_parallel import PipelineParallel
 
 g = comm.init()
