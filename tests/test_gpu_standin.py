@@ -107,3 +107,11 @@ def test_clip_grad_norm_on_device_arrays():
             "print('clipped')\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     assert p.stdout.strip() == "clipped", p.stdout + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["--dp 2", "--dp 2 --zero 3", "--pp 2 --microbatches 4"])
+def test_layouts_on_device_equal_one_process(layout):
+    """DDP, ZeRO-3 and 1F1B at 2 ranks on device arrays equal single-process training
+    (tests/workers/layout_equiv.py; bench/gpu_acceptance.sh runs these on a GPU)."""
+    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(), env=_env(), timeout=240)
+    assert out.count("[pdist report]") == 2, out[-3000:]
