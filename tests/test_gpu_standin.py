@@ -115,3 +115,10 @@ def test_layouts_on_device_equal_one_process(layout):
     (tests/workers/layout_equiv.py; bench/gpu_acceptance.sh runs these on a GPU)."""
     out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(), env=_env(), timeout=240)
     assert out.count("[pdist report]") == 2, out[-3000:]
+
+
+def test_gpu_mfu_says_no_gpu_without_one():
+    env = {k: v for k, v in os.environ.items() if k not in ("PDIST_DEVICE", "PYTHONPATH")}
+    p = subprocess.run([sys.executable, "bench/gpu_mfu.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "no GPU" in p.stdout, (p.returncode, p.stdout, p.stderr)
