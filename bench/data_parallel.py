@@ -53,6 +53,7 @@ def worker(a):
     from threadpoolctl import threadpool_limits
 
     from pdist import comm, data, gpt, lesson, trace
+    from pdist.backend import synchronize
     from pdist.parallel import DataParallel, DataParallelNaive, Local
     from pdist.training import train
 
@@ -77,6 +78,7 @@ def worker(a):
 
     def on_step(step, loss):
         if step >= 2:
+            synchronize()  # the step's device work is done (no-op on CPU)
             times.append(trace.now() - clock[0])
             waits.append(getattr(model, "last_wait_seconds", 0.0))
 

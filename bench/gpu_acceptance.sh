@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# GPU acceptance, one command, < 9 minutes on one GPU; each step has its own timeout.
+# GPU acceptance, one command, each step with its own timeout (typically a few minutes on one GPU).
 #   (a) the lesson GPT on CuPy equals NumPy in float64 (rtol 1e-9)
 #   (b) collectives, then DDP / ZeRO-3 / 1F1B at 2 and 4 ranks on the one GPU
 #       (NCCL with several ranks per GPU where it allows it, else MPI host staging)
@@ -23,11 +23,15 @@ def run(dev):
     return json.load(open(f'/tmp/acc_{dev}.json'))
 c, g = run('cpu'), run('gpu')
 import numpy as np
-np.testing.assert_allclose(g['losses'], c['losses'], rtol=1e-9); print('   losses equal to rtol 1e-9')"
+np.testing.assert_allclose(g['runs'][0]['loss'], c['runs'][0]['loss'], rtol=1e-9); print('   losses equal to rtol 1e-9')"
 for n in 2 4; do
   step "b: gpu_check collectives n=$n" 120 env PDIST_DEVICE=gpu $MPIRUN -n $n $PY bench/gpu_check.py
-  step "b: DDP/ZeRO-3/1F1B n=$n" 150 env PDIST_DEVICE=gpu $MPIRUN -n $n $PY tests/strict_cupy/workers/device_comm.py "${PDIST_GPU_TRANSPORT:-auto}"
+  step "b: device collectives and pipelines n=$n" 150 env PDIST_DEVICE=gpu $MPIRUN -n $n $PY tests/strict_cupy/workers/device_comm.py "${PDIST_GPU_TRANSPORT:-auto}"
+  # DDP, ZeRO-3, 1F1B: each equals single-process training (float64, rtol 1e-9) on the one GPU
+  for layout in "--dp $n" "--dp $n --zero 3" "--pp $n --microbatches 4"; do
+    step "b: layout $layout n=$n" 150 env PDIST_DEVICE=gpu $MPIRUN -n $n $PY tests/workers/layout_equiv.py $layout
+  done
 done
-step "c: GPT-2-small step time and MFU (TF32)" 150 env PDIST_DEVICE=gpu CUPY_TF32=1 $PY bench/step_time.py --gpu-mfu
+step "c: GPT-2-small step time and MFU (TF32)" 240 env CUPY_TF32=1 $PY bench/gpu_mfu.py
 [ $fail = 0 ] && echo "gpu_acceptance: PASS" || echo "gpu_acceptance: FAIL"
 exit $fail

@@ -28,7 +28,7 @@ if __name__ == "__main__" and "--child" not in sys.argv and not any(
     sys.exit(0)
 
 from pdist import comm, data, lesson  # noqa: E402
-from pdist.backend import set_default_dtype  # noqa: E402
+from pdist.backend import set_default_dtype, synchronize  # noqa: E402
 from pdist.parallel import schedules as S  # noqa: E402
 from pdist.gpt import GPT  # noqa: E402
 from pdist.parallel import PipelineParallel  # noqa: E402
@@ -47,6 +47,7 @@ def measure(cfg, tokens, pg, schedule, m, v, repeats):
         return data.get_batch(tokens, 32, cfg.block_size, 0, step)
 
     def on_step(step, loss):
+        synchronize()  # the step's device work is done (no-op on CPU)
         dt = time.perf_counter() - t0[0]
         tl = gather_timeline(pipe)
         peak[0] = max(peak[0], max(pg.all_gather_object(pipe.peak_stash)))

@@ -30,6 +30,7 @@ from threadpoolctl import threadpool_limits
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pdist import gpt, lesson  # noqa: E402
+from pdist.backend import synchronize  # noqa: E402
 
 VOCAB = 96  # about the char vocabulary of pdist.data.char_dataset()
 SIZES = {  # model shape, batch size, default repeats
@@ -156,6 +157,7 @@ def bench(size, dtype, repeats, use_torch):
             t0 = time.perf_counter()
             for _ in range(inner):
                 f()
+            synchronize()  # the step's device work is done (no-op on CPU)
             times[k].append((time.perf_counter() - t0) / inner)
     med = {k: float(np.median(v)) for k, v in times.items()}
     best = {k: float(np.min(v)) for k, v in times.items()}

@@ -35,7 +35,7 @@ def worker(a):
     """Runs under mpiexec: time a.steps training steps, print one JSON line on rank 0."""
     from threadpoolctl import threadpool_limits
     from pdist import comm, data, gpt, lesson, trace
-    from pdist.backend import set_default_dtype
+    from pdist.backend import set_default_dtype, synchronize
     from pdist.parallel import Local, TensorParallel
     from pdist.training import train
     world = comm.init()
@@ -57,6 +57,7 @@ def worker(a):
 
     def on_step(step, loss):
         if step:  # the first step warms up allocations
+            synchronize()  # the step's device work is done (no-op on CPU)
             times.append(time.perf_counter() - t0[0])
             comm_s.append(trace.comm_seconds())
     train(model, opt, batch, a.steps + 1, on_step=on_step)   # the one loop: forward, backward, AdamW

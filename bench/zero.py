@@ -26,6 +26,7 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 from pdist import comm, data, gpt, lesson  # noqa: E402
+from pdist.backend import synchronize  # noqa: E402
 from pdist.parallel import ZeRO  # noqa: E402
 from pdist.training import train  # noqa: E402
 
@@ -60,6 +61,7 @@ def time_config(name, cfg, rows, world, tokens, steps):
         return batches[s]
 
     def on_step(s, loss):
+        synchronize()  # the step's device work is done (no-op on CPU)
         times.append(time.perf_counter() - clock[0])
         sent[0] = world.bytes_sent()
 

@@ -51,7 +51,7 @@ import statistics
 import numpy as np
 
 from pdist import data, lesson, memory, trace
-from pdist.backend import to_numpy
+from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import DataParallel, DataParallelNaive, Local
 from pdist.training import train
@@ -96,6 +96,7 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
         return b
 
     def on_step(step, loss):   # after the optimizer step (the loss is the global-batch mean)
+        synchronize()  # the step's device work is done (no-op on CPU)
         times.append(trace.now() - clock[0])
         waits.append(model.last_wait_seconds)
         in_flight.append(trace.comm_seconds())

@@ -52,7 +52,7 @@ import time
 import numpy as np
 
 from pdist import data, lesson, memory
-from pdist.backend import to_numpy
+from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import ZeRO
 from pdist.parallel.layout import box_slices
@@ -107,6 +107,7 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
         return b
 
     def on_step(step, loss):
+        synchronize()  # the step's device work is done (no-op on CPU)
         secs.append(time.perf_counter() - clock[0])
         sent.append(world.bytes_sent())
         if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)

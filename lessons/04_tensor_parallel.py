@@ -47,7 +47,7 @@ import time
 import numpy as np
 
 from pdist import data, lesson, memory
-from pdist.backend import to_numpy
+from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import TensorParallel
 from pdist.parallel.layout import box_slices
@@ -127,6 +127,7 @@ def run(name, sp, world, cfg, tokens, args, base):
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
 
     def on_step(step, loss):
+        synchronize()  # the step's device work is done (no-op on CPU)
         times[-1] += time.perf_counter()
         if step + 1 == check_steps:
             ok[0] = shards_match(model, base_state, args.dtype)

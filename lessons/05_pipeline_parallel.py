@@ -30,7 +30,7 @@ from collections import namedtuple
 import numpy as np
 
 from pdist import comm, data, lesson
-from pdist.backend import to_numpy
+from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import DataParallel, PipelineParallel, check_layout, parallelize
 from pdist.parallel import schedules as S
@@ -98,6 +98,7 @@ def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
 
     def on_step(step, loss):
+        synchronize()  # the step's device work is done (no-op on CPU)
         times[-1] += time.perf_counter()
         tl[0] = gather_timeline(pipe)               # on pp rank 0, None elsewhere
         if tl[0] is not None and step > 0:          # step 0 warms caches up

@@ -48,6 +48,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pdist import comm, data, lesson, memory
+from pdist.backend import synchronize
 from pdist.gpt import GPT
 from pdist.parallel import Local, check_layout, parallelize
 from pdist.parallel.layout import box_slices
@@ -189,6 +190,7 @@ def main():
         sent.append({k: g.bytes_sent() for k, g in groups.items()})
         for g in groups.values():
             g.reset_stats()
+        synchronize()  # the step's device work is done (no-op on CPU)
         times.append(time.perf_counter())
         if step + 1 == check_at:
             snap["pieces"] = [(pc, np.array(pc.view(pc.tensor.data))) for pc in model.pieces()]

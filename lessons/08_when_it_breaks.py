@@ -40,6 +40,7 @@ import time
 import numpy as np
 
 from pdist import checkpoint, comm, data, debug, inject, lesson
+from pdist.backend import synchronize
 from pdist.comm import topology, watchdog
 from pdist.gpt import GPT
 from pdist.parallel import DataParallel, ZeRO, parallelize
@@ -70,7 +71,7 @@ def timed_run(model, batch, steps, start=0):
     for g in watchdog.groups():
         g.reset_stats()
     t = []
-    train(model, opt, batch, steps, start=start + 1, on_step=lambda s, l: t.append(time.perf_counter()))
+    train(model, opt, batch, steps, start=start + 1, on_step=lambda s, l: synchronize() or t.append(time.perf_counter()))
     return float(np.median(np.diff(t))) if len(t) > 1 else 0.0
 
 

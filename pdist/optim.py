@@ -183,9 +183,10 @@ def clip_grad_norm_(params, max_norm, norm_type=2.0, error_if_nonfinite=False, n
     if not norm_type > 0:
         raise ValueError(f"clip_grad_norm_: norm_type must be > 0 or inf, got {norm_type}")
     grads = [p.grad for p in params if p.grad is not None]
-    local = float(_local_norm_reduction(grads, norm_type))  # the one device sync
+    local = float(to_numpy(_local_norm_reduction(grads, norm_type)))  # the one device sync, explicit
     total_red = norm_fn(local) if norm_fn is not None else local
-    total = float(total_red) if norm_type == math.inf else float(total_red) ** (1.0 / norm_type)
+    total_red = float(to_numpy(total_red))  # norm_fn may hand back a device scalar
+    total = total_red if norm_type == math.inf else total_red ** (1.0 / norm_type)
     if not math.isfinite(total):
         if error_if_nonfinite:
             names = nonfinite_report([(_param_label(p, i), p.grad) for i, p in enumerate(params)])
@@ -237,7 +238,7 @@ def nonfinite_report(named_grads, loss=None):
     bad = []
     if checks:
         flags = xp.stack(checks)  # (n,) bool
-        if not bool(flags.all()):  # the one sync when all is finite
+        if not bool(to_numpy(flags.all())):  # the one sync when all is finite (explicit copy)
             bad = [n for n, ok in zip(names, to_numpy(flags)) if not ok]
     if bad_loss:
         bad.append("loss")

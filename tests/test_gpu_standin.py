@@ -1,6 +1,6 @@
 """The GPU code path on CPU: PDIST_DEVICE=gpu with the strict CuPy stand-in
 (tests/strict_cupy: device arrays that refuse implicit host transfers, NCCL emulated
-over MPI with blocking large sends). Runs the pipeline, comm and lesson-00 test files
+over MPI with blocking large sends). Runs the pipeline, comm, lesson-00 and tensor-parallel test files
 in a subprocess with that environment, and the device-transport worker (collectives,
 1F1B and interleaved pipelines with 8 MiB activations) over the NCCL path and over
 MPI host staging."""
@@ -25,7 +25,7 @@ def _env(transport="nccl"):
 
 # test_lessons_00's broken-gradient test replaces PYTHONPATH (it would lose the stand-in)
 FILES = [("tests/test_pipeline.py", None), ("tests/test_comm.py", "not harness_kills_a_hang"),
-         ("tests/test_lessons_00.py", "not gradient_is_wrong")]
+         ("tests/test_lessons_00.py", "not gradient_is_wrong"), ("tests/test_tensor_parallel.py", None)]
 
 
 @pytest.mark.parametrize("path,select", FILES, ids=[f for f, _ in FILES])
@@ -78,3 +78,47 @@ def test_executor_order_cannot_deadlock_with_blocking_sends(p):
     if p >= 2:                                      # the checker has teeth: lone sends in program order deadlock
         with pytest.raises(S.DeadlockError):
             S.simulate_rendezvous(S.make_schedule("1f1b", p, 2 * p), plan="program")
+
+
+def test_clip_grad_norm_on_device_arrays():
+    """clip_grad_norm_ on device gradients: no implicit host transfer (the stand-in would
+    refuse one), the same norm and scaled gradients as NumPy, the non-finite report too."""
+    code = ("import math, numpy as np, cupy\n"
+            "from pdist.autograd import Tensor\n"
+            "from pdist.backend import to_numpy\n"
+            "from pdist.errors import NonFiniteError\n"
+            "from pdist.optim import clip_grad_norm_\n"
+            "g = [np.arange(6.0).reshape(2, 3), np.array([-3.0, 4.0])]\n"
+            "def params(gs):\n"
+            "    ps = [Tensor(np.zeros(a.shape), requires_grad=True, name=f'p{i}') for i, a in enumerate(gs)]\n"
+            "    for p, a in zip(ps, gs):\n        p.grad = cupy.asarray(a)\n    return ps\n"
+            "want = math.sqrt(sum(float((a ** 2).sum()) for a in g))\n"
+            "ps = params(g)\n"
+            "assert isinstance(ps[0].grad, cupy.ndarray)\n"
+            "n = clip_grad_norm_(ps, 1.0)\n"
+            "assert isinstance(n, float) and abs(n - want) < 1e-12, n\n"
+            "np.testing.assert_allclose(to_numpy(ps[1].grad), g[1] / (want + 1e-6), rtol=1e-12)\n"
+            "assert clip_grad_norm_(params(g), 1.0, norm_type=math.inf) == 5.0\n"
+            "assert abs(clip_grad_norm_(params(g), 100.0, norm_fn=lambda s: cupy.asarray(s) * 4) - 2 * want) < 1e-9\n"
+            "bad = params([g[0], np.array([np.inf, 1.0])])\n"
+            "try:\n    clip_grad_norm_(bad, 1.0, error_if_nonfinite=True)\n"
+            "except NonFiniteError as e:\n    assert 'p1' in str(e) and 'p0' not in str(e).split('gradients:')[1], e\n"
+            "else:\n    raise SystemExit('no NonFiniteError')\n"
+            "print('clipped')\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "clipped", p.stdout + p.stderr[-3000:]
+
+
+@pytest.mark.parametrize("layout", ["--dp 2", "--dp 2 --zero 3", "--pp 2 --microbatches 4"])
+def test_layouts_on_device_equal_one_process(layout):
+    """DDP, ZeRO-3 and 1F1B at 2 ranks on device arrays equal single-process training
+    (tests/workers/layout_equiv.py; bench/gpu_acceptance.sh runs these on a GPU)."""
+    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(), env=_env(), timeout=240)
+    assert out.count("[pdist report]") == 2, out[-3000:]
+
+
+def test_gpu_mfu_says_no_gpu_without_one():
+    env = {k: v for k, v in os.environ.items() if k not in ("PDIST_DEVICE", "PYTHONPATH")}
+    p = subprocess.run([sys.executable, "bench/gpu_mfu.py"], cwd=ROOT, env=env, capture_output=True, text=True,
+                       timeout=60)
+    assert p.returncode == 2 and "no GPU" in p.stdout, (p.returncode, p.stdout, p.stderr)

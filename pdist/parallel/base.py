@@ -154,7 +154,7 @@ class Strategy:
             box(owner, p)[...] = me
         if group.size > 1:
             group.all_reduce(owner, op="max")
-        if not bool((owner > 0).all()):
+        if not bool(to_numpy((owner > 0).all())):  # explicit host copy of one flag
             raise RuntimeError("full_state_dict: some elements are held by no rank (a strategy lost a piece)")
         flat = xp.zeros(n, dtype=dtype)
         for p in pieces:

@@ -31,7 +31,7 @@ changes the initial values; each parameter records where it sits in the full ten
 from pdist import functional as F
 from pdist import nn
 from pdist.autograd import Function
-from pdist.backend import to_numpy, xp
+from pdist.backend import array_module, to_numpy, xp
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.tp_layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region, divide,
@@ -76,7 +76,7 @@ class _ShardDropout(Function):
     """Dropout on a sequence shard that equals the single-process dropout: draw the full
     (B, T, C) mask from the same generator, keep this rank's tokens."""
     def forward(self, x, p, rng, full_shape, index):
-        self.m = (rng.random(full_shape)[index] >= p).astype(x.dtype) / (1.0 - p)  # (B, T/t, C)
+        self.m = array_module(x).asarray((rng.random(full_shape)[index] >= p).astype(x.dtype) / (1.0 - p))  # host mask -> x's device
         return x * self.m
 
     def backward(self, g):

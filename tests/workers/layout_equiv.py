@@ -13,7 +13,7 @@ import argparse
 import numpy as np
 
 from pdist import comm, data, lesson
-from pdist.backend import set_default_dtype
+from pdist.backend import set_default_dtype, to_numpy
 from pdist.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
@@ -74,17 +74,17 @@ shards = model.sharded_state_dict(opt)
 checked = 0
 for key, pieces in shards.items():
     if key.startswith("optimizer.step."):
-        assert all(int(s.data) == args.steps for s in pieces), (key, pieces)
+        assert all(int(to_numpy(s.data)) == args.steps for s in pieces), (key, pieces)
         continue
     if key.startswith("optimizer."):
         _, state, name = key.split(".", 2)
-        full = np.asarray(ref_state[name][state])
+        full = to_numpy(ref_state[name][state])
     else:
-        full = ref_sd[key]
+        full = to_numpy(ref_sd[key])
     for s in pieces:
         assert tuple(s.global_shape) == full.shape, (key, s.global_shape, full.shape)
         want = full[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.data.shape))]
-        np.testing.assert_allclose(s.data, want, err_msg=f"{key} at {s.offsets}", **TOL)
+        np.testing.assert_allclose(to_numpy(s.data), want, err_msg=f"{key} at {s.offsets}", **TOL)
         checked += 1
 # every element of every parameter is held by some rank (padding never appears)
 covered = {k: 0 for k in ref_sd}
@@ -96,14 +96,14 @@ held = world.all_gather_object(covered)
 full = model.full_state_dict()
 assert sorted(full) == sorted(ref_sd), sorted(set(full) ^ set(ref_sd))
 for k in ref_sd:
-    np.testing.assert_allclose(full[k], ref_sd[k], err_msg=k, **TOL)
+    np.testing.assert_allclose(to_numpy(full[k]), to_numpy(ref_sd[k]), err_msg=k, **TOL)
     assert sum(h[k] for h in held) >= ref_sd[k].size, f"{k}: only {sum(h[k] for h in held)} elements held"
 # the inverse: load the initial weights back and every piece equals them exactly
 init = GPT(cfg, SEED).state_dict()
 model.load_full_state_dict(init)
 for pc in model.pieces():
-    assert np.array_equal(pc.view(pc.tensor.data), init[pc.name][box_slices(pc)]), pc
+    assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), to_numpy(init[pc.name][box_slices(pc)])), pc
 again = model.full_state_dict()
-assert all(np.array_equal(again[k], init[k]) for k in init)
+assert all(np.array_equal(to_numpy(again[k]), to_numpy(init[k])) for k in init)
 report(rank=world.rank, coords=list(mesh.coords), layout=vars(args), steps=args.steps, checked_pieces=checked,
        losses=losses)

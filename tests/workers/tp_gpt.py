@@ -22,7 +22,7 @@ import sys
 import numpy as np
 
 from pdist import comm, data, gpt, lesson
-from pdist.backend import set_default_dtype
+from pdist.backend import set_default_dtype, to_numpy
 from pdist.parallel import TensorParallel
 from pdist.parallel.layout import box_slices
 from pdist.testing import report
@@ -75,7 +75,7 @@ def check_counts(cfg, sp, fwd, bwd, what):
 
 
 def same_on_all_ranks(a, what):
-    blobs = group.all_gather_object(np.ascontiguousarray(a).tobytes())
+    blobs = group.all_gather_object(np.ascontiguousarray(to_numpy(a)).tobytes())
     assert all(x == blobs[0] for x in blobs), f"{what}: tp ranks hold different values"
 
 
@@ -94,7 +94,7 @@ def run(cfg, sp, steps, what):
     opt = lesson.make_adamw(model.parameters())
     sd0 = ref.state_dict()
     for pc in model.pieces():  # init: exactly the slice of the single-process weights
-        assert np.array_equal(pc.view(pc.tensor.data), sd0[pc.name][box_slices(pc)]), f"{what}: init {pc}"
+        assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), to_numpy(sd0[pc.name][box_slices(pc)])), f"{what}: init {pc}"
     for step in range(steps):
         x, y = data.get_batch(tokens, B, T, SEED, step)
         _, ref_loss = ref(x, y)
@@ -121,7 +121,7 @@ def run(cfg, sp, steps, what):
     sd = ref.state_dict()
     worst = 0.0
     for pc in model.pieces():
-        want, got = sd[pc.name][box_slices(pc)], pc.view(pc.tensor.data)
+        want, got = to_numpy(sd[pc.name][box_slices(pc)]), to_numpy(pc.view(pc.tensor.data))
         assert np.allclose(got, want, rtol=RTOL, atol=ATOL), \
             f"{what}: {pc} differs from the single-process slice by {np.max(np.abs(got - want)):.3e}"
         worst = max(worst, float(np.max(np.abs(got - want) / (ATOL + RTOL * np.abs(want)))))

@@ -10,7 +10,7 @@ random R, so the sum of the ranks' losses is the single-process loss sum(Y * R).
 import numpy as np
 
 from pdist import Tensor, comm, functional as F
-from pdist.backend import set_default_dtype
+from pdist.backend import set_default_dtype, to_numpy
 from pdist.gpt import GPTConfig
 from pdist.testing import report
 from pdist import gpt
@@ -31,7 +31,8 @@ checked = []
 
 
 def close(got, ref, what):
-    got = np.asarray(got.numpy() if hasattr(got, "numpy") else got)
+    got = to_numpy(got.numpy() if hasattr(got, "numpy") else got)  # device arrays: explicit copies
+    ref = to_numpy(ref)
     assert got.shape == ref.shape, f"{what}: shape {got.shape} != reference {ref.shape}"
     err = np.max(np.abs(got - ref)) if got.size else 0.0
     assert np.allclose(got, ref, rtol=RTOL, atol=ATOL), f"{what}: max abs err {err:.3e}"
