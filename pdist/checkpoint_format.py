@@ -48,6 +48,18 @@ def write_file(path, data):
     return len(data), hashlib.sha256(data).hexdigest()
 
 
+def box_overlap(offsets, shape, saved_offsets, saved_shape):
+    """Where the box (offsets, shape) of a tensor meets a saved box: (slices into the saved
+    box, slices into ours), or None when they share no element. Per axis the overlap is
+    [max(start), min(end)); empty on any axis means no overlap."""
+    lo = [max(a, b) for a, b in zip(offsets, saved_offsets)]
+    hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, saved_offsets, saved_shape)]
+    if any(h <= low for low, h in zip(lo, hi)):
+        return None
+    return (tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, saved_offsets)),
+            tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets)))
+
+
 _ST_DTYPES = {"float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64",
               "int32": "I32", "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL"}
 
@@ -190,12 +202,10 @@ class Reader:
         out = np.empty(shape, dtype=dtype or t["dtype"])
         covered = np.zeros(shape, dtype=bool)
         for s in t["slices"]:
-            lo = [max(a, b) for a, b in zip(offsets, s["offsets"])]
-            hi = [min(a + n, b + m) for a, n, b, m in zip(offsets, shape, s["offsets"], s["shape"])]
-            if any(h <= low for low, h in zip(lo, hi)):
+            both = box_overlap(offsets, shape, s["offsets"], s["shape"])
+            if both is None:
                 continue
-            src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s["offsets"]))
-            dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
+            src, dst = both
             path = os.path.join(self.d, s["file"])
             try:
                 part = self._open(s["file"]).get_slice(s["key"])[src] if src else \
@@ -204,7 +214,7 @@ class Reader:
                 raise
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot read {s['key']!r} ({e})") from None
-            if tuple(np.shape(part)) != tuple(h - low for low, h in zip(lo, hi)):
+            if tuple(np.shape(part)) != tuple(d.stop - d.start for d in dst):
                 raise CheckpointError(f"{path}: {s['key']!r} has shape {np.shape(part)} where the index says "
                                       f"{s['shape']}")
             out[dst] = part

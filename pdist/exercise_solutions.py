@@ -50,16 +50,8 @@ def accumulate_gradients(module, x, y, k):
 
 # ------------------------------------------------ 03: bucketed DDP (Li et al. 2020, sec. 3.2)
 def make_buckets(params, cap_bytes):
-    groups, cur, size = [], [], 0
-    for p in reversed(params):
-        if cur and size + p.data.nbytes > cap_bytes:
-            groups.append(cur)
-            cur, size = [], 0
-        cur.append(p)
-        size += p.data.nbytes
-    if cur:
-        groups.append(cur)
-    return groups
+    from pdist.parallel.data_parallel import build_buckets
+    return build_buckets(params, cap_bytes, cap_bytes)      # the library's, with one cap
 
 
 def on_grad_ready(ddp, p):
@@ -184,29 +176,18 @@ def vocab_parallel_ce_backward(probs, targets, vocab_start, grad_rows):
 
 # ------------------------------------------------ 08: 1F1B as data (Narayanan et al. 2021, sec. 2.1)
 def one_f_one_b(p, m):
-    from pdist.parallel.schedules import BACKWARD, FORWARD, _program
-    out = []
-    for s in range(p):
-        warm = min(p - s - 1, m)
-        order = [(FORWARD, i, 0) for i in range(warm)]
-        for i in range(m - warm):
-            order += [(FORWARD, warm + i, 0), (BACKWARD, i, 0)]
-        order += [(BACKWARD, i, 0) for i in range(m - warm, m)]
-        out.append(_program(p, s, 1, order))
-    return out
+    from pdist.parallel.schedules import one_f_one_b as library
+    return library(p, m)
 
 
 # ------------------------------------------------ 09: resharding reads (docs/checkpoint.md)
 def plan_reads(saved, offsets, shape):
+    from pdist.checkpoint_format import box_overlap     # what the checkpoint's reader does
     plan = []
     for i, s in enumerate(saved):
-        lo = [max(a, b) for a, b in zip(offsets, s["offsets"])]
-        hi = [min(a + n, b + k) for a, n, b, k in zip(offsets, shape, s["offsets"], s["shape"])]
-        if any(h <= low for low, h in zip(lo, hi)):
-            continue
-        src = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, s["offsets"]))
-        dst = tuple(slice(low - o, h - o) for low, h, o in zip(lo, hi, offsets))
-        plan.append((i, src, dst))
+        both = box_overlap(offsets, shape, s["offsets"], s["shape"])
+        if both is not None:
+            plan.append((i, *both))
     return plan
 
 
