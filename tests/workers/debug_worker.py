@@ -40,7 +40,7 @@ def detect(spec, steps):
         report(rank=rep.rank, cause=rep.cause, slowdown=rep.slowdown, phase=rep.phase)
 
 
-def layouts(steps, rounds=2):
+def layouts(steps, rounds=3):
     """The two dp=2 x tp=2 placements on 2 simulated nodes, interleaved ``rounds`` times;
     per layout the fastest round's median step (load from other processes only adds)."""
     world, cfg, batch = setup()
