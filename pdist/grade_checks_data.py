@@ -4,8 +4,8 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pdist.grade_common import (SEED, STEPS, batches, close, close_dicts, need, reference_run, ring_bytes, tiny_cfg,
-                                train_strategy)
+from pdist.grade_common import (SEED, STEPS, batches, close, close_dicts, equal_to_one_process, need,
+                                reference_run, ring_bytes, tiny_cfg, train_strategy)
 
 
 def checks_01(S, world):
@@ -60,11 +60,7 @@ def checks_02(S, world):
             S.average_gradients(self._param_list, self.group)
 
     def equal(k):
-        ref_losses, ref_sd = reference_run(cfg, tokens)
-        model = HandDP(HandLocal(gpt.GPT(cfg, seed=SEED), microbatches=k), world)
-        losses = train_strategy(model, cfg, tokens)
-        close(losses, ref_losses, "the loss per step")
-        close_dicts(model.full_state_dict(), ref_sd, f"after {STEPS} steps the parameters")
+        equal_to_one_process(HandDP(HandLocal(gpt.GPT(cfg, seed=SEED), microbatches=k), world), cfg, tokens)
 
     def bytes_sent():
         model = HandDP(Local(gpt.GPT(cfg, seed=SEED)), world)
@@ -145,11 +141,7 @@ def checks_03(S, world):
              f"backward produces their gradients, and close a bucket before it passes the cap)")
 
     def equal():
-        ref_losses, ref_sd = reference_run(cfg, tokens)
-        model = HandDDP(Local(gpt.GPT(cfg, seed=SEED)), world)
-        losses = train_strategy(model, cfg, tokens)
-        close(losses, ref_losses, "the loss per step")
-        close_dicts(model.full_state_dict(), ref_sd, f"after {STEPS} steps the parameters")
+        model = equal_to_one_process(HandDDP(Local(gpt.GPT(cfg, seed=SEED)), world), cfg, tokens)
         need(all(b.work is None and not b.ready for b in model.buckets) and model.next == 0,
              "after finish_grad_sync every bucket must be waited on and reset for the next step")
 
@@ -261,11 +253,7 @@ def checks_05(S, world):
             pass
 
     def equal():
-        ref_losses, ref_sd = reference_run(cfg, tokens)
-        model = HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world)
-        losses = train_strategy(model, cfg, tokens)
-        close(losses, ref_losses, "the loss per step")
-        close_dicts(model.full_state_dict(), ref_sd, f"after {STEPS} steps the parameters")
+        equal_to_one_process(HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world), cfg, tokens)
 
     def freed_and_bytes():
         model = HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world)

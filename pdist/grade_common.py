@@ -74,6 +74,15 @@ def train_strategy(model, cfg, tokens, steps=STEPS, on_step=None):
     return train(model, lesson.make_adamw(model.parameters()), batches(cfg, tokens), steps, on_step=on_step)
 
 
+def equal_to_one_process(model, cfg, tokens):
+    """Train ``model`` (a strategy of the one shape) STEPS steps and require its losses and
+    its full parameters to equal single-process training on the same batches."""
+    ref_losses, ref_sd = reference_run(cfg, tokens)
+    close(train_strategy(model, cfg, tokens), ref_losses, "the loss per step")
+    close_dicts(model.full_state_dict(), ref_sd, f"after {STEPS} steps the parameters")
+    return model
+
+
 def ring_bytes(nbytes, n, factor=1):
     return factor * (n - 1) * nbytes // n
 
