@@ -165,6 +165,22 @@ def synchronize():
         _state["module"].cuda.get_current_stream().synchronize()
 
 
+def device_event():
+    """A CUDA event recorded now on the current stream (GPU), or None on CPU. Two of them
+    bracket device work; ``elapsed_seconds`` reads the device time between them."""
+    if _state["device"] != "gpu":
+        return None
+    ev = _state["module"].cuda.Event()
+    ev.record()
+    return ev
+
+
+def elapsed_seconds(start, end):
+    """Seconds of device time between two ``device_event()``s (waits for ``end``)."""
+    end.synchronize()
+    return _state["module"].cuda.get_elapsed_time(start, end) / 1e3
+
+
 def is_device_array(a):
     """True for a CuPy array (lives on a GPU), False for NumPy and scalars."""
     return type(a).__module__.startswith("cupy")

@@ -16,7 +16,9 @@ Tracks (one Chrome "thread" per category, so a straggler reads at a glance):
 ``wait`` (tid 2: polled waits for other ranks, longer than 50 us, pdist/comm/mpi.py;
 only with ``set_detail(True)``, which lessons' ``--trace`` turns on, or PDIST_TRACE_DETAIL=1),
 ``link`` (tid 3: the simulated link time of pdist/comm/topology.py), ``step``
-(tid 4: the phases of ``forward_backward``, pdist/parallel/base.py; with detail too); an
+(tid 4: the phases of ``forward_backward``, pdist/parallel/base.py; with detail too),
+``device`` (tid 5: on a GPU, with detail, when the device ran each forward and backward,
+measured with CUDA events: ``device_mark``); an
 ``instant(name, cat="fault")`` (an injected fault, pdist/inject.py) is an
 instant event (``"ph": "i"``, ``"s": "p"``) across the rank's tracks.
 
@@ -35,11 +37,13 @@ import json
 import os
 import time
 
-from pdist.backend import env_flag
+from pdist.backend import device_event, elapsed_seconds, env_flag, synchronize
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
 DETAIL = [env_flag("PDIST_TRACE_DETAIL", False)]   # also the waits and the step phases (see below)
 _events = collections.deque(maxlen=int(os.environ.get("PDIST_TRACE_MAX", "200000")))
+_device = collections.deque(maxlen=_events.maxlen)   # (name, start event, end event, args): GPU time
+_anchor = []        # (event, perf_counter seconds): where the device clock meets the host's
 now = time.perf_counter
 
 
@@ -67,6 +71,7 @@ def enabled():
 
 def clear():
     _events.clear()
+    _device.clear()
 
 
 def record(name, cat, start, end, **args):
@@ -98,12 +103,63 @@ class span:
         return False
 
 
+def device_mark():
+    """Where device work starts: a CUDA event on the current stream when on a GPU and
+    recording detail (``set_detail``); None otherwise (then ``device_record`` does nothing).
+
+    Why: a GPU runs its kernels after the host has queued them, so a host clock measures
+    when work was queued. Two events bracket the kernels themselves; the span they give
+    goes on the trace's ``device`` track, beside the host's span of the same work. The
+    first mark synchronizes once and records an anchor event at a known host time, so
+    device spans are placed on the host's clock: start = t_anchor + elapsed(anchor, e0)."""
+    if not (DETAIL[0] and _cfg["on"]):
+        return None
+    if not _anchor:
+        synchronize()               # an idle stream: the anchor runs as the host reads its clock
+        t = now()
+        ev = device_event()
+        if ev is None:
+            return None
+        _anchor.append((ev, t))
+    return device_event()
+
+
+def device_record(name, start_event, **args):
+    """Close a device span opened by ``device_mark()`` (no-op when it returned None)."""
+    if start_event is not None:
+        _device.append((name, start_event, device_event(), args))
+
+
+class device_span(span):
+    """``span`` that also records the block's device time (``device_mark``) on a GPU."""
+    __slots__ = ("e0",)
+
+    def __enter__(self):
+        self.e0 = device_mark()
+        return span.__enter__(self)
+
+    def __exit__(self, *exc):
+        device_record(self.name, self.e0, **self.args)
+        return span.__exit__(self, *exc)
+
+
+def _device_events():
+    """The device spans on the host clock (waits for the last one's kernels)."""
+    if not _device:
+        return []
+    ev0, t0 = _anchor[0]
+    return [{"name": n, "cat": "device", "start": t0 + elapsed_seconds(ev0, a),
+             "end": t0 + elapsed_seconds(ev0, b), "args": dict(args)} for n, a, b, args in _device]
+
+
 def events():
-    """This rank's events as dicts: name, cat, start, end (seconds), args."""
-    return [{"name": n, "cat": c, "start": s, "end": e, "args": dict(a)} for n, c, s, e, a in _events]
+    """This rank's events as dicts: name, cat, start, end (seconds), args; device spans
+    (GPU, with detail) come last, with cat ``"device"``."""
+    return ([{"name": n, "cat": c, "start": s, "end": e, "args": dict(a)} for n, c, s, e, a in _events]
+            + _device_events())
 
 
-TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4}
+TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4, "device": 5}
 
 
 def chrome_events(evs, pid, t0):

@@ -122,3 +122,36 @@ def test_gpu_mfu_says_no_gpu_without_one():
     p = subprocess.run([sys.executable, "bench/gpu_mfu.py"], cwd=ROOT, env=env, capture_output=True, text=True,
                        timeout=60)
     assert p.returncode == 2 and "no GPU" in p.stdout, (p.returncode, p.stdout, p.stderr)
+
+
+def test_one_step_reads_the_device_twice_and_traces_device_time():
+    """A step of 4 micro-batches on device arrays: the token-id checks of every embedding and
+    loss are read back together (one copy) and the losses together (one copy), not per
+    micro-batch (was 12 copies); a bad id still raises pdist's IndexError (CuPy itself wraps
+    it around silently, and so does the stand-in). With trace detail, the forward and backward
+    of each micro-batch are on the trace's "device" track (CUDA events)."""
+    code = ("import numpy as np, cupy\n"
+            "from pdist import trace\n"
+            "from pdist.backend import set_default_dtype\n"
+            "from pdist.gpt import GPT, GPTConfig\n"
+            "from pdist.parallel.base import Local\n"
+            "set_default_dtype('float64')\n"
+            "cfg = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype='float64')\n"
+            "m = Local(GPT(cfg, seed=0), microbatches=4)\n"
+            "rng = np.random.default_rng(0)\n"
+            "x, y = (cupy.asarray(rng.integers(0, 50, (8, 8))) for _ in range(2))\n"
+            "m.forward_backward(x, y)\n"
+            "trace.set_detail(True)\n"
+            "r0 = cupy.host_reads[0]\n"
+            "m.forward_backward(x, y)\n"
+            "reads = cupy.host_reads[0] - r0\n"
+            "dev = [e for e in trace.events() if e['cat'] == 'device']\n"
+            "assert sorted({e['name'] for e in dev}) == ['backward', 'forward'] and len(dev) == 8, dev\n"
+            "assert all(e['end'] >= e['start'] for e in dev)\n"
+            "bad = cupy.asarray(np.where(np.arange(64).reshape(8, 8) == 5, 50, 1))\n"
+            "try:\n    m.forward_backward(bad, y)\n"
+            "except IndexError as e:\n    assert 'embedding index out of range: values span [1, 50]' in str(e), e\n"
+            "else:\n    raise SystemExit('no IndexError for token id 50 of 50')\n"
+            "print('reads', reads)\n")
+    p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "reads 2", p.stdout + p.stderr[-3000:]

@@ -27,6 +27,7 @@ batch. ``pieces()`` says where each piece of each single-process tensor lives
 import numpy as np
 
 from pdist import comm, debug, inject, trace
+from pdist import functional as F
 from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
 from pdist.optim import nonfinite_report
@@ -69,7 +70,8 @@ class Strategy:
         t0, w0, l0 = now(), waited[0], debug.LINK[0]       # the straggler detector's clocks (debug.py)
         self.zero_grad()
         t1, w1 = now(), waited[0]
-        local = self.compute(x, y)
+        with F.deferred_index_checks():     # a GPU's token-id checks: one host read per step
+            local = self.compute(x, y)
         if inj is not None:
             inj.after_compute(self, self.steps, now() - t1)
         t2, w2 = now(), waited[0]
@@ -228,13 +230,15 @@ class Local(Strategy):
         if len(x) % k:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
                              f"use a global batch divisible by dp * microbatches")
-        b, total = len(x) // k, 0.0
+        b, losses = len(x) // k, []
         for i in range(k):
-            _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
-            with trace.span("backward", cat="compute"):
+            with trace.device_span("forward", cat="compute", mb=i):
+                _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
+            with trace.device_span("backward", cat="compute", mb=i):
                 (loss * (1.0 / k)).backward() if k > 1 else loss.backward()
-            total += loss.item() / k
-        return total
+            losses.append(loss.data)
+        # the micro-batches' losses in one device -> host copy (one sync per step, not per micro-batch)
+        return sum(float(v) / k for v in to_numpy(xp.stack(losses)))
 
     def finish_grad_sync(self):
         pass

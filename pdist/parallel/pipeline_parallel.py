@@ -29,7 +29,7 @@ import numpy as np
 
 from pdist import nn, trace
 from pdist.autograd import Tensor
-from pdist.backend import default_dtype, to_device, xp
+from pdist.backend import default_dtype, to_device, to_numpy, xp
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
@@ -199,7 +199,8 @@ class PipelineParallel(ParallelModule):
             if j in self._plan:
                 self._post(self._plan[j])
             self._dispatch[ins.op](ins)
-        return float(sum(self.losses))
+        # the last stage's micro-batch losses in one device -> host copy per step
+        return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
     def finish_grad_sync(self):
         """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dwte =
@@ -262,29 +263,30 @@ class PipelineParallel(ParallelModule):
     def _forward(self, ins):
         mb, c, k = ins.mb, ins.chunk, self._stage(ins)
         x = self._micro(self._x, mb) if k == 0 else Tensor(self._wait(("act", mb, c)), requires_grad=True)
-        t0 = trace.now()
+        t0, e0 = trace.now(), trace.device_mark()
         out = self.chunks[c](x)                              # (b, T, C), or logits on the last stage
         if k == self.num_virtual_stages - 1:
             out = self.loss_fn(out, self._micro(self._y, mb)) * (1.0 / self.num_microbatches)
-            self.losses.append(out.item())
+            self.losses.append(out.data)
         self._stash[(mb, c)] = (x, out)
         self.peak_stash = max(self.peak_stash, len(self._stash))
-        self._done(ins, t0)
+        self._done(ins, t0, e0)
 
     def _backward(self, ins):
         mb, c, k = ins.mb, ins.chunk, self._stage(ins)
         g = None if k == self.num_virtual_stages - 1 else self._wait(("grad", mb, c))
-        t0 = trace.now()
+        t0, e0 = trace.now(), trace.device_mark()
         x, out = self._stash.pop((mb, c))                    # free the stash after its backward
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
-        self._done(ins, t0)
+        self._done(ins, t0, e0)
 
-    def _done(self, ins, t0):
-        t1 = trace.now()
+    def _done(self, ins, t0, e0):
+        t1, name = trace.now(), f"{ins.op[0]}{ins.mb}.{ins.chunk}"
         self.timeline.append((ins, t0 - self._t0, t1 - self._t0))
-        trace.record(f"{ins.op[0]}{ins.mb}.{ins.chunk}", "compute", t0, t1, mb=ins.mb, chunk=ins.chunk)
+        trace.record(name, "compute", t0, t1, mb=ins.mb, chunk=ins.chunk)
+        trace.device_record(name, e0, mb=ins.mb, chunk=ins.chunk)
 
     def _end_of_step(self, ins):
         """The schedule's last instruction: every send has landed (the optimizer step that

@@ -6,6 +6,7 @@ import numpy as _np
 __version__ = "0.0-strict-standin"
 _live = [0]          # bytes held by live device arrays (the memory pool's used_bytes)
 _peak = [0]
+host_reads = [0]     # explicit device -> host copies (.get, .item, asnumpy): each one waits for the GPU
 
 
 class HostConversionError(TypeError):
@@ -45,6 +46,18 @@ def _unwrap_index(i):
     if isinstance(i, tuple):
         return tuple(_unwrap_index(v) for v in i)
     return i                       # NumPy arrays are accepted as indices, as CuPy does
+
+
+def _index_as_cupy(shape, i):
+    """An index for the wrapped NumPy array that behaves as CuPy's: an integer device array
+    wraps out-of-bounds entries around (``a[[1, 3]]`` of a 3-vector is ``a[[1, 0]]``) where
+    NumPy raises, so an unchecked bad token id reads a wrong row silently, as on a GPU."""
+    items = i if isinstance(i, tuple) else (i,)
+    if any(v is Ellipsis or v is None for v in items):
+        return _unwrap_index(i)
+    out = tuple(v._a % shape[k] if isinstance(v, ndarray) and v.dtype.kind in "iu" and shape[k]
+                else _unwrap_index(v) for k, v in enumerate(items))
+    return out if isinstance(i, tuple) else out[0]
 
 
 def _wrap(r):
@@ -117,9 +130,11 @@ class ndarray:
 
     # ----------------------------------------------------- explicit ways out
     def get(self, stream=None, out=None):
+        host_reads[0] += 1
         return self._a.copy()
 
     def item(self):                  # explicit, as in CuPy (a named host sync)
+        host_reads[0] += 1
         return self._a.item()
 
     def set(self, arr):
@@ -150,10 +165,10 @@ class ndarray:
     __str__ = __repr__
 
     def __getitem__(self, i):
-        return _wrap(self._a[_unwrap_index(i)])
+        return _wrap(self._a[_index_as_cupy(self._a.shape, i)])
 
     def __setitem__(self, i, v):
-        self._a[_unwrap_index(i)] = _unwrap(v, "a value assigned into a device array")
+        self._a[_index_as_cupy(self._a.shape, i)] = _unwrap(v, "a value assigned into a device array")
 
     def __getattr__(self, name):
         if name.startswith("_"):

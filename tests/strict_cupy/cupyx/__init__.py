@@ -5,4 +5,4 @@ import cupy as _cp
 
 
 def scatter_add(a, index, values):
-    _np.add.at(a._a, _cp._unwrap_index(index), _cp._unwrap(values, "scatter_add values"))
+    _np.add.at(a._a, _cp._index_as_cupy(a._a.shape, index), _cp._unwrap(values, "scatter_add values"))

@@ -1,5 +1,6 @@
 """cupy.cuda stand-in: devices, streams, events (all synchronous: work finishes when issued)."""
 import os
+import time
 
 import cupy as _cp
 from cupy.cuda import runtime  # noqa: F401
@@ -34,10 +35,10 @@ class Device:
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.recorded = False
+        self.recorded, self.disable_timing, self.time = False, disable_timing, None
 
     def record(self, stream=None):
-        self.recorded = True
+        self.recorded, self.time = True, time.perf_counter()   # work is synchronous: it ran by now
 
     @property
     def done(self):
@@ -83,6 +84,14 @@ class Stream:
 
 
 _stack = [Stream(null=True)]
+
+
+def get_elapsed_time(start_event, end_event):
+    """Milliseconds between two recorded events (CuPy raises for unrecorded or non-timing ones)."""
+    for ev in (start_event, end_event):
+        if not ev.recorded or ev.disable_timing:
+            raise runtime.CUDARuntimeError("cudaErrorInvalidResourceHandle: event not recorded or without timing")
+    return (end_event.time - start_event.time) * 1e3
 
 
 def get_current_stream():
