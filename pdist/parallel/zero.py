@@ -66,6 +66,7 @@ import math
 from pdist.autograd import is_grad_enabled
 from pdist.backend import xp
 from pdist.data import shard
+from pdist.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.flat_param import FlatParamUnit
 from pdist.parallel.layout import reshard_flat
@@ -105,6 +106,8 @@ class ZeRO(ParallelModule):
         self.units = self._build_units(self.module, unit_modules)
         self._check_same_on_all_ranks()
         self._pieces = self._shard_pieces(inner_pieces)
+        if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
+            fill_pieces(self._pieces if stage == 3 else inner_pieces, self.module.init_rows)
         self._inflight = None          # (unit, out, Work) of the one reduction in flight
         self._reduced = set()          # ids of units whose reduction started this step
         self._overlap = not self.inner.has_late_grads
