@@ -49,11 +49,12 @@ difference that training amplifies over many steps (lesson 02 and docs/zero.md).
 """
 import argparse
 import gc
+import os
 import time
 
 import numpy as np
 
-from pdist import backend, data, lesson, memory
+from pdist import backend, data, lesson, memory, memory_timeline
 from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import ZeRO
@@ -92,21 +93,21 @@ def rss_prediction(rss, states, peak):
 
 
 def rss_close(rss, pred):
-    """True when RSS and its peak are within RSS_TOL of the prediction (False without /proc)."""
-    got = (rss.get("rss_bytes"), rss.get("rss_peak_bytes"))
+    """True when the RSS (malloc's free pages returned) and the step's peak RSS are within
+    RSS_TOL of the prediction (False without /proc)."""
+    got = (rss.get("rss_trimmed_bytes"), rss.get("rss_peak_bytes"))
     return all(g is not None and abs(g - w) <= RSS_TOL * w for g, w in zip(got, pred))
 
 
-def rss_row(m, states):
+def rss_row(m):
     """One row of the RSS table, in MiB, from a memory_per_rank entry."""
     mib = (lambda v: "n/a" if v is None else f"{v / 2**20:.1f}")
     rel = (lambda g, w: "n/a" if g is None else f"{(g - w) / w:+.1%}")
     base = m["rss_baseline_bytes"] or 0
-    return [m["rank"], mib(base), mib(m["rss_bytes"]), mib(m["rss_prediction_bytes"]),
-            rel(m["rss_bytes"], m["rss_prediction_bytes"]),
-            mib(None if m["rss_bytes"] is None else m["rss_bytes"] - base),
-            mib(m["rss_peak_bytes"]), mib(m["rss_peak_prediction_bytes"]),
-            rel(m["rss_peak_bytes"], m["rss_peak_prediction_bytes"]), mib(m.get("malloc_free_bytes"))]
+    return [m["rank"], mib(base), mib(m["rss_init_peak_bytes"] - base), mib(m["rss_bytes"]),
+            mib(m.get("malloc_free_bytes")), mib(m["rss_trimmed_bytes"]), mib(m["rss_prediction_bytes"]),
+            rel(m["rss_trimmed_bytes"], m["rss_prediction_bytes"]), mib(m["rss_peak_bytes"]),
+            mib(m["rss_peak_prediction_bytes"]), rel(m["rss_peak_bytes"], m["rss_peak_prediction_bytes"])]
 
 
 def shard_error(z, ref_sd, world, tol):
@@ -127,8 +128,11 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     (model, optimizer, losses, bytes sent per step, median seconds per step, (ok, rel err),
     {rss_baseline_bytes (before the model), rss_bytes, rss_peak_bytes (the last step)})."""
     gc.collect()
+    backend.malloc_trim()      # malloc's free pages (earlier runs' temporaries) back to the OS
     rss = {"rss_baseline_bytes": memory.rss_bytes()}   # before the model: interpreter, libraries, data
-    z = ZeRO(GPT(cfg, seed=args.seed), stage, world, prefetch=not args.no_prefetch)
+    with memory.RSSPeak() as init:     # meta init: each rank draws its own pieces only (pdist/meta.py)
+        z = ZeRO(GPT(cfg, seed=args.seed, device="meta"), stage, world, prefetch=not args.no_prefetch)
+    rss["rss_init_peak_bytes"] = init.peak_bytes
     opt = lesson.make_adamw(z.parameters())
     sent, secs, check, clock = [], [], [(True, 0.0)], [0.0]
 
@@ -142,8 +146,11 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     def on_step(step, loss):
         synchronize()  # the step's device work is done (no-op on CPU)
         secs.append(time.perf_counter() - clock[0])
-        rss.update(rss_bytes=memory.rss_bytes(), rss_peak_bytes=memory.rss_peak_bytes(),   # the last step's
-                   malloc_free_bytes=backend.malloc_free_bytes())
+        if step + 1 == steps:      # the last step: peak, RSS, what malloc holds free, RSS without it
+            rss.update(rss_peak_bytes=memory.rss_peak_bytes(), rss_bytes=memory.rss_bytes(),
+                       malloc_free_bytes=backend.malloc_free_bytes())
+            backend.malloc_trim()
+            rss["rss_trimmed_bytes"] = memory.rss_bytes()
         sent.append(world.bytes_sent())
         if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)
             check[0] = shard_error(z, ref_sd, world, tol)
@@ -154,12 +161,19 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
 
 def peak_bytes(cfg, stage, world, args, tokens):
     """The peak of one step (step 0's batch) after 2 traced steps from a fresh model
-    (tracemalloc slows NumPy's allocations, so the timed run is not traced)."""
+    (tracemalloc slows NumPy's allocations, so the timed run is not traced). The same
+    step's memory timeline (pdist/memory_timeline.py) goes into the trace, and with
+    --timeline into a PNG."""
     memory.start_tracing(restart=True)
     zm, om, *_ = run(cfg, stage, world, args, tokens, min(2, args.steps))
-    with memory.PeakMemory() as pk:
+    with memory.PeakMemory() as pk, memory_timeline.record(zm, om) as tl:
         train(zm, om, lambda step: data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, 0), 1)
     memory.stop_tracing()
+    if args.timeline:          # every rank's samples of this step, one PNG (rank 0)
+        per_rank = world.all_gather_object(tl.samples)
+        path = args.timeline if args.stage is not None else f"{os.path.splitext(args.timeline)[0]}.zero{stage}.png"
+        if world.rank == 0 and not memory_timeline.plot(per_rank, path, f"ZeRO-{stage}: one step, {world.size} ranks"):
+            print("--timeline: matplotlib is not installed (pip install 'pdist[plot]'): no PNG written")
     return pk.peak_bytes
 
 
@@ -168,6 +182,10 @@ def main():
     p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
+    p.add_argument("--timeline", metavar="PNG", default=None,
+                   help="plot each rank's memory over one step (params, grads, optimizer, activations "
+                        "stacked; all-gather/free/reduce-scatter marked) here; with all stages, one PNG "
+                        "per stage (NAME.zeroK.png). Needs matplotlib")
     p.add_argument("--check-rss", action=argparse.BooleanOptionalAction, default=None,
                    help=f"PASS also needs each rank's RSS within {RSS_TOL:.0%} of baseline + formula "
                         f"(and its peak of baseline + traced peak); default: on when Ψ >= {RSS_CHECK_MIN_PSI:,}")
@@ -221,7 +239,7 @@ def main():
                      f"{FORMULA[stage] if b == 4 else '2x ' + FORMULA[stage]} = {fb(sum(want))}",
                      "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
                      fb(peak), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"])
-        rss_rows += [[stage] + rss_row(m, sum(want)) for m in mems]
+        rss_rows += [[stage] + rss_row(m) for m in mems]
         numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
         del z, opt             # the next stage's baseline RSS must not hold this one's model
 
@@ -233,8 +251,8 @@ def main():
                                   "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
         print(f"\nWhat each process holds (RSS, the OS's count; the last step; "
               f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked at this Ψ'}):")
-        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "rss", "base+formula", "Δ", "rss-base",
-                                      "rss peak", "base+peak", "Δ", "malloc free"]))
+        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc free",
+                                      "trimmed", "base+formula", "Δ", "rss peak", "base+peak", "Δ"]))
         print()
     lesson.finish("03_zero", ok_all, runs, args, rank=rank, world_size=n,
                   detail=f"(stages {stages} on {n} ranks: shards equal the single-process run, "

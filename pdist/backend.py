@@ -230,6 +230,20 @@ def tune_malloc():
         return False
 
 
+def malloc_trim():
+    """Return the free pages malloc holds to the OS (glibc ``malloc_trim(0)``: the heap's
+    top and every free page inside it). The RSS then counts live memory only; pdist.memory
+    reads RSS after it where a measurement needs that. False where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
 def malloc_free_bytes():
     """Bytes glibc malloc holds free inside the process (freed, not returned to the OS):
     ``mallinfo2().fordblks``, summed over arenas. The gap between RSS and the live

@@ -29,9 +29,9 @@ CHUNK_ELEMS = 1 << 16   # float64 elements drawn at a time (512 KiB)
 
 
 class MetaArray:
-    """A shape and a dtype, no values (``nbytes`` is 0: it holds no memory)."""
+    """A shape and a dtype, no values (``nbytes`` is 0: it holds no memory; no ``base``)."""
 
-    nbytes = 0
+    nbytes, base = 0, None
 
     def __init__(self, shape, dtype):
         self.shape, self.dtype = tuple(int(d) for d in shape), np.dtype(dtype)
@@ -56,6 +56,14 @@ class MetaArray:
     def __getattr__(self, name):
         raise TypeError(f"a meta parameter has no values (.{name}): materialize the model first "
                         "(parallelize/ZeRO do it; or model.materialize())")
+
+    def _no_values(self, *a, **kw):
+        raise TypeError("a meta parameter has no values: materialize the model first "
+                        "(parallelize/ZeRO do it; or model.materialize())")
+
+    __getitem__ = __setitem__ = __iter__ = __len__ = __float__ = __bool__ = _no_values
+    __add__ = __radd__ = __sub__ = __rsub__ = __mul__ = __rmul__ = __truediv__ = _no_values
+    __matmul__ = __rmatmul__ = __neg__ = __pow__ = __iadd__ = __imul__ = _no_values
 
     def __repr__(self):
         return f"MetaArray(shape={self.shape}, dtype={self.dtype})"

@@ -24,6 +24,7 @@ there is no padding and the "shard" is the whole buffer.
 """
 import weakref
 
+from pdist import memory_timeline
 from pdist.autograd import Tensor
 from pdist.backend import xp
 from pdist.meta import is_meta
@@ -90,7 +91,8 @@ class FlatParamUnit:
 
     def free(self):
         """Drop the full buffer: every parameter becomes an empty placeholder."""
-        if self.full is not None:
+        freed = self.full is not None
+        if freed:
             try:
                 self._stale = weakref.ref(self.full)
             except TypeError:   # an array type without weak references: no reuse
@@ -98,6 +100,8 @@ class FlatParamUnit:
         self.full = None
         for p in self.params:
             p.data = xp.empty((0,), dtype=self.dtype)
+        if freed:
+            memory_timeline.mark("free", self.name)
 
     def gather_buffer(self):
         """Where the next all-gather lands: a fresh (Ψ_pad,) buffer, or the freed
