@@ -37,6 +37,26 @@ The table (per rank; every rank holds the same amounts, see --json for all):
   rel err                  |θ - θ_ref| / |θ_ref| over all pieces of all ranks (2-norms)
                            after min(--steps, 10) steps
 
+The second table is what each process holds (the OS's count, per rank, MiB):
+  baseline       RSS before the stage's model is built (after malloc returns its free
+                 pages): the interpreter, NumPy, MPI, the corpus, and the reference
+                 weights the check compares against
+  init peak      the RSS peak while ZeRO(GPT(cfg, seed, device="meta")) is built, above the
+                 baseline: each rank draws only its pieces (pdist/meta.py), so stage 3
+                 peaks at its shard + about the largest parameter, not the whole model
+  rss            RSS after the last step; malloc free: what malloc holds free inside it
+                 (the small temporaries' pages, reused by the next step)
+  trimmed        RSS after malloc_trim(0) returned those free pages: the live memory;
+                 base+formula is baseline + the formula's model states, Δ the difference
+  rss peak       the peak RSS during the last step; base+peak is baseline + the traced
+                 peak (states + activations + temporaries), Δ the difference
+--check-rss (on by default from Ψ = 4 M: below it the baseline hides the model, e.g.
+--n-layer 8 --n-embd 512 --n-head 8 --batch-size 4 gives Ψ = 25.3 M) adds to PASS:
+|trimmed - (base+formula)| and |rss peak - (base+peak)| <= 15% of the prediction on
+every rank. --timeline PNG plots each rank's memory over one step, the states and
+activations stacked, with every all-gather, free and reduce-scatter marked; the same
+events and a "memory" counter go into --trace (pdist/memory_timeline.py).
+
 PASS means, on every rank: model-state bytes equal the formula exactly, bytes sent
 equal the theory, and (as in lesson 02) after min(--steps, 10) steps every shard
 equals the same slice of the single-process weights (float64: elementwise, rtol
@@ -187,7 +207,7 @@ def main():
                         "stacked; all-gather/free/reduce-scatter marked) here; with all stages, one PNG "
                         "per stage (NAME.zeroK.png). Needs matplotlib")
     p.add_argument("--check-rss", action=argparse.BooleanOptionalAction, default=None,
-                   help=f"PASS also needs each rank's RSS within {RSS_TOL:.0%} of baseline + formula "
+                   help=f"PASS also needs each rank's RSS within {RSS_TOL * 100:.0f}%% of baseline + formula "
                         f"(and its peak of baseline + traced peak); default: on when Ψ >= {RSS_CHECK_MIN_PSI:,}")
     args = lesson.validate(p, p.parse_args())
     world, tokens, tok = lesson.start(args)

@@ -213,6 +213,24 @@ class RSSPeak:
         return False
 
 
+class StepRSS:
+    """The RSS of training steps: ``start()`` as a step begins (resets the peak), ``stop()``
+    after it; ``row()`` -> {"rss_bytes", "rss_peak_bytes"} of the last step stopped (the peak
+    since the process began where it cannot be reset), for ``memory_row(..., rss=...)``."""
+
+    def __init__(self):
+        self.rss_bytes = self.rss_peak_bytes = None
+
+    def start(self):
+        reset_rss_peak()
+
+    def stop(self):
+        self.rss_peak_bytes, self.rss_bytes = rss_peak_bytes(), rss_bytes()
+
+    def row(self):
+        return {"rss_bytes": self.rss_bytes, "rss_peak_bytes": self.rss_peak_bytes}
+
+
 def process_row():
     """{"rss_bytes", "rss_peak_bytes", "malloc_free_bytes"} of this process now (entries None
     where the platform cannot say)."""
