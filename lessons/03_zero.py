@@ -191,8 +191,10 @@ def peak_bytes(cfg, stage, world, args, tokens):
     memory.stop_tracing()
     if args.timeline:          # every rank's samples of this step, one PNG (rank 0)
         per_rank = world.all_gather_object(tl.samples)
-        path = args.timeline if args.stage is not None else f"{os.path.splitext(args.timeline)[0]}.zero{stage}.png"
-        if world.rank == 0 and not memory_timeline.plot(per_rank, path, f"ZeRO-{stage}: one step, {world.size} ranks"):
+        path = args.timeline if args.stage is not None else \
+            f"{os.path.splitext(args.timeline)[0]}.zero{stage}.png"
+        title = f"ZeRO-{stage}: one step, {world.size} ranks"
+        if world.rank == 0 and not memory_timeline.plot(per_rank, path, title):
             print("--timeline: matplotlib is not installed (pip install 'pdist[plot]'): no PNG written")
     return pk.peak_bytes
 
@@ -208,7 +210,8 @@ def main():
                         "per stage (NAME.zeroK.png). Needs matplotlib")
     p.add_argument("--check-rss", action=argparse.BooleanOptionalAction, default=None,
                    help=f"PASS also needs each rank's RSS within {RSS_TOL * 100:.0f}%% of baseline + formula "
-                        f"(and its peak of baseline + traced peak); default: on when Ψ >= {RSS_CHECK_MIN_PSI:,}")
+                        f"(and its peak of baseline + traced peak); default: on when "
+                        f"Ψ >= {RSS_CHECK_MIN_PSI:,}")
     args = lesson.validate(p, p.parse_args())
     world, tokens, tok = lesson.start(args)
     lesson.warn_shared_cores(world)

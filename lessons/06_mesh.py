@@ -183,7 +183,8 @@ def main():
     _, ref_sd = _reference(cfg, batch, args.seed, check_at)
 
     # meta init: each rank draws only the pieces it holds (pdist/meta.py)
-    model = parallelize(GPT(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
+    model = parallelize(GPT(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero,
+                        sequence_parallel=args.sp,
                         schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
     opt = lesson.make_adamw(model.parameters())
     groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
@@ -225,7 +226,8 @@ def main():
     flag = np.array([1.0 if ok else 0.0])
     world.all_reduce(flag, op="min")
     rss = (rss_step.rss_bytes, rss_step.rss_peak_bytes)          # after the last step; that step's peak
-    rows = world.all_gather_object((world.rank, tuple(mesh.coords), got, want, per_step, theory, shards_ok, rss))
+    rows = world.all_gather_object((world.rank, tuple(mesh.coords), got, want, per_step, theory, shards_ok,
+                                    rss))
     if world.rank == 0:
         report(args, cfg, rows, losses, ref_losses, rel, secs)
     fb = lesson.fmt_bytes
@@ -266,10 +268,11 @@ def report(args, cfg, rows, losses, ref_losses, rel, secs):
     table = []
     for r, c, got, want, ps, th, ok, rss in rows:
         table.append((r, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(want)), "yes" if got == tuple(want) else "NO",
-                      fb(rss[0] or 0), fb(rss[1] or 0), fb(ps["dp"]), fb(th["dp"]), fb(ps["tp"]), fb(th["tp"]),
+                      fb(rss[0] or 0), fb(rss[1] or 0), fb(ps["dp"]), fb(th["dp"]), fb(ps["tp"]),
+                      fb(th["tp"]),
                       fb(ps["pp"]), fb(th["pp"]), "yes" if ok else "NO"))
-    print(lesson.table(table, ["rank", "params", "grads", "optim", "formula", "=", "rss", "rss peak", "dp sent",
-                               "theory", "tp sent", "theory", "pp sent", "theory", "shards = 1 proc"]))
+    print(lesson.table(table, ["rank", "params", "grads", "optim", "formula", "=", "rss", "rss peak",
+                               "dp sent", "theory", "tp sent", "theory", "pp sent", "theory", "shards = 1 proc"]))
     print(f"\nloss {losses[-1]:.6f} (1 process {ref_losses[-1]:.6f}); |θ - θ_ref| / |θ_ref| = {rel:.1e} after "
           f"{min(args.steps, CHECK_STEPS)} steps; {secs * 1e3:.1f} ms/step\n")
 

@@ -234,7 +234,8 @@ class StepRSS:
 def process_row():
     """{"rss_bytes", "rss_peak_bytes", "malloc_free_bytes"} of this process now (entries None
     where the platform cannot say)."""
-    return {"rss_bytes": rss_bytes(), "rss_peak_bytes": rss_peak_bytes(), "malloc_free_bytes": malloc_free_bytes()}
+    return {"rss_bytes": rss_bytes(), "rss_peak_bytes": rss_peak_bytes(),
+            "malloc_free_bytes": malloc_free_bytes()}
 
 
 def memory_row(rank, model, optimizer=None, peak_bytes=None, rss=None):
