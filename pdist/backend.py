@@ -210,10 +210,10 @@ def tune_malloc():
     time, so a step does not fault them in again. What the heap keeps free is one
     number, ``malloc_free_bytes()``, reported beside the RSS (pdist.memory).
 
-    Measured with bench/step_time.py --sizes lesson (docs/zero.md): the same speed as
-    keeping every freed page mapped (the previous policy: 256 MiB trim, 32 MiB mmap
-    threshold, which held ZeRO-3's freed units in RSS), and faster than glibc's
-    defaults. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or
+    Measured with bench/step_time.py --sizes lesson (docs/zero.md, "Speed"): within the
+    noise of keeping every freed page mapped (the previous policy: 256 MiB trim, 32 MiB
+    mmap threshold, which held ZeRO-3's freed units in RSS; at most ~2% slower on a shared
+    2-core machine), and faster than glibc's defaults. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or
     off/false/no) keeps glibc's defaults, and a value that is not a boolean raises a
     ValueError. Returns True when the settings were applied."""
     if not env_flag("PDIST_MALLOC_TUNE", True) or not sys.platform.startswith("linux"):
