@@ -15,9 +15,13 @@ Each configuration builds its model, runs 2 warm-up steps, then ``--steps`` time
 steps; the configurations are interleaved within each repeat so that load from other
 processes hits all of them alike. The table shows the median over repeats of each
 run's median step time, the spread (max/min over repeats: a noise gauge), the ratio
-to DDP, and the bytes each rank sent per step (ring accounting).
+to DDP, the bytes each rank sent per step (ring accounting), and per rank (in rank
+order, MiB, the last repeat): the model states (pdist.memory), the process's RSS after
+the last timed step and its peak during that step (the interpreter and libraries
+included: lesson 03 puts them beside the formula).
 """
 import argparse
+import gc
 import os
 import statistics
 import sys
@@ -25,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdist import comm, data, gpt, lesson  # noqa: E402
+from pdist import backend, comm, data, gpt, lesson, memory  # noqa: E402
 from pdist.backend import synchronize  # noqa: E402
 from pdist.parallel import ZeRO  # noqa: E402
 from pdist.training import train  # noqa: E402
@@ -37,19 +41,24 @@ CONFIGS = ["DDP", "zero0", "zero1", "zero2", "zero3", "zero3 no prefetch"]
 
 def make_model(name, cfg, world):
     """The strategy of configuration ``name`` and its optimizer."""
+    meta = gpt.GPT(cfg, seed=0, device="meta")     # each rank draws only what it holds (pdist/meta.py)
     if name == "DDP":
         from pdist.parallel import DataParallel
-        model = DataParallel(gpt.GPT(cfg, seed=0), world)
+        model = DataParallel(meta, world)
     else:
-        model = ZeRO(gpt.GPT(cfg, seed=0), int(name[4]), world, prefetch="no prefetch" not in name)
+        model = ZeRO(meta, int(name[4]), world, prefetch="no prefetch" not in name)
     return model, lesson.make_adamw(model.parameters())
 
 
 def time_config(name, cfg, rows, world, tokens, steps):
     """2 warm-up steps, then ``steps`` timed steps of the one loop (pdist.training.train):
-    (median seconds per step, bytes this rank sent in the last step)."""
+    (median seconds per step, bytes this rank sent in the last step, memory: model states,
+    RSS after the last step and its peak during that step)."""
     n = world.size
+    gc.collect()
+    backend.malloc_trim()      # the previous configuration's free pages back to the OS
     model, opt = make_model(name, cfg, world)
+    rss = memory.StepRSS()
     batches = [data.get_batch(tokens, rows * n, cfg.block_size, 0, s) for s in range(steps + 2)]
     train(model, opt, lambda s: batches[s], 2)
     world.barrier()
@@ -57,17 +66,20 @@ def time_config(name, cfg, rows, world, tokens, steps):
 
     def batch(s):
         world.reset_stats()
+        rss.start()
         clock[0] = time.perf_counter()
         return batches[s]
 
     def on_step(s, loss):
         synchronize()  # the step's device work is done (no-op on CPU)
         times.append(time.perf_counter() - clock[0])
+        rss.stop()
         sent[0] = world.bytes_sent()
 
     train(model, opt, batch, steps, on_step=on_step, start=2)
     world.barrier()
-    return statistics.median(times), sent[0]
+    st = memory.model_state_bytes(model, opt)
+    return statistics.median(times), sent[0], (sum(st.values()), rss.rss_bytes, rss.rss_peak_bytes)
 
 
 def main():
@@ -83,10 +95,11 @@ def main():
         kw, rows = SIZES[size]
         cfg = lesson.gpt_config(tok.vocab_size, **kw)
         res = {c: [] for c in configs}
-        sent = {}
+        sent, mem = {}, {}
         for _ in range(args.repeats):
             for c in configs:
-                t, sent[c] = time_config(c, cfg, rows, world, tokens, args.steps)
+                t, sent[c], mine = time_config(c, cfg, rows, world, tokens, args.steps)
+                mem[c] = world.all_gather_object(mine)        # every rank's (states, rss, rss peak)
                 res[c].append(t)
         if world.rank != 0:
             continue
@@ -95,11 +108,13 @@ def main():
         table = []
         for c in configs:
             med = statistics.median(res[c])
+            mib = (lambda i: " ".join(f"{(m[i] or 0) / 2**20:.0f}" for m in mem[c]))
             table.append([c, f"{med * 1e3:.1f}", f"{max(res[c]) / min(res[c]):.2f}",
-                          f"{med / base:.2f}x", lesson.fmt_bytes(sent[c])])
+                          f"{med / base:.2f}x", lesson.fmt_bytes(sent[c]), mib(0), mib(1), mib(2)])
         print(f"\n{size}: Ψ = {psi:,} float32 params, {world.size} ranks x {rows} rows x "
               f"T {cfg.block_size}, median of {args.repeats} repeats x {args.steps} steps")
-        print(lesson.table(table, ["config", "ms/step", "spread", "vs DDP", "sent/step/rank"]))
+        print(lesson.table(table, ["config", "ms/step", "spread", "vs DDP", "sent/step/rank",
+                                   "states MiB/rank", "rss MiB/rank", "rss peak MiB/rank"]))
         sys.stdout.flush()
 
 

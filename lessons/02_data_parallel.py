@@ -27,7 +27,9 @@ buckets' all-reduces start during the last pass's backward.
 The lesson trains both for --steps AdamW steps beside single-process training on the
 same global batches and prints: the loss per step (1 process vs naive vs bucketed),
 the bytes each rank all-reduces per step next to 2(n-1)/n * Psi * bytes, and the step
-time split into compute and time spent waiting on communication. PASS means: all replicas are bitwise
+time split into compute and time spent waiting on communication, and each rank's memory:
+model states (pdist.memory) beside params + grads + Adam m, v = 4bΨ, and what the process
+holds (rss, rss peak; lesson 03 explains them). PASS means: all replicas are bitwise
 identical after every run, and over the first min(--steps, 10) steps every
 rank's parameters and the losses equal single-process training: float64 to rtol
 1e-9; float32 to rtol 1e-5 for the losses and 2e-4 absolute for the parameters
@@ -87,17 +89,20 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
     check_at = min(args.steps, CHECK_STEPS)
     tol, loss_rtol = tolerances(args.dtype)
     comm_bytes, times, waits, in_flight, clock, ok = [], [], [], [], [0.0], [False]
+    rss = memory.StepRSS()     # what the process holds: RSS after each step, and the step's peak
 
     def batch(step):           # the step starts here: counters and clock from zero
         b = data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
         world.reset_stats()
         trace.clear()
+        rss.start()
         clock[0] = trace.now()
         return b
 
     def on_step(step, loss):   # after the optimizer step (the loss is the global-batch mean)
         synchronize()  # the step's device work is done (no-op on CPU)
         times.append(trace.now() - clock[0])
+        rss.stop()
         waits.append(model.last_wait_seconds)
         in_flight.append(trace.comm_seconds())
         comm_bytes.append(world.stats.get("all_reduce", {}).get("bytes", 0))
@@ -110,7 +115,7 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
                                    rtol=loss_rtol, atol=0)
     digest = hashlib.sha1(b"".join(to_numpy(q.data).tobytes() for q in model.parameters())).hexdigest()
     oks, digests = zip(*world.all_gather_object((passed, digest)))
-    mem = memory.memory_row(rank, model, opt)   # bucketed: grads are views of the buckets, counted once
+    mem = memory.memory_row(rank, model, opt, rss=rss.row())   # bucketed: grads are views of the buckets
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
            "params": cfg.num_params(),
            "loss": losses, "baseline_loss": base_losses,
@@ -143,6 +148,14 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
           "issuing the\nall-reduces inside backward); in flight: issue to completion of the all-reduces")
     print(lesson.table(rows, ["run", "all-reduced", "2(n-1)/n*Psi*bytes", "compute ms", "waiting ms",
                               "in flight ms", "step ms"]))
+    b, fb = np.dtype(args.dtype).itemsize, lesson.fmt_bytes
+    rows = [(rec["name"], m["rank"], fb(m["params_bytes"] + m["grads_bytes"] + m["optim_bytes"]),
+             fb(4 * b * psi), fb(m["rss_bytes"] or 0), fb(m["rss_peak_bytes"] or 0))
+            for rec in (naive, bucketed) for m in rec["memory_per_rank"]]
+    print("\nmemory per rank: model states (pdist.memory), the formula (params + grads + Adam m, v = 4bΨ), "
+          "and what\nthe process holds (RSS after the last step, and its peak during that step; the "
+          "interpreter and\nlibraries included, see lesson 03)")
+    print(lesson.table(rows, ["run", "rank", "states", "formula", "rss", "rss peak"]))
     tol, loss_rtol = tolerances(args.dtype)
     print(f"\nreplicas bitwise identical; parameters after {min(args.steps, CHECK_STEPS)} steps equal "
           f"1 process "

@@ -37,6 +37,26 @@ The table (per rank; every rank holds the same amounts, see --json for all):
   rel err                  |θ - θ_ref| / |θ_ref| over all pieces of all ranks (2-norms)
                            after min(--steps, 10) steps
 
+The second table is what each process holds (the OS's count, per rank, MiB):
+  baseline       RSS before the stage's model is built (after malloc returns its free
+                 pages): the interpreter, NumPy, MPI, the corpus, and the reference
+                 weights the check compares against
+  init peak      the RSS peak while ZeRO(GPT(cfg, seed, device="meta")) is built, above the
+                 baseline: each rank draws only its pieces (pdist/meta.py), so stage 3
+                 peaks at its shard + about the largest parameter, not the whole model
+  rss            RSS after the last step; malloc free: what malloc holds free inside it
+                 (the small temporaries' pages, reused by the next step)
+  trimmed        RSS after malloc_trim(0) returned those free pages: the live memory;
+                 base+formula is baseline + the formula's model states, Δ the difference
+  rss peak       the peak RSS during the last step; base+peak is baseline + the traced
+                 peak (states + activations + temporaries), Δ the difference
+--check-rss (on by default from Ψ = 4 M: below it the baseline hides the model, e.g.
+--n-layer 8 --n-embd 512 --n-head 8 --batch-size 4 gives Ψ = 25.3 M) adds to PASS:
+|trimmed - (base+formula)| and |rss peak - (base+peak)| <= 15% of the prediction on
+every rank. --timeline PNG plots each rank's memory over one step, the states and
+activations stacked, with every all-gather, free and reduce-scatter marked; the same
+events and a "memory" counter go into --trace (pdist/memory_timeline.py).
+
 PASS means, on every rank: model-state bytes equal the formula exactly, bytes sent
 equal the theory, and (as in lesson 02) after min(--steps, 10) steps every shard
 equals the same slice of the single-process weights (float64: elementwise, rtol
@@ -47,11 +67,14 @@ gradient is exactly 0) into steps of size lr: single elements differ by up to
 Why stop at 10: summing a gradient in another order is a 1e-16 relative
 difference that training amplifies over many steps (lesson 02 and docs/zero.md).
 """
+import argparse
+import gc
+import os
 import time
 
 import numpy as np
 
-from pdist import data, lesson, memory
+from pdist import backend, data, lesson, memory, memory_timeline
 from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
 from pdist.parallel import ZeRO
@@ -60,6 +83,8 @@ from pdist.training import train
 
 FORMULA = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}  # in float32 (b = 4)
 COMM = {0: "2Ψ·(N-1)/N", 1: "2Ψ·(N-1)/N", 2: "2Ψ·(N-1)/N", 3: "3Ψ·(N-1)/N"}  # ring accounting
+RSS_TOL = 0.15          # |RSS - prediction| / prediction, when the RSS is checked
+RSS_CHECK_MIN_PSI = 4_000_000   # checked by default from here: below, the baseline hides the model
 CHECK_STEPS = 10   # horizon of the tight shard check (why: lessons/02_data_parallel.py's docstring)
 F32_REL = 1e-4     # float32: |θ - θ_ref| / |θ_ref| over the whole model (all shards)
 
@@ -80,6 +105,31 @@ def comm_theory(stage, z, n, b):
     return (2 if stage < 3 else 3) * (n - 1) * b * z.numel_padded / n
 
 
+def rss_prediction(rss, states, peak):
+    """What the process should hold: (baseline + the formula's model states after a step,
+    baseline + the traced peak of a step: states + activations + temporaries)."""
+    base = rss["rss_baseline_bytes"] or 0
+    return base + states, base + (peak or 0)
+
+
+def rss_close(rss, pred):
+    """True when the RSS (malloc's free pages returned) and the step's peak RSS are within
+    RSS_TOL of the prediction (False without /proc)."""
+    got = (rss.get("rss_trimmed_bytes"), rss.get("rss_peak_bytes"))
+    return all(g is not None and abs(g - w) <= RSS_TOL * w for g, w in zip(got, pred))
+
+
+def rss_row(m):
+    """One row of the RSS table, in MiB, from a memory_per_rank entry."""
+    mib = (lambda v: "n/a" if v is None else f"{v / 2**20:.1f}")
+    rel = (lambda g, w: "n/a" if g is None else f"{(g - w) / w:+.1%}")
+    base = m["rss_baseline_bytes"] or 0
+    return [m["rank"], mib(base), mib(m["rss_init_peak_bytes"] - base), mib(m["rss_bytes"]),
+            mib(m.get("malloc_free_bytes")), mib(m["rss_trimmed_bytes"]), mib(m["rss_prediction_bytes"]),
+            rel(m["rss_trimmed_bytes"], m["rss_prediction_bytes"]), mib(m["rss_peak_bytes"]),
+            mib(m["rss_peak_prediction_bytes"]), rel(m["rss_peak_bytes"], m["rss_peak_prediction_bytes"])]
+
+
 def shard_error(z, ref_sd, world, tol):
     """Compare this rank's pieces with the same slices of ``ref_sd``: (ok, |θ - θ_ref| / |θ_ref|)
     over all ranks' pieces (an all-reduce)."""
@@ -95,36 +145,57 @@ def shard_error(z, ref_sd, world, tol):
 def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=None):
     """Train ``steps`` steps under ZeRO-``stage`` with the one loop. After step ``check_at``,
     compare this rank's pieces with ``ref_sd`` (``shard_error``). Returns
-    (model, optimizer, losses, bytes sent per step, median seconds per step, (ok, rel err))."""
-    z = ZeRO(GPT(cfg, seed=args.seed), stage, world, prefetch=not args.no_prefetch)
+    (model, optimizer, losses, bytes sent per step, median seconds per step, (ok, rel err),
+    {rss_baseline_bytes (before the model), rss_bytes, rss_peak_bytes (the last step)})."""
+    gc.collect()
+    backend.malloc_trim()      # malloc's free pages (earlier runs' temporaries) back to the OS
+    rss = {"rss_baseline_bytes": memory.rss_bytes()}   # before the model: interpreter, libraries, data
+    with memory.RSSPeak() as init:     # meta init: each rank draws its own pieces only (pdist/meta.py)
+        z = ZeRO(GPT(cfg, seed=args.seed, device="meta"), stage, world, prefetch=not args.no_prefetch)
+    rss["rss_init_peak_bytes"] = init.peak_bytes
     opt = lesson.make_adamw(z.parameters())
     sent, secs, check, clock = [], [], [(True, 0.0)], [0.0]
 
-    def batch(step):           # the step starts here: counters and clock from zero
+    def batch(step):           # the step starts here: counters, clock and RSS peak from zero
         b = data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
         world.reset_stats()
+        memory.reset_rss_peak()
         clock[0] = time.perf_counter()
         return b
 
     def on_step(step, loss):
         synchronize()  # the step's device work is done (no-op on CPU)
         secs.append(time.perf_counter() - clock[0])
+        if step + 1 == steps:      # the last step: peak, RSS, what malloc holds free, RSS without it
+            rss.update(rss_peak_bytes=memory.rss_peak_bytes(), rss_bytes=memory.rss_bytes(),
+                       malloc_free_bytes=backend.malloc_free_bytes())
+            backend.malloc_trim()
+            rss["rss_trimmed_bytes"] = memory.rss_bytes()
         sent.append(world.bytes_sent())
         if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)
             check[0] = shard_error(z, ref_sd, world, tol)
 
     losses = train(z, opt, batch, steps, on_step=on_step)
-    return z, opt, losses, sent, float(np.median(secs)), check[0]
+    return z, opt, losses, sent, float(np.median(secs)), check[0], rss
 
 
 def peak_bytes(cfg, stage, world, args, tokens):
     """The peak of one step (step 0's batch) after 2 traced steps from a fresh model
-    (tracemalloc slows NumPy's allocations, so the timed run is not traced)."""
+    (tracemalloc slows NumPy's allocations, so the timed run is not traced). The same
+    step's memory timeline (pdist/memory_timeline.py) goes into the trace, and with
+    --timeline into a PNG."""
     memory.start_tracing(restart=True)
     zm, om, *_ = run(cfg, stage, world, args, tokens, min(2, args.steps))
-    with memory.PeakMemory() as pk:
+    with memory.PeakMemory() as pk, memory_timeline.record(zm, om) as tl:
         train(zm, om, lambda step: data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, 0), 1)
     memory.stop_tracing()
+    if args.timeline:          # every rank's samples of this step, one PNG (rank 0)
+        per_rank = world.all_gather_object(tl.samples)
+        path = args.timeline if args.stage is not None else \
+            f"{os.path.splitext(args.timeline)[0]}.zero{stage}.png"
+        title = f"ZeRO-{stage}: one step, {world.size} ranks"
+        if world.rank == 0 and not memory_timeline.plot(per_rank, path, title):
+            print("--timeline: matplotlib is not installed (pip install 'pdist[plot]'): no PNG written")
     return pk.peak_bytes
 
 
@@ -133,6 +204,14 @@ def main():
     p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
+    p.add_argument("--timeline", metavar="PNG", default=None,
+                   help="plot each rank's memory over one step (params, grads, optimizer, activations "
+                        "stacked; all-gather/free/reduce-scatter marked) here; with all stages, one PNG "
+                        "per stage (NAME.zeroK.png). Needs matplotlib")
+    p.add_argument("--check-rss", action=argparse.BooleanOptionalAction, default=None,
+                   help=f"PASS also needs each rank's RSS within {RSS_TOL * 100:.0f}%% of baseline + formula "
+                        f"(and its peak of baseline + traced peak); default: on when "
+                        f"Ψ >= {RSS_CHECK_MIN_PSI:,}")
     args = lesson.validate(p, p.parse_args())
     world, tokens, tok = lesson.start(args)
     lesson.warn_shared_cores(world)
@@ -150,18 +229,23 @@ def main():
     baseline, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)
     _, ref_sd = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, tokens)
 
-    rows, runs, ok_all = [], [], True
+    psi = cfg.num_params()
+    check_rss = args.check_rss or (args.check_rss is None and psi >= RSS_CHECK_MIN_PSI)
+    rows, rss_rows, runs, ok_all = [], [], [], True
     for stage in stages:
         peak = peak_bytes(cfg, stage, world, args, tokens)
-        z, opt, losses, sent, sps, (shards_ok, err) = run(cfg, stage, world, args, tokens, args.steps,
-                                                           check_at, ref_sd, tol)
-        mem = memory.memory_row(rank, z, opt, peak)
+        z, opt, losses, sent, sps, (shards_ok, err), rss = run(cfg, stage, world, args, tokens, args.steps,
+                                                                check_at, ref_sd, tol)
+        mem = memory.memory_row(rank, z, opt, peak, rss)
         psi = z.numel if stage == 0 else z.numel_padded
         want = formula_bytes(stage, psi, n, b)
         theory = comm_theory(stage, z, n, b)
         got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
+        rss_pred = rss_prediction(rss, sum(want), peak)
+        mem.update(rss_prediction_bytes=rss_pred[0], rss_peak_prediction_bytes=rss_pred[1])
+        rss_ok = not check_rss or rss_close(rss, rss_pred)
         loss_ok = np.allclose(losses[:check_at], baseline[:check_at], rtol=loss_rtol, atol=0)
-        ok = (shards_ok and loss_ok and got == want
+        ok = (shards_ok and loss_ok and got == want and rss_ok
               and all(abs(s - theory) <= len(z.units) for s in sent))
         flag = np.array([1.0 if ok else 0.0])
         world.all_reduce(flag, op="min")                            # PASS only if every rank passed
@@ -172,19 +256,26 @@ def main():
                      "loss": list(losses), "baseline_loss": list(baseline), "memory_per_rank": mems,
                      "comm_bytes_per_step": sents, "comm_bytes_theory": theory,
                      "memory_formula": dict(zip(("params_bytes", "grads_bytes", "optim_bytes"), want)),
-                     "seconds_per_step": sps})
+                     "seconds_per_step": sps, "rss_checked": check_rss})
         fb = lesson.fmt_bytes
         rows.append([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
                      f"{FORMULA[stage] if b == 4 else '2x ' + FORMULA[stage]} = {fb(sum(want))}",
                      "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
                      fb(peak), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"])
+        rss_rows += [[stage] + rss_row(m) for m in mems]
+        numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
+        del z, opt             # the next stage's baseline RSS must not hold this one's model
 
     if rank == 0:
-        print(f"ZeRO on {n} rank(s): GPT with Ψ = {z.numel:,} parameters ({len(z.units)} flat units: "
-              f"root wte+wpe, {cfg.n_layer} blocks, ln_f), Ψ_pad = {z.numel_padded:,}, {args.dtype} "
+        print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters ({n_units} flat units: "
+              f"root wte+wpe, {cfg.n_layer} blocks, ln_f), Ψ_pad = {numel_padded:,}, {args.dtype} "
               f"(b = {b}), AdamW, {args.steps} steps, global batch {args.batch_size}\n")
         print(lesson.table(rows, ["stage", "params", "grads", "optim", "total", "formula", "=",
                                   "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
+        print(f"\nWhat each process holds (RSS, the OS's count; the last step; "
+              f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked at this Ψ'}):")
+        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc free",
+                                      "trimmed", "base+formula", "Δ", "rss peak", "base+peak", "Δ"]))
         print()
     lesson.finish("03_zero", ok_all, runs, args, rank=rank, world_size=n,
                   detail=f"(stages {stages} on {n} ranks: shards equal the single-process run, "

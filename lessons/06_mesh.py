@@ -29,7 +29,9 @@ The lesson prints (rank 0, gathered from every rank):
                  once) beside the formula for this layout: Ψ_r = the parameters of this
                  rank's stage and tensor shard (counted from the config, lm_head's copy
                  of wte included on the last stage), b bytes each; ZeRO's formula over
-                 the dp group with Ψ_pad = Σ_units ceil(Ψ_u/N)·N (lesson 03)
+                 the dp group with Ψ_pad = Σ_units ceil(Ψ_u/N)·N (lesson 03); and what the
+                 process holds: rss (after the last step) and rss peak (during it), the
+                 interpreter and libraries included (lesson 03 compares them with the formula)
   bytes/step     what each rank sent per step in each group (ProcessGroup.stats, ring
                  accounting) beside the theory: dp 2(N-1)/N·bΨ_r (ZeRO-1/2: RS + AG of
                  Ψ_pad; ZeRO-3 with m micro-batches: 2m AG + 1 RS); pp m·v activations forward + m·v gradients backward minus the
@@ -180,11 +182,15 @@ def main():
     ref_losses, _ = _reference(cfg, batch, args.seed, args.steps)
     _, ref_sd = _reference(cfg, batch, args.seed, check_at)
 
-    model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
+    # meta init: each rank draws only the pieces it holds (pdist/meta.py)
+    model = parallelize(GPT(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero,
+                        sequence_parallel=args.sp,
                         schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
     opt = lesson.make_adamw(model.parameters())
     groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
     sent, snap, times = [], {}, []
+
+    rss_step = memory.StepRSS()
 
     def on_step(step, loss):
         sent.append({k: g.bytes_sent() for k, g in groups.items()})
@@ -192,6 +198,8 @@ def main():
             g.reset_stats()
         synchronize()  # the step's device work is done (no-op on CPU)
         times.append(time.perf_counter())
+        rss_step.stop()        # the RSS peak since the previous step ended
+        rss_step.start()
         if step + 1 == check_at:
             snap["pieces"] = [(pc, np.array(pc.view(pc.tensor.data))) for pc in model.pieces()]
 
@@ -217,7 +225,9 @@ def main():
     ok = shards_ok and loss_ok and got == want and bytes_ok
     flag = np.array([1.0 if ok else 0.0])
     world.all_reduce(flag, op="min")
-    rows = world.all_gather_object((world.rank, tuple(mesh.coords), got, want, per_step, theory, shards_ok))
+    rss = (rss_step.rss_bytes, rss_step.rss_peak_bytes)          # after the last step; that step's peak
+    rows = world.all_gather_object((world.rank, tuple(mesh.coords), got, want, per_step, theory, shards_ok,
+                                    rss))
     if world.rank == 0:
         report(args, cfg, rows, losses, ref_losses, rel, secs)
     fb = lesson.fmt_bytes
@@ -226,9 +236,10 @@ def main():
                                         "microbatches": args.microbatches, "chunks": args.chunks},
              "dtype": args.dtype, "params": cfg.num_params(), "loss": losses, "baseline_loss": list(ref_losses),
              "memory_per_rank": [dict(rank=r, params_bytes=g[0], grads_bytes=g[1], optim_bytes=g[2],
-                                      formula_bytes=list(w)) for r, _, g, w, *_ in rows],
-             "comm_bytes_per_step": [sum(ps.values()) for *_, ps, _, _ in rows],
-             "comm_bytes_per_group": [dict(ps, theory=th) for *_, ps, th, _ in rows],
+                                      formula_bytes=list(w), rss_bytes=rs[0], rss_peak_bytes=rs[1])
+                                 for r, _, g, w, *_, rs in rows],
+             "comm_bytes_per_step": [sum(row[4].values()) for row in rows],
+             "comm_bytes_per_group": [dict(row[4], theory=row[5]) for row in rows],
              "seconds_per_step": secs}]
     lesson.finish("06_mesh", bool(flag[0]), runs, args, rank=world.rank, world_size=world.size,
                   detail=f"(dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}"
@@ -255,12 +266,13 @@ def report(args, cfg, rows, losses, ref_losses, rel, secs):
     print(lesson.table([(r, c[1], c[2], c[0]) for r, c, *_ in rows], ["world rank", "dp", "tp", "pp"]))
     print()
     table = []
-    for r, c, got, want, ps, th, ok in rows:
+    for r, c, got, want, ps, th, ok, rss in rows:
         table.append((r, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(want)), "yes" if got == tuple(want) else "NO",
-                      fb(ps["dp"]), fb(th["dp"]), fb(ps["tp"]), fb(th["tp"]), fb(ps["pp"]), fb(th["pp"]),
-                      "yes" if ok else "NO"))
-    print(lesson.table(table, ["rank", "params", "grads", "optim", "formula", "=", "dp sent", "theory",
-                               "tp sent", "theory", "pp sent", "theory", "shards = 1 proc"]))
+                      fb(rss[0] or 0), fb(rss[1] or 0), fb(ps["dp"]), fb(th["dp"]), fb(ps["tp"]),
+                      fb(th["tp"]),
+                      fb(ps["pp"]), fb(th["pp"]), "yes" if ok else "NO"))
+    print(lesson.table(table, ["rank", "params", "grads", "optim", "formula", "=", "rss", "rss peak",
+                               "dp sent", "theory", "tp sent", "theory", "pp sent", "theory", "shards = 1 proc"]))
     print(f"\nloss {losses[-1]:.6f} (1 process {ref_losses[-1]:.6f}); |θ - θ_ref| / |θ_ref| = {rel:.1e} after "
           f"{min(args.steps, CHECK_STEPS)} steps; {secs * 1e3:.1f} ms/step\n")
 

@@ -206,32 +206,79 @@ def asarray(a, dtype=None):
     return _state["module"].asarray(a, dtype=dtype)
 
 
-def tune_malloc():
-    """Keep freed memory in the process instead of handing it back to the OS at once.
+MMAP_THRESHOLD = 1 << 20     # arrays >= 1 MiB get their own mapping: freeing one returns it to the OS
+TRIM_THRESHOLD = 16 << 20    # the heap's free top (small temporaries) is kept up to 16 MiB
+TOP_PAD = 4 << 20            # and grown 4 MiB at a time
 
-    A training step allocates and frees the same few hundred temporary arrays each
-    step. With glibc's defaults, freed memory at the top of the heap is trimmed
-    (returned to the OS) and arrays over the dynamic mmap threshold get fresh pages,
-    so every step page-faults its temporaries in again: measured here, the lesson
-    model's step took 11.7 ms with the defaults and 7.0 ms with these settings
-    (bench/step_time.py). Raising M_TOP_PAD / M_TRIM_THRESHOLD / M_MMAP_THRESHOLD
-    (what MALLOC_TOP_PAD_=... etc. would set) keeps those pages mapped; memory is
-    still reused, only not returned to the OS until the heap's free top exceeds
-    256 MiB. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or off/false/no)
-    turns it off, and a value that is not a boolean raises a ValueError.
-    Returns True when the settings were applied."""
+
+def tune_malloc():
+    """glibc malloc's policy for pdist: memory ZeRO frees goes back to the OS at once,
+    and a step's small temporaries are reused without page faults.
+
+    Two kinds of allocation dominate. Large arrays (ZeRO's gathered units and shards,
+    parameters, Adam states, big activations) are allocated and freed in the step's
+    rhythm; a fixed ``M_MMAP_THRESHOLD`` of 1 MiB gives each its own mapping, so its
+    ``free`` unmaps it and the process's RSS drops by its size, as ZeRO-3's formula
+    says. (A fixed threshold also switches off glibc's dynamic one, which otherwise
+    rises to the largest freed block and keeps later big arrays on the heap.) Small
+    temporaries (< 1 MiB: the lesson model's activations) live on the heap, whose free
+    top is kept up to ``M_TRIM_THRESHOLD`` = 16 MiB, grown 4 MiB (``M_TOP_PAD``) at a
+    time, so a step does not fault them in again. What the heap keeps free is one
+    number, ``malloc_free_bytes()``, reported beside the RSS (pdist.memory).
+
+    Measured with bench/step_time.py --sizes lesson (docs/zero.md, "Speed"): within the
+    noise of keeping every freed page mapped (the previous policy: 256 MiB trim, 32 MiB
+    mmap threshold, which held ZeRO-3's freed units in RSS; at most ~2% slower on a shared
+    2-core machine), and faster than glibc's defaults. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or
+    off/false/no) keeps glibc's defaults, and a value that is not a boolean raises a
+    ValueError. Returns True when the settings were applied."""
     if not env_flag("PDIST_MALLOC_TUNE", True) or not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
         M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
-        ok = libc.mallopt(M_TOP_PAD, 64 << 20)
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, 256 << 20)
-        ok &= libc.mallopt(M_MMAP_THRESHOLD, 32 << 20)  # 32 MiB is glibc's upper limit
+        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
+        ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
+        ok &= libc.mallopt(M_TOP_PAD, TOP_PAD)
         return bool(ok)
     except (OSError, AttributeError):  # not glibc (musl, macOS): leave malloc alone
         return False
+
+
+def malloc_trim():
+    """Return the free pages malloc holds to the OS (glibc ``malloc_trim(0)``: the heap's
+    top and every free page inside it). The RSS then counts live memory only; pdist.memory
+    reads RSS after it where a measurement needs that. False where there is no glibc."""
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        import ctypes
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
+
+
+def malloc_free_bytes():
+    """Bytes glibc malloc holds free inside the process (freed, not returned to the OS):
+    ``mallinfo2().fordblks``, summed over arenas. The gap between RSS and the live
+    arrays is this number (plus the interpreter and libraries). None where there is
+    no glibc ``mallinfo2`` (macOS, musl, glibc < 2.33)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        import ctypes
+
+        class _MallInfo2(ctypes.Structure):
+            _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
+                                                       "usmblks", "fsmblks", "uordblks", "fordblks",
+                                                       "keepcost")]
+        fn = ctypes.CDLL("libc.so.6").mallinfo2
+        fn.restype = _MallInfo2
+        return int(fn().fordblks)
+    except (OSError, AttributeError):
+        return None
 
 
 tune_malloc()

@@ -31,7 +31,8 @@ import numpy as np
 from pdist import functional as F
 from pdist import nn
 from pdist.autograd import Tensor
-from pdist.backend import asarray, xp
+from pdist.backend import asarray, default_dtype, xp
+from pdist.meta import MetaArray, RowStream, materialize_whole
 
 
 @dataclass
@@ -86,6 +87,23 @@ def gpt_init(cfg, name, seed):
     return rng.standard_normal(shape) * std
 
 
+def gpt_init_stream(cfg, name, seed):
+    """``gpt_init(cfg, name, seed)`` as a row stream (pdist.meta.RowStream): rows [a, b)
+    drawn in chunks, bit-identical to the whole array (a Generator's normals come in
+    the same order however many are asked at a time)."""
+    shape = cfg.param_shapes()[name]
+    inner = shape[1:]
+    if name.endswith("bias") or ".ln_" in name:
+        const = 0.0 if name.endswith("bias") else 1.0
+        return RowStream(shape, lambda: (lambda n: np.full((n,) + inner, const)))
+    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+
+    def restart():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        return lambda n: rng.standard_normal((n,) + inner) * std
+    return RowStream(shape, restart)
+
+
 def causal_self_attention(qkv, n_head):
     """Multi-head causal self-attention, heads batched (no loop over heads):
     q, k, v = split(x W_qkv + b);  y_h = softmax(q_h k_h^T / sqrt(d) + M) v_h;
@@ -101,12 +119,13 @@ def causal_self_attention(qkv, n_head):
 
 
 class _ZerosRng:
-    """Placeholder generator: GPT's modules are filled by gpt_init right after."""
+    """Placeholder generator: GPT's modules are filled by gpt_init right after. Its zeros
+    are a broadcast view of one element (no memory), so a meta GPT never allocates."""
     def uniform(self, lo, hi, shape):
-        return np.zeros(shape)
+        return np.broadcast_to(np.zeros((), default_dtype()), shape)
 
     def standard_normal(self, shape):
-        return np.zeros(shape)
+        return np.broadcast_to(np.zeros((), default_dtype()), shape)
 
 
 _ZEROS = _ZerosRng()
@@ -176,18 +195,35 @@ class CrossEntropyLoss(nn.Module):
 
 
 class GPT(nn.Module):
-    """GPT-2; see the module docstring. ``GPT(cfg, seed)`` draws every weight with gpt_init."""
+    """GPT-2; see the module docstring. ``GPT(cfg, seed)`` draws every weight with gpt_init.
 
-    def __init__(self, cfg, seed=0):
+    ``device="meta"``: shapes only (pdist.meta.MetaArray, no memory); a strategy fills
+    this rank's pieces from ``init_rows`` (FSDP's meta-device init), or ``materialize()``."""
+
+    def __init__(self, cfg, seed=0, device=None):
+        if device not in (None, "meta"):
+            raise ValueError(f"GPT device must be None or 'meta', got {device!r}")
         super().__init__()
-        self.config, self.seed = cfg, seed
+        self.config, self.seed, self._streams = cfg, seed, {}
         self.transformer = Transformer(cfg)
         self.drop = nn.Dropout(cfg.dropout, seed=seed)
         for name, p in self.named_parameters():
-            p.data = asarray(gpt_init(cfg, name, seed), dtype=cfg.dtype)
+            p.data = (MetaArray(p.data.shape, cfg.dtype) if device == "meta"
+                      else asarray(gpt_init(cfg, name, seed), dtype=cfg.dtype))
             p.name = name
         self.lm_head = LMHead(self.transformer.wte.weight)
         self.loss_fn = CrossEntropyLoss()
+
+    def init_rows(self, name, a, b):
+        """Rows [a, b) of ``gpt_init(cfg, name, seed)`` (float64), drawn as a stream."""
+        if name not in self._streams:
+            self._streams[name] = gpt_init_stream(self.config, name, self.seed)
+        return self._streams[name].rows(a, b)
+
+    def materialize(self):
+        """Fill every meta parameter with its whole gpt_init value (one process)."""
+        materialize_whole(self.named_parameters(), self.init_rows)
+        self._streams.clear()
 
     def embed(self, idx):
         """x_0 = drop(wte[idx] + wpe[0..T)) -> (B, T, C)"""

@@ -29,10 +29,26 @@ during a block of code, by the array library itself:
     with memory.PeakMemory() as pk:
         train_step()
     row = memory.memory_row(rank, model, opt, pk.peak_bytes)   # the JSON's memory_per_rank entry
+
+What the process holds (the operating system's count, which includes the
+interpreter, the libraries and whatever malloc keeps free): ``rss_bytes()`` is
+``VmRSS`` of /proc/self/status, ``rss_peak_bytes()`` its high-water mark ``VmHWM``,
+which ``reset_rss_peak()`` sets back to the current RSS (writing "5" to
+/proc/self/clear_refs, Linux). ``RSSPeak`` measures a block's peak that way:
+
+    with memory.RSSPeak() as rp:
+        train_step()
+    rp.peak_bytes, rp.exact     # exact False: no reset here, the peak is since the process began
+
+Where /proc is missing (macOS) the peak is ``resource.getrusage``'s ``ru_maxrss``
+(since the process began, never reset) and the current RSS is None.
+``pdist.backend.malloc_free_bytes()`` is what malloc holds free inside the process.
 """
+import os
+import sys
 import tracemalloc
 
-from pdist.backend import is_gpu
+from pdist.backend import is_gpu, malloc_free_bytes
 
 
 def _root(a):
@@ -138,9 +154,95 @@ class PeakMemory:
         return False
 
 
-def memory_row(rank, model, optimizer=None, peak_bytes=None):
-    """One entry of the JSON summary's ``memory_per_rank`` (docs/design.md)."""
+def _proc_status(field):
+    """``field`` of /proc/self/status in bytes (``VmRSS: 1234 kB``), None without /proc."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith(field + ":"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def rss_bytes():
+    """The process's resident set size now (VmRSS), None where /proc is missing."""
+    return _proc_status("VmRSS")
+
+
+def rss_peak_bytes():
+    """The RSS high-water mark: VmHWM (since the last ``reset_rss_peak``), else
+    ``ru_maxrss`` (since the process began; KiB on Linux, bytes on macOS)."""
+    hwm = _proc_status("VmHWM")
+    if hwm is not None:
+        return hwm
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak) * (1 if sys.platform == "darwin" else 1024)
+
+
+def reset_rss_peak():
+    """Set the peak back to the current RSS (Linux: "5" into /proc/self/clear_refs).
+    True when it worked, False where it cannot (no /proc, not permitted)."""
+    try:
+        fd = os.open("/proc/self/clear_refs", os.O_WRONLY)
+    except OSError:
+        return False
+    try:
+        os.write(fd, b"5")
+        return True
+    except OSError:
+        return False
+    finally:
+        os.close(fd)
+
+
+class RSSPeak:
+    """``with RSSPeak() as rp: ...`` -> ``rp.peak_bytes``: the most RSS the process
+    held inside the block; ``rp.exact`` False where the peak could not be reset (then
+    it is the peak since the process began); ``rp.rss_bytes``: the RSS at exit."""
+
+    def __enter__(self):
+        self.exact = reset_rss_peak()
+        self.peak_bytes = self.rss_bytes = None
+        return self
+
+    def __exit__(self, *exc):
+        self.peak_bytes, self.rss_bytes = rss_peak_bytes(), rss_bytes()
+        return False
+
+
+class StepRSS:
+    """The RSS of training steps: ``start()`` as a step begins (resets the peak), ``stop()``
+    after it; ``row()`` -> {"rss_bytes", "rss_peak_bytes"} of the last step stopped (the peak
+    since the process began where it cannot be reset), for ``memory_row(..., rss=...)``."""
+
+    def __init__(self):
+        self.rss_bytes = self.rss_peak_bytes = None
+
+    def start(self):
+        reset_rss_peak()
+
+    def stop(self):
+        self.rss_peak_bytes, self.rss_bytes = rss_peak_bytes(), rss_bytes()
+
+    def row(self):
+        return {"rss_bytes": self.rss_bytes, "rss_peak_bytes": self.rss_peak_bytes}
+
+
+def process_row():
+    """{"rss_bytes", "rss_peak_bytes", "malloc_free_bytes"} of this process now (entries None
+    where the platform cannot say)."""
+    return {"rss_bytes": rss_bytes(), "rss_peak_bytes": rss_peak_bytes(),
+            "malloc_free_bytes": malloc_free_bytes()}
+
+
+def memory_row(rank, model, optimizer=None, peak_bytes=None, rss=None):
+    """One entry of the JSON summary's ``memory_per_rank`` (docs/design.md); ``rss``: a dict
+    such as ``process_row()``'s, or {"rss_bytes", "rss_peak_bytes", "rss_baseline_bytes"}."""
     row = {"rank": int(rank), **model_state_bytes(model, optimizer)}
     if peak_bytes is not None:
         row["peak_bytes"] = int(peak_bytes)
+    row.update({k: (None if v is None else int(v)) for k, v in (rss or {}).items()})
     return row

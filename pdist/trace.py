@@ -20,7 +20,8 @@ only with ``set_detail(True)``, which lessons' ``--trace`` turns on, or PDIST_TR
 ``device`` (tid 5: on a GPU, with detail, when the device ran each forward and backward,
 measured with CUDA events: ``device_mark``); an
 ``instant(name, cat="fault")`` (an injected fault, pdist/inject.py) is an
-instant event (``"ph": "i"``, ``"s": "p"``) across the rank's tracks.
+instant event (``"ph": "i"``, ``"s": "p"``) across the rank's tracks; a ``counter(name, **values)``
+is a counter sample (``"ph": "C"``: the memory timeline's bytes by category, pdist/memory_timeline.py).
 
 Alignment. ``write_chrome_trace`` runs a barrier; each rank reads its clock as it
 leaves, and rank r's times become ``t - t_barrier_r``: the ranks' clocks are
@@ -84,6 +85,13 @@ def instant(name, cat="fault", **args):
     """Add one instant event (a moment, e.g. an injected fault): ``"ph": "i"`` in the file."""
     if _cfg["on"]:
         _events.append((name, cat, now(), None, args))
+
+
+def counter(name, **values):
+    """Add one sample of a counter track (``"ph": "C"``: Perfetto draws the values stacked),
+    e.g. ``counter("memory", params=..., grads=...)`` (pdist/memory_timeline.py)."""
+    if _cfg["on"]:
+        _events.append((name, "counter", now(), None, values))
 
 
 class span:
@@ -171,6 +179,9 @@ def chrome_events(evs, pid, t0):
             for cat, tid in TRACKS.items()]
     for e in evs:
         args = {k: _plain(v) for k, v in e["args"].items()}
+        if e["cat"] == "counter":
+            out.append({"name": e["name"], "ph": "C", "pid": pid, "ts": (e["start"] - t0) * 1e6, "args": args})
+            continue
         if e["end"] is None:
             out.append({"name": e["name"], "cat": e["cat"], "ph": "i", "s": "p", "pid": pid, "tid": 1,
                         "ts": (e["start"] - t0) * 1e6, "args": args})

@@ -25,6 +25,11 @@ LAYOUTS = [
     (4, "--dp 2 --pp 2 --zero 2 --microbatches 2 --schedule gpipe"), (4, "--dp 4 --zero 3"),
     (8, "--dp 2 --tp 2 --pp 2 --zero 1 --sp --microbatches 4"),
     (8, "--dp 2 --tp 2 --pp 2 --schedule interleaved --chunks 2 --microbatches 4"),
+    # meta init (GPT(cfg, seed, device="meta")): each rank draws only its pieces, in chunks that cut
+    # rows; the worker checks them against GPT(cfg, seed) to the bit, then trains as above
+    (2, "--dp 2 --meta"), (2, "--dp 2 --zero 1 --meta"), (2, "--dp 2 --zero 3 --meta"), (2, "--tp 2 --sp --meta"),
+    (2, "--pp 2 --schedule gpipe --microbatches 2 --meta"), (4, "--dp 2 --tp 2 --zero 3 --sp --meta"),
+    (4, "--tp 2 --pp 2 --zero 2 --microbatches 2 --meta"),
 ]
 
 

@@ -64,3 +64,45 @@ def test_bad_flag_exits_2_on_every_rank(script):
     assert r.rc == 2, r.out
     assert r.out.count("--batch-size must be >= 1, got 0") == 2, r.out       # both ranks
     assert r.out.count("usage:") == 2 and "PASS" not in r.out and "FAIL" not in r.out
+
+
+def test_lesson_03_rss_meta_init_and_timeline(tmp_path):
+    """At Ψ ≈ 4.7 M on 2 ranks (issue 14): each rank's RSS (malloc's free pages returned) is
+    baseline + the formula and its step peak baseline + the traced peak, within 15% (the
+    lesson's --check-rss PASS); ZeRO-3's RSS falls from stage 0's as the formula says; the
+    meta init of ZeRO-3 peaks at the shard + the largest parameter (+1 MiB of Python objects),
+    stage 0 at the whole model; the timeline marks an all-gather and a free of every unit."""
+    out, trace_path, png = tmp_path / "s.json", tmp_path / "t.json", tmp_path / "tl.png"
+    text = mpirun(2, L03, "--steps", "2", "--n-layer", "6", "--n-embd", "256", "--block-size", "16",
+                  "--batch-size", "2", "--check-rss", "--json", out, "--trace", trace_path, "--timeline", png,
+                  timeout=240)
+    assert "PASS: 03_zero" in text and "checked: within 15%" in text, text
+    runs = json.loads(out.read_text())["runs"]
+    psi = runs[0]["params"]
+    for r in runs:
+        assert r["rss_checked"]
+    for rank in range(2):
+        m = [r["memory_per_rank"][rank] for r in runs]
+        grown = [x["rss_trimmed_bytes"] - x["rss_baseline_bytes"] for x in m]
+        formula = [sum(r["memory_formula"].values()) for r in runs]
+        for g, f in zip(grown, formula):
+            assert abs(g - f) <= 0.15 * f, (grown, formula)
+        assert grown[3] / grown[0] == pytest.approx(formula[3] / formula[0], rel=0.15), (grown, formula)
+        init = [x["rss_init_peak_bytes"] - x["rss_baseline_bytes"] for x in m]
+        largest = 4 * 256 * 1024                                            # mlp.c_fc, float32
+        assert init[3] <= 4 * psi // 2 + largest + (1 << 20), (init, psi)   # the shard + the largest
+        assert init[0] >= 4 * psi, (init, psi)                              # stage 0 holds the model
+    ev = json.loads(trace_path.read_text())["traceEvents"]
+    for pid in (0, 1):
+        mine = [e for e in ev if e.get("pid") == pid and e.get("cat") == "memory"]
+        units = {e["args"]["unit"] for e in mine if e["name"] == "free"}
+        assert units == {"root"} | {f"unit{i}" for i in range(7)}, units     # ZeRO-3: wte+wpe, 6 blocks, ln_f
+        assert units <= {e["args"]["unit"] for e in mine if e["name"] == "all-gather"}
+        assert units <= {e["args"]["unit"] for e in mine if e["name"] == "reduce-scatter"}
+        assert any(e.get("ph") == "C" and e["name"] == "memory" for e in ev if e.get("pid") == pid)
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    for stage in range(4):
+        assert (tmp_path / f"tl.zero{stage}.png").stat().st_size > 10_000

@@ -1,7 +1,9 @@
-"""pdist.memory: distinct-buffer byte counts and the tracemalloc peak (single process)."""
+"""pdist.memory: distinct-buffer byte counts, the tracemalloc peak, the process's RSS (single process);
+and the meta-device init of pdist/meta.py."""
 import numpy as np
+import pytest
 
-from pdist import gpt, lesson, memory
+from pdist import backend, gpt, lesson, memory, meta
 from pdist.autograd import Tensor
 
 
@@ -48,3 +50,72 @@ def test_memory_row_fields():
             return [t]
     row = memory.memory_row(3, M(), None, peak_bytes=123)
     assert row == {"rank": 3, "params_bytes": 32, "grads_bytes": 0, "optim_bytes": 0, "peak_bytes": 123}
+
+
+# --- what the process holds (RSS) and the allocator policy (pdist.backend.tune_malloc) -----------
+def test_rss_rises_with_an_array_and_falls_when_it_is_freed():
+    """tune_malloc's fixed mmap threshold: a large array is its own mapping, so freeing it
+    returns its pages to the OS at once (what ZeRO's frees rely on to show in the RSS)."""
+    if memory.rss_bytes() is None:
+        pytest.skip("no /proc/self/status here")
+    before = memory.rss_bytes()
+    a = np.ones(16 << 20)                            # 128 MiB, every page touched
+    held = memory.rss_bytes()
+    del a
+    after = memory.rss_bytes()
+    assert held - before >= 120 << 20, (before, held)
+    assert held - after >= 120 << 20, (held, after)
+
+
+def test_rss_peak_sees_a_freed_temporary_and_resets():
+    if not memory.reset_rss_peak():
+        pytest.skip("the RSS peak cannot be reset here (no /proc/self/clear_refs)")
+    with memory.RSSPeak() as rp:
+        t = np.ones(8 << 20)                         # 64 MiB, freed inside the block
+        del t
+    with memory.RSSPeak() as quiet:
+        np.ones(10).sum()
+    assert rp.exact and rp.peak_bytes - rp.rss_bytes >= 60 << 20, (rp.peak_bytes, rp.rss_bytes)
+    assert quiet.peak_bytes - quiet.rss_bytes < 8 << 20, (quiet.peak_bytes, quiet.rss_bytes)
+
+
+def test_process_row_and_malloc_free_bytes():
+    row = memory.process_row()
+    assert set(row) == {"rss_bytes", "rss_peak_bytes", "malloc_free_bytes"}
+    if row["rss_bytes"] is not None:
+        assert 0 < row["rss_bytes"] <= row["rss_peak_bytes"]
+    free = backend.malloc_free_bytes()
+    assert free is None or free >= 0
+
+
+# --- meta init (pdist/meta.py) --------------------------------------------------------------------
+CFG = gpt.GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=8, dtype="float32")
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 1 << 16])
+def test_row_stream_equals_gpt_init_to_the_bit(monkeypatch, chunk):
+    """The generator gives the same normals in chunks as in one call: rows [a, b) of the
+    stream are gpt_init's rows, asked in order, skipped ahead, or restarted."""
+    monkeypatch.setattr(meta, "CHUNK_ELEMS", chunk)
+    for name, shape in CFG.param_shapes().items():
+        full = gpt.gpt_init(CFG, name, seed=5)
+        s = gpt.gpt_init_stream(CFG, name, seed=5)
+        n = shape[0]
+        parts = [s.rows(0, n // 3), s.rows(n // 3, n)]            # in order
+        assert np.array_equal(np.concatenate(parts), full), name
+        assert np.array_equal(s.rows(n // 2, n), full[n // 2:]), name   # restart, skip ahead
+
+
+def test_meta_gpt_holds_no_values_and_materializes_bit_identical(monkeypatch):
+    monkeypatch.setattr(meta, "CHUNK_ELEMS", 5)
+    m = gpt.GPT(CFG, seed=5, device="meta")
+    assert all(meta.is_meta(p.data) for p in m.parameters())
+    assert memory.model_state_bytes(m)["params_bytes"] == 0
+    with pytest.raises(TypeError, match="materialize"):
+        m(np.zeros((1, 8), dtype=np.int64))
+    m.materialize()
+    ref = gpt.GPT(CFG, seed=5)
+    for (n, p), (_, q) in zip(m.named_parameters(), ref.named_parameters()):
+        assert p.data.dtype == q.data.dtype and np.array_equal(p.data, q.data), n
+    with pytest.raises(ValueError, match="meta"):
+        gpt.GPT(CFG, seed=5, device="cuda")

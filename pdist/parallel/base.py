@@ -30,6 +30,7 @@ from pdist import comm, debug, inject, trace
 from pdist import functional as F
 from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
+from pdist.meta import materialize
 from pdist.optim import nonfinite_report
 from pdist.parallel.layout import box_slices, shards_of, whole
 
@@ -52,6 +53,12 @@ class Strategy:
     def parameters(self):
         """What this rank's optimizer updates (``named_parameters()``, without the names)."""
         return [t for _, t in self.named_parameters()]
+
+    def materialize(self):
+        """Fill this rank's meta parameters (``GPT(cfg, seed, device="meta")``) piece by piece
+        from the model's ``init_rows`` (pdist/meta.py); a no-op when nothing is meta."""
+        materialize(self.pieces(), getattr(self.module, "init_rows", None))
+        return self
 
     def forward_backward(self, x, y, step=None):
         """One step's forward and backward on this rank's rows (x, y) (from ``local_batch``).

@@ -62,6 +62,7 @@ class _DataParallelBase(ParallelModule):
         super().__init__(module, group, check_finite)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
+        self.inner.materialize()            # a meta model: every replica holds it whole
         self._param_list = self.parameters()
         self._check_same_model()
         if init_sync == "broadcast":

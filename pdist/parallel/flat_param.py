@@ -24,8 +24,10 @@ there is no padding and the "shard" is the whole buffer.
 """
 import weakref
 
+from pdist import memory_timeline
 from pdist.autograd import Tensor
 from pdist.backend import xp
+from pdist.meta import is_meta
 
 
 class FlatParamUnit:
@@ -34,6 +36,8 @@ class FlatParamUnit:
     def __init__(self, name, named_params, group, sharded, keep_full):
         if not named_params:
             raise ValueError(f"ZeRO unit {name!r} has no parameters")
+        if len({is_meta(p.data) for _, p in named_params}) != 1:
+            raise ValueError(f"ZeRO unit {name!r} mixes meta and materialized parameters")
         dtypes = {str(p.dtype) for _, p in named_params}
         if len(dtypes) != 1:
             raise ValueError(f"ZeRO unit {name!r} mixes dtypes {sorted(dtypes)}: one flat buffer needs "
@@ -52,18 +56,26 @@ class FlatParamUnit:
         self.lo, self.hi = (r * self.padded // n, (r + 1) * self.padded // n) if sharded else (0, off)
         self.dtype = self.params[0].dtype
 
-        flat = xp.zeros(self.padded, dtype=self.dtype)             # (Ψ_pad,)
-        for p, o in zip(self.params, self.offsets):
-            flat[o:o + p.size] = p.data.reshape(-1)
+        # meta parameters (pdist.meta): zeros here, filled by ZeRO from the pieces; stage 3
+        # then never allocates the full buffer
+        self.meta = all(is_meta(p.data) for p in self.params)
         self.full = None            # the gathered flat buffer while materialized
         self._stale = None          # weakref to a freed buffer that autograd views may still pin
         self.gather_work = None     # (buffer, Work) of an all-gather in flight
-        if keep_full:               # stages 0-2: params stay whole; the shard is a view
-            self._attach(flat)
-            shard = flat[self.lo:self.hi]                          # (Ψ_pad/N,) view
-        else:                       # stage 3: only the shard persists
-            shard = flat[self.lo:self.hi].copy()                   # (Ψ_pad/N,)
+        if self.meta and not keep_full:
+            shard = xp.zeros(self.hi - self.lo, dtype=self.dtype)  # (Ψ_pad/N,)
             self.free()
+        else:
+            flat = xp.zeros(self.padded, dtype=self.dtype)         # (Ψ_pad,)
+            for p, o in zip(self.params, self.offsets):
+                if not self.meta:
+                    flat[o:o + p.size] = p.data.reshape(-1)
+            if keep_full:           # stages 0-2: params stay whole; the shard is a view
+                self._attach(flat)
+                shard = flat[self.lo:self.hi]                      # (Ψ_pad/N,) view
+            else:                   # stage 3: only the shard persists
+                shard = flat[self.lo:self.hi].copy()               # (Ψ_pad/N,)
+                self.free()
         self.shard = Tensor(shard, requires_grad=True, name=f"{name}.flat_shard")
         self.grad_flat = None       # (Ψ_pad,) flat gradient while it is being filled
         self.ready = 0              # parameters of this unit whose grad is complete
@@ -79,7 +91,8 @@ class FlatParamUnit:
 
     def free(self):
         """Drop the full buffer: every parameter becomes an empty placeholder."""
-        if self.full is not None:
+        freed = self.full is not None
+        if freed:
             try:
                 self._stale = weakref.ref(self.full)
             except TypeError:   # an array type without weak references: no reuse
@@ -87,6 +100,8 @@ class FlatParamUnit:
         self.full = None
         for p in self.params:
             p.data = xp.empty((0,), dtype=self.dtype)
+        if freed:
+            memory_timeline.mark("free", self.name)
 
     def gather_buffer(self):
         """Where the next all-gather lands: a fresh (Ψ_pad,) buffer, or the freed

@@ -65,12 +65,13 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
         s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
-    if zero_stage:
+    if zero_stage:                 # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, mesh.dp_group)
     elif data_parallel == "naive" and mesh.dp_world_size > 1:
         s = DataParallelNaive(s, mesh.dp_group)
     elif mesh.dp_world_size > 1:
         s = DataParallel(s, mesh.dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    s.materialize()                # a meta model (GPT(cfg, seed, device="meta")): this rank's pieces only
     s.mesh = mesh
     return s
 

@@ -89,7 +89,8 @@ def _gpt_chunks(gpt, p, s, v, partition):
     tr = gpt.transformer
     if last and not first:                           # the head's own copy of the tied wte
         w = tr.wte.weight
-        copy = nn.Parameter(w.data.copy(), name="lm_head.weight")
+        copy = nn.Parameter(xp.zeros(0, dtype=w.dtype), name="lm_head.weight")
+        copy.data = w.data.copy()                    # a meta wte gives a meta copy
         copy.global_name = getattr(w, "global_name", w.name)
         copy.global_shape = getattr(w, "global_shape", tuple(w.shape))
         copy.local_pieces = getattr(w, "local_pieces", None)

@@ -26,12 +26,15 @@ biases, wpe), whose grads are partial sums.
 
 Every shard is sliced from the model's own full weights, so the layout never
 changes the initial values; each parameter records where it sits in the full tensor
-(``local_pieces``, layout.py).
+(``local_pieces``, layout.py). A meta model (``GPT(cfg, seed, device="meta")``) stays
+meta: the shards get shapes only, and ``materialize()`` (``parallelize`` calls it) draws
+this rank's pieces alone (pdist/meta.py).
 """
 from pdist import functional as F
 from pdist import nn
 from pdist.autograd import Function
 from pdist.backend import array_module, to_numpy, xp
+from pdist.meta import MetaArray, is_meta, zeros_view
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.tp_layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region, divide,
@@ -158,11 +161,14 @@ class TensorParallel(ParallelModule):
 
         def swap(parent, name, make, splits):
             old = getattr(parent, name)
-            w, b = to_numpy(old.weight.data), (to_numpy(old.bias.data) if getattr(old, "bias", None) is not None else None)
+            host = zeros_view if is_meta(old.weight.data) else to_numpy   # meta: slice zeros, stay meta
+            w, b = host(old.weight.data), (host(old.bias.data) if getattr(old, "bias", None) is not None else None)
             new = make(w, b)
             prefix = old.weight.name.rsplit(".", 1)[0]
             for pname, axis, stride, full in splits(w, b):
                 p = getattr(new, pname)
+                if host is zeros_view:
+                    p.data = MetaArray(p.data.shape, p.data.dtype)
                 p.name = p.global_name = f"{prefix}.{pname}"
                 p.global_shape = full.shape
                 if axis is not None:

@@ -63,9 +63,11 @@ refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any la
 """
 import math
 
+from pdist import memory_timeline
 from pdist.autograd import is_grad_enabled
 from pdist.backend import xp
 from pdist.data import shard
+from pdist.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.flat_param import FlatParamUnit
 from pdist.parallel.layout import reshard_flat
@@ -105,6 +107,8 @@ class ZeRO(ParallelModule):
         self.units = self._build_units(self.module, unit_modules)
         self._check_same_on_all_ranks()
         self._pieces = self._shard_pieces(inner_pieces)
+        if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
+            fill_pieces(self._pieces if stage == 3 else inner_pieces, self.module.init_rows)
         self._inflight = None          # (unit, out, Work) of the one reduction in flight
         self._reduced = set()          # ids of units whose reduction started this step
         self._overlap = not self.inner.has_late_grads
@@ -201,6 +205,7 @@ class ZeRO(ParallelModule):
         for w in works:
             w.wait()
         self._stale = False
+        memory_timeline.mark("all-gather", "all units")
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
@@ -259,6 +264,7 @@ class ZeRO(ParallelModule):
         else:                                     # P_os+g: the full gradient is freed
             u.shard.grad = out
             u.drop_grads()
+        memory_timeline.mark("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
 
     # -------------------------------------------------- parameters (stage 3)
     def _start_gather(self, u):
@@ -276,6 +282,7 @@ class ZeRO(ParallelModule):
             work.wait()
             u.gather_work = None
             u.finish_gather(buf)
+            memory_timeline.mark("all-gather", u.name)
         if self.prefetch:
             i = order.index(u)
             if i + 1 < len(order):

@@ -12,7 +12,7 @@ import argparse
 
 import numpy as np
 
-from pdist import comm, data, lesson
+from pdist import comm, data, lesson, meta
 from pdist.backend import set_default_dtype, to_numpy
 from pdist.gpt import GPT
 from pdist.optim import AdamW
@@ -27,6 +27,7 @@ for k in ("dp", "tp", "pp", "zero", "microbatches", "chunks", "steps"):
 p.add_argument("--sp", action="store_true")
 p.add_argument("--schedule", default="1f1b")
 p.add_argument("--naive", action="store_true")
+p.add_argument("--meta", action="store_true", help="build GPT(cfg, seed, device='meta'): each rank draws its pieces")
 p.add_argument("--n-layer", type=int, default=4)
 p.add_argument("--batch-size", type=int, default=8)
 args = p.parse_args()
@@ -60,10 +61,15 @@ def reference(steps):
 
 
 mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
-model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
+meta.CHUNK_ELEMS = 37 if args.meta else meta.CHUNK_ELEMS   # chunks that cut rows: the stream must still match
+model = parallelize(GPT(cfg, SEED, device="meta" if args.meta else None), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
                     schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
                     data_parallel="naive" if args.naive else "bucketed")
 opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
+if args.meta:       # the materialized pieces are the same slices of GPT(cfg, seed), to the bit
+    init_sd = GPT(cfg, SEED).state_dict()
+    for pc in model.pieces():
+        assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), init_sd[pc.name][box_slices(pc)]), pc
 rows = len(model.local_batch(*batch(0))[0])
 assert rows == B // args.dp, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
 losses = train(model, opt, batch, args.steps)
