@@ -44,7 +44,8 @@ from pdist.autograd import Tensor
 def paper_bytes(cfg, batch, mode):
     """Korthikanti et al.'s bytes per layer (16-bit activations, dropout masks)."""
     s, b, h, a = cfg.block_size, batch, cfg.n_embd, cfg.n_head
-    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h, "full": 2 * s * b * h}[mode]
+    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h,
+            "full": 2 * s * b * h}[mode]
 
 
 def formula_bytes(cfg, batch, mode, itemsize, seq=None):

@@ -109,7 +109,8 @@ def test_dropout_inside_checkpoint_draws_the_same_mask(preserve):
 def _numpy_bytes(fn):
     """NumPy's allocations still alive after fn(), in bytes (tracemalloc's NumPy domain)."""
     def live():
-        snap = tracemalloc.take_snapshot().filter_traces([tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)])
+        numpy_only = tracemalloc.DomainFilter(True, np.lib.tracemalloc_domain)
+        snap = tracemalloc.take_snapshot().filter_traces([numpy_only])
         return sum(t.size for t in snap.traces)
     tracemalloc.start()
     try:

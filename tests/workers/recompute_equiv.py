@@ -72,6 +72,6 @@ for mode in ("selective", "full"):
             np.testing.assert_allclose(a, b, rtol=1e-12, atol=1e-15, err_msg=f"{mode}: {k}")
     assert fired == ref_fired, (mode, fired, ref_fired)
     out[mode] = stats
-report(rank=world.rank, coords=list(mesh.coords), stats=out, fired=sorted(set(ref_fired.values())), steps=args.steps,
-       checked=sum(len(v) for v in ref_pieces.values()), batch=B, seq=T, n_embd=base.n_embd,
+report(rank=world.rank, coords=list(mesh.coords), stats=out, fired=sorted(set(ref_fired.values())),
+       steps=args.steps, checked=sum(len(v) for v in ref_pieces.values()), batch=B, seq=T, n_embd=base.n_embd,
        n_layer=base.n_layer)
