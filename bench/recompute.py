@@ -92,8 +92,8 @@ def run(size, dtype, repeats):
                      lesson.fmt_bytes(am.paper_bytes(c, B, m)),
                      lesson.fmt_bytes(am.formula_bytes(c, B, m, np.dtype(dtype).itemsize)),
                      lesson.fmt_bytes(layer_bytes(c, B)), lesson.fmt_bytes(step_peak(c, x, y))))
-    head = ["recompute", "ms/step", "ratio", "ratio of mins", "spread", "paper/layer", "formula/layer", "measured/layer",
-            "step peak"]
+    head = ["recompute", "ms/step", "ratio", "ratio of mins", "spread", "paper/layer", "formula/layer",
+            "measured/layer", "step peak"]
     print(f"\n{size}: {shape}, batch {B}, {dtype}, {repeats or default_repeats} interleaved repeats")
     print(lesson.table(rows, head))
 
