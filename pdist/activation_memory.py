@@ -39,13 +39,13 @@ unique buffers it holds (arrays saved on nodes and the data of every tensor reac
 each base buffer once, parameters and their views excluded).
 """
 from pdist.autograd import Tensor
+from pdist.plan_model import layer_activations
 
 
 def paper_bytes(cfg, batch, mode):
-    """Korthikanti et al.'s bytes per layer (16-bit activations, dropout masks)."""
-    s, b, h, a = cfg.block_size, batch, cfg.n_embd, cfg.n_head
-    return {"none": s * b * h * (34 + 5 * a * s / h), "selective": 34 * s * b * h,
-            "full": 2 * s * b * h}[mode]
+    """Korthikanti et al.'s bytes per layer (16-bit activations, dropout masks; the planner's
+    ``layer_activations`` with t = 1)."""
+    return layer_activations(cfg.block_size, batch, cfg.n_embd, cfg.n_head, recompute=mode)
 
 
 def formula_bytes(cfg, batch, mode, itemsize, seq=None):
