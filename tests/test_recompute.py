@@ -8,9 +8,9 @@ node, each base buffer once, parameters excluded) equal pdist's re-derived formu
 every mode, and tracemalloc's count of NumPy's allocations over the block's forward
 agrees. Distributed (real mpiexec, 2 and 4 ranks; tests/workers/recompute_equiv.py):
 every layout trains the same with each mode (rtol 1e-12), ZeRO-3's, DDP's and the
-pipeline's bytes per step are unchanged, and tensor parallelism with sequence
-parallelism's full recompute repeats exactly each block's forward all-gathers and
-reduce-scatters."""
+pipeline's bytes per step are unchanged, and tensor parallelism's full recompute
+repeats exactly each block's forward collectives (all-gathers and reduce-scatters with
+sequence parallelism, all-reduces without)."""
 import dataclasses
 import tracemalloc
 
@@ -140,16 +140,20 @@ def test_block_activation_bytes_equal_the_formula(mode, dtype):
         assert measured < am.formula_bytes(cfg, B, "none", np.dtype(dtype).itemsize)
 
 
-def _extra_per_step(r, n_tp, microbatches):
-    """Full recompute with tp + sp repeats each block's forward: 2 all-gathers and 2
-    reduce-scatters of the micro-batch's (b, T, C) per block, (t-1)/t of it each."""
-    layers = r["n_layer"] // r["pp_size"]
-    rows = r["batch"] // r["dp_size"] // microbatches
-    calls = 2 * layers * microbatches * r["steps"]
-    return calls, calls * (n_tp - 1) * rows * r["seq"] * r["n_embd"] * 8 // n_tp
+def _extra(r, size):
+    """Full recompute with tp repeats each block's forward collectives, on the micro-batch's
+    (b, T, C): with sp 2 all-gathers and 2 reduce-scatters, (t-1)/t of it each; without,
+    2 all-reduces, 2(t-1)/t each. Returns ({op: (calls, bytes)}) over the run."""
+    t, m = size["tp"], size["microbatches"]
+    calls = 2 * (r["n_layer"] // size["pp"]) * m * r["steps"]
+    full = r["batch"] // size["dp"] // m * r["seq"] * r["n_embd"] * 8          # bytes of (b, T, C)
+    if size["sp"]:
+        return {op: (calls, calls * (t - 1) * full // t) for op in ("all_gather", "reduce_scatter")}
+    return {"all_reduce": (calls, calls * 2 * (t - 1) * full // t)}
 
 
-LAYOUTS = [(2, "--dp 2"), (2, "--dp 2 --zero 3"), (2, "--tp 2 --sp"), (2, "--pp 2 --microbatches 2"),
+LAYOUTS = [(2, "--dp 2"), (2, "--dp 2 --zero 3"), (2, "--tp 2 --sp"), (2, "--tp 2"),
+           (2, "--pp 2 --microbatches 2"),
            (4, "--dp 4 --zero 3"), (4, "--dp 2 --tp 2 --sp"), (4, "--dp 2 --pp 2 --microbatches 2"),
            (4, "--tp 2 --pp 2 --sp --microbatches 2")]
 
@@ -162,6 +166,7 @@ def test_layouts_train_the_same_with_recompute(n, layout):
     words = layout.split()
     size = {k: int(words[words.index(f"--{k}") + 1]) if f"--{k}" in words else 1
             for k in ("dp", "tp", "pp", "microbatches")}
+    size["sp"] = "--sp" in words
     for r in got:
         assert r["checked"] > 0 and r["fired"] == [r["steps"] * size["microbatches"]], r
         none, sel, full = (r["stats"][m] for m in MODES)
@@ -171,9 +176,7 @@ def test_layouts_train_the_same_with_recompute(n, layout):
         if size["tp"] == 1:
             assert full["tp"] == none["tp"] == {}, r
             continue
-        calls, nbytes = _extra_per_step(dict(r, dp_size=size["dp"], pp_size=size["pp"]), size["tp"],
-                                        size["microbatches"])
-        for op in ("all_gather", "reduce_scatter"):
-            assert full["tp"][op][0] - none["tp"][op][0] == calls, (op, r)
-            assert full["tp"][op][1] - none["tp"][op][1] == nbytes, (op, r)
-        assert full["tp"]["all_reduce"] == none["tp"]["all_reduce"], r
+        extra = _extra(r, size)
+        for op in set(none["tp"]) | set(full["tp"]):
+            diff = [f - n for f, n in zip(full["tp"][op], none["tp"][op])]
+            assert diff == list(extra.get(op, (0, 0))), (op, diff, extra, r)
