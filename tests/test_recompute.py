@@ -80,6 +80,29 @@ def test_recompute_off_in_no_grad_and_bad_mode():
         GPTConfig(recompute="attention")
 
 
+def test_checkpoint_contract_errors():
+    x = Tensor(np.ones((2, 3)), requires_grad=True)
+    with pytest.raises(TypeError, match="must return one Tensor"):
+        checkpoint(lambda t: (t, t), x)
+
+
+def test_lesson_flag_and_checkpoint_files_ignore_the_mode(tmp_path):
+    from pdist import checkpoint as ckpt
+    from pdist import lesson
+    from pdist.parallel.base import Local
+    p = lesson.parser()
+    assert lesson.config_from_args(p.parse_args(["--recompute", "full"]), 96).recompute == "full"
+    assert lesson.config_from_args(p.parse_args([]), 96).recompute == "none"
+    with pytest.raises(SystemExit):
+        p.parse_args(["--recompute", "attention"])
+    saved = Local(GPT(CFG, seed=1))                      # a checkpoint saved without recompute ...
+    ckpt.save(saved, None, tmp_path / "step-1", 1)
+    loaded = Local(GPT(dataclasses.replace(CFG, recompute="full"), seed=2))
+    ckpt.load(loaded, None, tmp_path / "step-1")         # ... loads with it: the mode is not the model
+    for (n, a), (_, b) in zip(saved.named_parameters(), loaded.named_parameters()):
+        assert np.array_equal(a.data, b.data), n
+
+
 class _Noisy(nn.Module):
     def __init__(self):
         super().__init__()
