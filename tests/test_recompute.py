@@ -175,10 +175,10 @@ def _extra(r, size):
     return {"all_reduce": (calls, calls * 2 * (t - 1) * full // t)}
 
 
-LAYOUTS = [(2, "--dp 2"), (2, "--dp 2 --zero 3"), (2, "--tp 2 --sp"), (2, "--tp 2"),
+LAYOUTS = [(2, "--dp 2"), (2, "--dp 2 --zero 3 --microbatches 2"), (2, "--tp 2 --sp"), (2, "--tp 2"),
            (2, "--pp 2 --microbatches 2"),
            (4, "--dp 4 --zero 3"), (4, "--dp 2 --tp 2 --sp"), (4, "--dp 2 --pp 2 --microbatches 2"),
-           (4, "--tp 2 --pp 2 --sp --microbatches 2")]
+           (4, "--tp 2 --pp 2 --sp --microbatches 2"), (4, "--dp 2 --tp 2 --zero 3 --sp")]
 
 
 @pytest.mark.parametrize("n,layout", LAYOUTS, ids=[f"n{n} {a}" for n, a in LAYOUTS])
