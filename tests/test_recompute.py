@@ -144,12 +144,14 @@ def _numpy_bytes(fn):
         tracemalloc.stop()
 
 
+@pytest.mark.parametrize("shape", [(16, 4, 32, 3), (8, 2, 48, 5)], ids=["T16a4C32B3", "T8a2C48B5"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("mode", MODES)
-def test_block_activation_bytes_equal_the_formula(mode, dtype):
+def test_block_activation_bytes_equal_the_formula(mode, dtype, shape):
     set_default_dtype(dtype)
-    cfg = dataclasses.replace(CFG, recompute=mode, dtype=dtype)
-    block, B = GPT(cfg, seed=1).transformer.h[0], 3
+    T, a, C, B = shape
+    cfg = dataclasses.replace(CFG, recompute=mode, dtype=dtype, block_size=T, n_head=a, n_embd=C)
+    block = GPT(cfg, seed=1).transformer.h[0]
     x = Tensor(np.random.default_rng(0).standard_normal((B, cfg.block_size, cfg.n_embd)), requires_grad=True,
                dtype=dtype)
     am.measure_block(block, x)[1].sum().backward()        # warm: the causal mask's cache
