@@ -1,7 +1,7 @@
 """Activation memory of a transformer block: the paper's formula, pdist's own, and a measurement.
 
 Korthikanti et al. (2022, "Reducing Activation Recomputation in Large Transformer
-Models", section 4.1) count, per layer, with s tokens per sequence, b sequences, h the
+Models") count, per layer, with s tokens per sequence, b sequences, h the
 width, a heads, 16-bit activations and 1-byte dropout masks:
 
     none        sbh (34 + 5 as/h)  bytes

@@ -118,7 +118,7 @@ _ZEROS = _ZerosRng()
 class Attention(nn.Module):
     """c_proj(core(c_attn(x))). With recompute="selective" the core (QK^T, softmax, x V)
     is checkpointed: its (B, nh, T, T) arrays are recomputed in backward, not kept
-    (Korthikanti et al., 2022, section 4.2)."""
+    (Korthikanti et al., 2022, "selective activation recomputation")."""
     def __init__(self, cfg):
         super().__init__()
         self.n_head, self.selective = cfg.n_head, cfg.recompute == "selective"
