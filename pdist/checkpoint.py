@@ -176,13 +176,16 @@ def latest(parent, prefix="step-"):
     return os.path.join(parent, found[-1][1]) if found else None
 
 
+RUNTIME_CONFIG = ("recompute",)     # how a step runs, not what the weights are: may differ on load
+
+
 def _check_config(index, model, dir):
     cfg = getattr(model.module, "config", None)
     if index.get("config") is None or not dataclasses.is_dataclass(cfg):
         return
     mine = dataclasses.asdict(cfg)
     diff = [f"{k}: checkpoint {index['config'].get(k)!r} vs model {v!r}" for k, v in mine.items()
-            if index["config"].get(k) != v]
+            if index["config"].get(k) != v and k not in RUNTIME_CONFIG]
     if diff:
         raise CheckpointError(f"{os.path.join(dir, INDEX)}: the checkpoint's config does not match the "
                               "model (" + "; ".join(diff) + ")")

@@ -33,6 +33,7 @@ from pdist import nn
 from pdist.autograd import Tensor
 from pdist.backend import asarray, default_dtype, xp
 from pdist.meta import MetaArray, RowStream, materialize_whole
+from pdist.recompute import check_mode, checkpoint
 
 
 @dataclass
@@ -44,6 +45,7 @@ class GPTConfig:
     n_embd: int = 64
     dropout: float = 0.0
     dtype: str = "float32"
+    recompute: str = "none"     # "none" | "selective" | "full": pdist/recompute.py, docs/recompute.md
 
     def __post_init__(self):
         for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -53,6 +55,7 @@ class GPTConfig:
             raise ValueError(f"GPTConfig: n_embd={self.n_embd} must be divisible by n_head={self.n_head}")
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"GPTConfig.dtype must be 'float32' or 'float64', got {self.dtype!r}")
+        check_mode(self.recompute)
 
     def param_shapes(self):
         """name -> shape of every parameter, in the model's order."""
@@ -132,14 +135,20 @@ _ZEROS = _ZerosRng()
 
 
 class Attention(nn.Module):
+    """c_proj(core(c_attn(x))). With recompute="selective" the core (QK^T, softmax, x V)
+    is checkpointed: its (B, nh, T, T) arrays are recomputed in backward, not kept
+    (Korthikanti et al., 2022, "selective activation recomputation")."""
     def __init__(self, cfg):
         super().__init__()
-        self.n_head = cfg.n_head
+        self.n_head, self.selective = cfg.n_head, cfg.recompute == "selective"
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, rng=_ZEROS)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, rng=_ZEROS)
 
     def forward(self, x):
-        return self.c_proj(causal_self_attention(self.c_attn(x), self.n_head))
+        qkv = self.c_attn(x)  # (B, T, 3C)
+        if self.selective:
+            return self.c_proj(checkpoint(causal_self_attention, qkv, self.n_head))
+        return self.c_proj(causal_self_attention(qkv, self.n_head))
 
 
 class MLP(nn.Module):
@@ -153,15 +162,21 @@ class MLP(nn.Module):
 
 
 class Block(nn.Module):
+    """x + attn(ln_1(x)), then + mlp(ln_2(.)). With recompute="full" the whole body is
+    checkpointed: only the block's input is kept, the rest is recomputed in backward."""
     def __init__(self, cfg):
         super().__init__()
+        self.full_recompute = cfg.recompute == "full"
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = MLP(cfg)
 
     def forward(self, x):
-        x = x + self.attn(self.ln_1(x))
+        return checkpoint(self.body, x) if self.full_recompute else self.body(x)
+
+    def body(self, x):
+        x = x + self.attn(self.ln_1(x))  # (B, T, C)
         return x + self.mlp(self.ln_2(x))
 
 

@@ -31,6 +31,8 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     for k, v in sizes.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"GPT {k} (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=batch_size, help="global batch in rows (default %(default)s)")
+    p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
+                   help="activation recomputation per block (docs/recompute.md; default %(default)s)")
     p.add_argument("--inject", metavar="FAULT", action="append", default=None,
                    help="inject a fault for teaching (pdist/inject.py), e.g. straggler:rank=2,slowdown=1.5; "
                         "uneven-shard:rank=1,extra=0.3; slow-link:ranks=0-1,gbps=1; skip-collective:rank=3,step=5; "
@@ -69,7 +71,8 @@ def start(args):
 
 def config_from_args(args, vocab_size):
     """The lesson's GPTConfig from the size flags of ``parser()``."""
-    return gpt_config(vocab_size, dtype=args.dtype, **{k: getattr(args, k) for k in MODEL_DEFAULTS})
+    return gpt_config(vocab_size, dtype=args.dtype, recompute=getattr(args, "recompute", "none"),
+                      **{k: getattr(args, k) for k in MODEL_DEFAULTS})
 
 
 def table(rows, headers, floatfmt="{:.4g}"):
