@@ -36,7 +36,7 @@ def blas():
     """[{library, internal_api, version, architecture, threads}] of the BLAS NumPy uses."""
     import numpy  # noqa: F401  (loads the BLAS so threadpoolctl can see it)
     from threadpoolctl import threadpool_info
-    return [{"library": i.get("filename", "").rsplit("/", 1)[-1], "internal_api": i.get("internal_api"),
+    return [{"library": i.get("filepath", "").rsplit("/", 1)[-1], "internal_api": i.get("internal_api"),
              "version": i.get("version"), "architecture": i.get("architecture"),
              "threads": i.get("num_threads")}
             for i in threadpool_info() if i.get("user_api") == "blas"]
@@ -75,3 +75,9 @@ def record(name, results):
     with open(path, "w") as fh:
         json.dump({"bench": name, "machine": facts(), **results}, fh, indent=1, default=str)
     return path
+
+
+def report(name, results):
+    """Print the header and record the JSON (rank 0 of a bench, at its end)."""
+    print(header(name))
+    print(f"# recorded {record(name, results)}")

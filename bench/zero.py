@@ -100,6 +100,8 @@ def main():
         print(f"\n{size}: Ψ = {psi:,} float32 params, {world.size} ranks x {rows} rows x "
               f"T {cfg.block_size}, median of {args.repeats} repeats x {args.steps} steps")
         print(lesson.table(table, ["config", "ms/step", "spread", "vs DDP", "sent/step/rank"]))
+        from machine import report
+        report(f"zero_{size}", {"ranks": world.size, "rows": table, "seconds": res})
         sys.stdout.flush()
 
 
