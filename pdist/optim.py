@@ -111,7 +111,9 @@ class AdamW(Optimizer):
 
 def adamw_update(p, g, s, lr, b1, b2, eps, wd):
     """One AdamW step on arrays, in place (also used by ZeRO on its shards).
-    Uses one temporary the size of p (no other allocations)."""
+    Uses one temporary the size of p (no other allocations) and 13 elementwise passes:
+    the bias corrections and lr are folded into the denominator,
+    p -= m / ((sqrt(v) / sqrt(1 - b2^t) + eps) (1 - b1^t) / lr)."""
     s["step"] += 1
     t = s["step"]
     m, v = s["exp_avg"], s["exp_avg_sq"]
@@ -124,14 +126,13 @@ def adamw_update(p, g, s, lr, b1, b2, eps, wd):
     tmp *= 1.0 - b2  # (1 - b2) g^2
     v *= b2
     v += tmp
-    bc1 = 1.0 - b1 ** t
-    bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+    if lr == 0:
+        return
+    step_size = lr / (1.0 - b1 ** t)
     denom = xp.sqrt(v, out=tmp)
-    denom /= bc2_sqrt
-    denom += eps  # sqrt(v_hat) + eps
-    step = xp.divide(m, denom, out=tmp)
-    step *= lr / bc1  # lr m_hat / (sqrt(v_hat) + eps)
-    p -= step
+    denom *= 1.0 / (math.sqrt(1.0 - b2 ** t) * step_size)
+    denom += eps / step_size  # (sqrt(v_hat) + eps) / step_size
+    p -= xp.divide(m, denom, out=tmp)  # lr m_hat / (sqrt(v_hat) + eps)
 
 
 def _local_norm_reduction(grads, norm_type):

@@ -287,3 +287,14 @@ def test_adamw_trains_a_tiny_regression():
         opt.step()
         losses.append(loss.item())
     assert np.mean(losses[-10:]) < 0.3 * np.mean(losses[:10])
+
+
+def test_adamw_lr_zero_moves_nothing_but_keeps_moments():
+    # the update folds lr into a denominator: lr = 0 must not divide by zero
+    p = Parameter(np.arange(4.0), dtype="float64")
+    p.grad = np.array([1.0, -2.0, 0.5, 0.0])
+    opt = optim.AdamW([p], lr=0.0, weight_decay=0.1)
+    with np.errstate(all="raise"):
+        opt.step()
+    np.testing.assert_array_equal(p.data, np.arange(4.0))
+    np.testing.assert_allclose(opt.state[id(p)]["exp_avg"], 0.1 * p.grad)
