@@ -22,7 +22,7 @@ import math
 
 from pdist.autograd import Function
 from pdist.backend import xp
-from pdist.functional import causal_mask
+from pdist.functional import causal_mask, row_dots, row_sums
 
 
 def _heads(a, n_head):
@@ -49,7 +49,7 @@ class CausalSelfAttention(Function):
         att += causal_mask(T, T, att.dtype)  # (T, T) broadcast over (B, nh)
         att -= att.max(axis=-1, keepdims=True)
         xp.exp(att, out=att)
-        att /= att.sum(axis=-1, keepdims=True)  # P
+        att /= row_sums(att)  # P
         y = xp.empty((B, T, C), dtype=qkv.dtype)
         xp.matmul(att, v, out=y.reshape(B, T, n_head, hs).transpose(0, 2, 1, 3))  # (B, nh, T, hs) slots
         self.qkv, self.att, self.n_head = qkv, att, n_head
@@ -65,8 +65,7 @@ class CausalSelfAttention(Function):
         gq, gk, gv = _heads(gqkv, nh)
         xp.matmul(xp.swapaxes(att, -1, -2), gy, out=gv)  # dv = P^T G
         dp = gy @ xp.swapaxes(v, -1, -2)  # dP = G v^T, (B, nh, T, T)
-        tmp = dp * att
-        dp -= tmp.sum(axis=-1, keepdims=True)
+        dp -= row_dots(dp, att)
         dp *= att  # dS = P (dP - rowsum(dP P))
         xp.matmul(dp, k, out=gq)
         gq *= s  # dq = s dS k

@@ -10,6 +10,38 @@ from pdist.autograd import Function, Tensor
 from pdist.backend import array_module, is_device_array, scatter_add, to_numpy, xp
 
 
+_ones_cache = {}
+
+
+def _ones(n, dtype):
+    """A cached vector of n ones (per dtype and device): the right operand of the sums below."""
+    from pdist.backend import device
+    key = (n, str(dtype), device())
+    o = _ones_cache.get(key)
+    if o is None:
+        if len(_ones_cache) > 64:
+            _ones_cache.clear()
+        o = _ones_cache[key] = xp.ones(n, dtype=dtype)
+    return o
+
+
+def row_sums(a):
+    """sum over the last axis, keepdims: (..., n) -> (..., 1), as one matrix-vector product
+    a @ 1 (BLAS gemv: 2-4x faster here than ``a.sum(axis=-1)`` on float32 rows, docs/performance.md)."""
+    n = a.shape[-1]
+    return (a.reshape(-1, n) @ _ones(n, a.dtype)).reshape(*a.shape[:-1], 1)
+
+
+def col_sums(a2):
+    """sum over the first axis of a 2-D array: (N, n) -> (n,), as 1^T a (BLAS gemv)."""
+    return _ones(a2.shape[0], a2.dtype) @ a2
+
+
+def row_dots(a, b):
+    """sum over the last axis of a * b, keepdims, without the product's temporary (einsum)."""
+    return xp.einsum("...i,...i->...", a, b)[..., None]
+
+
 class Linear(Function):
     """Y = X W + b with W stored (in, out) (GPT-2's Conv1D layout).
     dX = G W^T, dW = X^T G (over all leading axes), db = sum G.
@@ -34,7 +66,7 @@ class Linear(Function):
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
         gx = (g2 @ w.T).reshape(*self.lead, w.shape[0]) if nx else None
         gw = self.x2.T @ g2 if nw else None  # (in, out)
-        gb = g2.sum(axis=0) if nb else None
+        gb = col_sums(g2) if nb else None
         return gx, gw, gb
 
 
@@ -93,15 +125,13 @@ class ScaledCausalSoftmax(Function):
         z += causal_mask(x.shape[-2], x.shape[-1], x.dtype)  # M broadcast over (B, nh)
         z -= z.max(axis=-1, keepdims=True)
         xp.exp(z, out=z)
-        z /= z.sum(axis=-1, keepdims=True)
+        z /= row_sums(z)
         self.y, self.scale = z, scale
         return z
 
     def backward(self, g):
         y = self.y
-        d = g * y
-        s = d.sum(axis=-1, keepdims=True)
-        xp.subtract(g, s, out=d)
+        d = g - row_dots(g, y)
         d *= y
         d *= self.scale
         return d
@@ -151,8 +181,10 @@ class LayerNorm(Function):
     def forward(self, x, w, b, eps=1e-5):
         C = x.shape[-1]
         x2 = x.reshape(-1, C)  # (N, C)
-        xc = x2 - x2.mean(axis=1, keepdims=True)
-        var = (xc * xc).sum(axis=1, keepdims=True)
+        mean = row_sums(x2)
+        mean /= C
+        xc = x2 - mean  # (N, C)
+        var = row_dots(xc, xc)  # (N, 1)
         var /= C
         var += eps
         rstd = 1.0 / xp.sqrt(var, out=var)  # (N, 1)
@@ -174,9 +206,9 @@ class LayerNorm(Function):
         gx = gw = gb = None
         gxh = g2 * xhat  # (N, C)
         if nw:
-            gw = gxh.sum(axis=0)
+            gw = col_sums(gxh)
         if nb:
-            gb = g2.sum(axis=0)
+            gb = col_sums(g2)
         if nx:
             a = (g2 @ w)[:, None] / C  # mean(dxhat), (N, 1)
             c = (gxh @ w)[:, None] / C  # mean(dxhat xhat), (N, 1)
@@ -244,7 +276,7 @@ class CrossEntropy(Function):
         check_indices(tt, V, "cross_entropy target")
         s = z - z.max(axis=1, keepdims=True)
         e = xp.exp(s)
-        se = e.sum(axis=1, keepdims=True)
+        se = row_sums(e)
         rows = xp.arange(z.shape[0])
         nll = xp.log(se[:, 0]) - s[rows, tt]  # (N,)
         count = z.shape[0] if keep is None else int(keep.sum())
