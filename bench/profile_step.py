@@ -10,11 +10,13 @@ itself (graph walk, pending-gradient sums, hooks) and Python around the ops. The
 cost a few microseconds per op, so the profiled step is a little slower than the plain one
 (the table prints both).
 
-Rows group the ops: matmul (Linear, MatMul: the GEMMs plus the bias add and reshapes), LayerNorm,
-GELU, softmax/attention (the scaled causal softmax and the head permutes), cross-entropy,
-embedding, residual adds, AdamW, and the engine. The share is of the plain step; the BLAS floor
-(bench/step_time.py: the same GEMMs alone, on preallocated outputs) is the least the matmul row
-can cost, so ``matmul - floor`` is what the code around the GEMMs adds.
+Rows group the ops: matmul (Linear, MatMul: the GEMMs plus the bias add and reshapes),
+attention (pdist.attention's fused Function: two batched GEMMs forward and three backward,
+the mask, the softmax), LayerNorm, GELU, reshape/permute, cross-entropy, embedding, residual
+adds, AdamW, the leaf accumulation, and the rest (engine + Python). The share is of the
+profiled step. The BLAS floor (bench/step_time.py: every GEMM of the step, the attention's
+included, alone on preallocated outputs) is the least the matmul and attention rows together
+can cost.
 """
 import argparse
 import collections
@@ -32,8 +34,9 @@ from machine import header, record  # noqa: E402
 from pdist import autograd, gpt, lesson, optim  # noqa: E402
 
 GROUPS = {"Linear": "matmul", "MatMul": "matmul", "LayerNorm": "LayerNorm", "GELU": "GELU",
-          "ScaledCausalSoftmax": "softmax/attention", "Permute": "softmax/attention",
-          "Reshape": "softmax/attention", "GetItem": "softmax/attention", "CrossEntropy": "cross-entropy",
+          "CausalSelfAttention": "attention (fused)", "ScaledCausalSoftmax": "attention (fused)",
+          "Permute": "reshape/permute", "Reshape": "reshape/permute", "GetItem": "reshape/permute",
+          "CrossEntropy": "cross-entropy",
           "Embedding": "embedding", "Add": "residual add"}
 TIMES = collections.defaultdict(float)  # (group, "fwd"|"bwd") -> seconds
 
@@ -120,7 +123,7 @@ def instrument_once():
 
 
 def table(step_s, floor_s, prof_s, t, ph):
-    groups = ["matmul", "LayerNorm", "GELU", "softmax/attention", "cross-entropy", "embedding",
+    groups = ["matmul", "attention (fused)", "LayerNorm", "GELU", "reshape/permute", "cross-entropy", "embedding",
               "residual add", "other ops", "engine: leaf .grad copy/+="]
     rows, acc = [], {"fwd": 0.0, "bwd": 0.0}
     for g in groups:

@@ -143,35 +143,30 @@ _GELU_K = math.sqrt(2.0 / math.pi)
 class GELU(Function):
     """Tanh-approximate GELU (GPT-2): y = x/2 (1 + t), t = tanh(k (x + 0.044715 x^3)),
     k = sqrt(2/pi).  dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 0.044715 x^2).
-    Computed in place on two temporaries (forward keeps t for backward)."""
+    Forward computes y and dy/dx together while x^2 and t are at hand (15 passes over
+    memory, three temporaries), so backward is one product g dy/dx: 16 passes in all
+    where computing dy/dx in backward from x and t took 20 (docs/performance.md)."""
     def forward(self, x):
-        self.x = x
-        t = x * x
-        t *= x
-        t *= 0.044715
-        t += x
-        t *= _GELU_K
-        xp.tanh(t, out=t)  # t = tanh(k (x + 0.044715 x^3))
-        self.t = t
+        x2 = x * x
+        t = x2 * (_GELU_K * 0.044715)
+        t += _GELU_K
+        t *= x  # k (x + 0.044715 x^3)
+        xp.tanh(t, out=t)  # t
         y = t + 1.0
-        y *= x
-        y *= 0.5
+        y *= 0.5  # (1 + t)/2
+        x2 *= 0.5 * _GELU_K * 3 * 0.044715
+        x2 += 0.5 * _GELU_K
+        x2 *= x  # x/2 k (1 + 3 0.044715 x^2)
+        t *= t
+        xp.subtract(1.0, t, out=t)  # 1 - t^2
+        t *= x2
+        t += y  # dy/dx
+        y *= x  # y = x (1 + t)/2
+        self.dydx = t
         return y
 
     def backward(self, g):
-        x, t = self.x, self.t
-        d = t * t
-        xp.subtract(1.0, d, out=d)  # 1 - t^2
-        k = x * x
-        k *= 3 * 0.044715 * _GELU_K
-        k += _GELU_K  # k (1 + 3 0.044715 x^2)
-        d *= k
-        d *= x
-        d += t
-        d += 1.0
-        d *= 0.5
-        d *= g
-        return d
+        return g * self.dydx
 
 
 class LayerNorm(Function):
