@@ -210,6 +210,26 @@ def test_fused_causal_attention(B, T, nh, hs):
         causal_self_attention(Tensor(rnd(1, 2, 7)), 1)
 
 
+def test_gelu_cache_blocks_match_one_pass(monkeypatch):
+    # on the host GELU runs over blocks of F.BLOCK elements (last one partial): the values
+    # and the gradient must be exactly those of one pass over the whole array
+    x, g = rnd(5, 7, seed=24) * 2, rnd(5, 7, seed=25)
+    out = []
+    for block in (4, 10 ** 9):
+        monkeypatch.setattr(F, "BLOCK", block)
+        t = Tensor(x, requires_grad=True)
+        y = F.gelu(t)
+        y.backward(g)
+        out.append((y.data, t.grad))
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    np.testing.assert_array_equal(out[0][1], out[1][1])
+    u = 0.7978845608028654 * (x + 0.044715 * x ** 3)
+    np.testing.assert_allclose(out[0][0], 0.5 * x * (1 + np.tanh(u)), rtol=1e-14, atol=1e-15)
+    # a non-contiguous input takes the one-pass path
+    xt = np.asfortranarray(x)
+    np.testing.assert_allclose(F.gelu(Tensor(xt)).data, out[0][0], rtol=1e-15)
+
+
 @pytest.mark.parametrize("shape", [(7,), (2, 3, 5)])
 def test_gelu(shape):
     x = rnd(*shape, seed=19) * 2
