@@ -8,7 +8,7 @@ the optimizer step (AdamW), ``zero_grad``, and the autograd engine's leaf accumu
 copy of a first gradient into ``.grad``, ``+=`` after). What is left of the step is the engine
 itself (graph walk, pending-gradient sums, hooks) and Python around the ops. The clock wraps
 cost a few microseconds per op, so the profiled step is a little slower than the plain one
-(the table prints both).
+(the table prints both). Every figure is the median over the profiled steps.
 
 Rows group the ops: matmul (Linear, MatMul: the GEMMs plus the bias add and reshapes),
 attention (pdist.attention's fused Function: two batched GEMMs forward and three backward,
@@ -90,9 +90,7 @@ def profile(size, steps):
         t3 = time.perf_counter()
         opt.step()
         if timed:
-            phase["zero_grad"] += t1 - t0
-            phase["fwd"] += t2 - t1
-            phase["bwd"] += t3 - t2
+            phase.update(zero_grad=t1 - t0, fwd=t2 - t1, bwd=t3 - t2)
         return time.perf_counter() - t0
 
     plain, fl = [], []
@@ -105,12 +103,18 @@ def profile(size, steps):
         floor()
         fl.append(time.perf_counter() - t0)
     instrument_once()
-    TIMES.clear()
     step(False)
-    TIMES.clear()
-    prof = [step(True) for _ in range(steps)]
-    return cfg, B, float(np.median(plain)), float(np.median(fl)), sum(prof) / steps, \
-        {k: v / steps for k, v in TIMES.items()}, {k: v / steps for k, v in phase.items()}
+    prof, per_op, per_phase = [], collections.defaultdict(list), collections.defaultdict(list)
+    for _ in range(steps):  # medians over steps: robust to a step hit by other load
+        TIMES.clear()
+        prof.append(step(True))
+        for k, v in TIMES.items():
+            per_op[k].append(v)
+        for k, v in phase.items():
+            per_phase[k].append(v)
+    med = {k: float(np.median(v)) for k, v in per_op.items()}
+    return cfg, B, float(np.median(plain)), float(np.median(fl)), float(np.median(prof)), med, \
+        {k: float(np.median(v)) for k, v in per_phase.items()}
 
 
 _done = []
