@@ -116,7 +116,8 @@ def main():
             print("\nlatency (us per call):")
             print(lat)
         from machine import report
-        report("collectives", {"ranks": g.size, "cooperative": cooperative(), "bandwidth": bw, "latency": lat})
+        report("collectives", {"ranks": g.size, "cooperative": cooperative(), "bandwidth": bw,
+                               "latency": lat})
 
 
 if __name__ == "__main__":

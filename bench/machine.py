@@ -60,7 +60,8 @@ def facts():
 def header(name, f=None):
     """One line naming the bench and the facts, starting with '#'."""
     f = f or facts()
-    kern = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']}" for b in f["blas"]) or "none seen"
+    kern = ", ".join(f"{b['internal_api']} {b['version']} {b['architecture']}"
+                     for b in f["blas"]) or "none seen"
     load = " ".join(f"{x:.2f}" for x in f["loadavg"])
     return (f"# {name}: {f['cpu']}, {f['cpu_count']} cores ({f['cores_usable']} usable); BLAS {kern}; "
             f"numpy {f['numpy']}; load {load}; PDIST_MALLOC_TUNE={f['malloc_tune']}; {f['date_utc']} UTC")

@@ -127,8 +127,8 @@ def instrument_once():
 
 
 def table(step_s, floor_s, prof_s, t, ph):
-    groups = ["matmul", "attention (fused)", "LayerNorm", "GELU", "reshape/permute", "cross-entropy", "embedding",
-              "residual add", "other ops", "engine: leaf .grad copy/+="]
+    groups = ["matmul", "attention (fused)", "LayerNorm", "GELU", "reshape/permute", "cross-entropy",
+              "embedding", "residual add", "other ops", "engine: leaf .grad copy/+="]
     rows, acc = [], {"fwd": 0.0, "bwd": 0.0}
     for g in groups:
         f, b = t.get((g, "fwd"), 0.0), t.get((g, "bwd"), 0.0)

@@ -17,7 +17,8 @@ load from other processes on a shared machine hits all three alike; the table
 reports medians and the spread (max/min of the pdist repeats) as a noise gauge.
 Goals (issue 18): pdist <= 1.0x PyTorch at both sizes, <= 1.15x the floor at the
 large size. The header line says where it ran (bench/machine.py: CPU, cores, BLAS
-kernel, numpy, load average); the JSON goes to bench/results/step_time.json. PyTorch is optional: without it that column says "n/a".
+kernel, numpy, load average); the JSON goes to bench/results/step_time.json.
+PyTorch is optional: without it that column says "n/a".
 """
 import argparse
 import math
