@@ -39,6 +39,8 @@ grade: $(STAMP)
 # every benchmark, each launched the way its docstring says (prints tables; takes a few minutes)
 bench: $(STAMP)
 	$(PY) bench/step_time.py
+	$(PY) bench/profile_step.py
+	$(PY) bench/mlp_peer.py
 	$(MPIRUN) -n 2 $(PY) bench/collectives.py
 	$(MPIRUN) -n 4 $(PY) bench/oversubscribed.py
 	$(PY) bench/data_parallel.py

@@ -147,6 +147,8 @@ if me == 0:
     med = {k: statistics.median(v) for k, v in runs.items()}
     print(f"save / raw write: {med['raw write+fsync'] / med['save']:.2f} of the raw speed; "
           f"load / raw read from disk: {med['raw read (disk)'] / med['load (disk)']:.2f}")
+    from machine import report
+    report("checkpoint", {"ranks": world.size, "seconds": runs, "bytes": total[0], "loaded_equal": same})
 world.barrier()
 if me == 0:
     shutil.rmtree(args.dir)

@@ -115,6 +115,9 @@ def main():
         if lat:
             print("\nlatency (us per call):")
             print(lat)
+        from machine import report
+        report("collectives", {"ranks": g.size, "cooperative": cooperative(), "bandwidth": bw,
+                               "latency": lat})
 
 
 if __name__ == "__main__":

@@ -133,6 +133,9 @@ def main():
               f"medians of {a.repeats} repeats x {a.steps} steps; {os.cpu_count()} cores")
         print(table(rows, ["configuration", "step ms", "best ms", "wait ms", "tokens/s", "speedup",
                            "speedup (best)", "spread"]))
+        from machine import report
+        report(f"data_parallel_{model}", {"rows": rows,
+                                          "runs": {lb: res[m, lb] for m, lb, *_ in CONFIGS if m == model}})
 
 
 if __name__ == "__main__":

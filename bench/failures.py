@@ -64,6 +64,8 @@ def main():
           f"load average {open('/proc/loadavg').read().split()[0]} (at the end), "
           f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}\n")
     print(table(rows, ["scenario", "ranks", "exit", "detect s", "launch s", "first error line (a waiting rank)"]))
+    from machine import report
+    report("failures", {"timeout": a.timeout, "rows": rows})
 
 
 if __name__ == "__main__":

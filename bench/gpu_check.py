@@ -50,6 +50,8 @@ def main():
     ok = all(g.all_gather_object(not fails))
     if r == 0:
         print(("PASS" if ok else "FAIL") + f": gpu_check on {n} rank(s), NCCL via cupy {cupy.__version__}")
+        from machine import report
+        report("gpu_check", {"ranks": n, "ok": ok, "cupy": cupy.__version__})
     for f in fails:
         print(f"  rank {r} FAILED {f}")
     return 0 if ok else 1

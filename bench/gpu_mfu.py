@@ -99,6 +99,9 @@ def main():
     print(f"gpu_mfu: matmul ceiling {ceiling / 1e12:.1f} TFLOP/s (float32, n {n}); "
           f"MFU {100 * mfu:.1f}% (target {100 * a.target:.0f}%)")
     print(f"{'PASS' if ok else 'FAIL'}: gpu_mfu MFU {100 * mfu:.1f}%")
+    from machine import report
+    report("gpu_mfu", {"step_s": step_s, "tflops": achieved / 1e12, "ceiling_tflops": ceiling / 1e12,
+                       "mfu": mfu, "ok": ok})
     return 0 if ok else 1
 
 

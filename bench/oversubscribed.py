@@ -156,6 +156,8 @@ def main():
         if lat:
             print("\n8-byte all_reduce latency (not oversubscribed):")
             print(table(lat, ["waits", "us / call"], floatfmt="{:.1f}"))
+        from machine import report
+        report("oversubscribed", {"ranks": n, "cores": cores, "rows": rows, "latency": lat})
 
 
 if __name__ == "__main__":

@@ -96,6 +96,8 @@ def main():
               f"median of {repeats} steps\n")
         print(lesson.table(rows, ["schedule", "m", "theory", "planned", "measured idle [stages]", "t_b/t_f",
                                   "peak stash meas/plan", "ms/step"]))
+        from machine import report
+        report("pipeline", {"ranks": p, "cooperative": cooperative(), "rows": rows})
 
 
 if __name__ == "__main__":

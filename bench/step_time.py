@@ -15,8 +15,10 @@ torch.set_num_threads(1)), so the numbers compare code, not thread counts.
 The runs are interleaved (pdist, torch, floor, pdist, torch, floor, ...) so that
 load from other processes on a shared machine hits all three alike; the table
 reports medians and the spread (max/min of the pdist repeats) as a noise gauge.
-Goals (issue 2): pdist <= 1.0x PyTorch at the lesson size, <= 1.3x the floor at
-the large size. PyTorch is optional: without it that column says "n/a".
+Goals (issue 18): pdist <= 1.0x PyTorch at both sizes, <= 1.15x the floor at the
+large size. The header line says where it ran (bench/machine.py: CPU, cores, BLAS
+kernel, numpy, load average); the JSON goes to bench/results/step_time.json.
+PyTorch is optional: without it that column says "n/a".
 """
 import argparse
 import math
@@ -162,7 +164,7 @@ def bench(size, dtype, repeats, use_torch):
     med = {k: float(np.median(v)) for k, v in times.items()}
     best = {k: float(np.min(v)) for k, v in times.items()}
     spread = max(times["pdist"]) / min(times["pdist"])
-    return cfg, B, med, best, spread, repeats
+    return cfg, B, med, best, spread, repeats, times
 
 
 def _once(f):
@@ -182,10 +184,10 @@ def main():
     if use_torch:
         import torch
         torch.set_num_threads(1)
-    rows = []
+    rows, raw = [], {}
     with threadpool_limits(limits=1):
         for size in args.sizes.split(","):
-            cfg, B, med, best, spread, n = bench(size, args.dtype, args.repeats, use_torch)
+            cfg, B, med, best, spread, n, raw[size] = bench(size, args.dtype, args.repeats, use_torch)
             tt, tb = med.get("torch"), best.get("torch")
             rows.append([size, n, f"L{cfg.n_layer} C{cfg.n_embd} T{cfg.block_size} B{B}",
                          f"{med['pdist'] * 1e3:.2f}", f"{tt * 1e3:.2f}" if tt else "n/a",
@@ -198,6 +200,8 @@ def main():
           f"spread = slowest/fastest pdist repeat (noise)")
     print(lesson.table(rows, ["size", "n", "shape", "pdist ms", "torch ms", "pdist/torch", "(min)",
                               "floor ms", "pdist/floor", "(min)", "spread"]))
+    from machine import report
+    report("step_time", {"dtype": args.dtype, "rows": rows, "seconds": raw})
 
 
 if __name__ == "__main__":

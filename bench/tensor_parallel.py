@@ -109,6 +109,8 @@ def main():
         print(f"\n{size}: {kw['n_layer']} layers, n_embd {kw['n_embd']}, T {kw['block_size']}, batch {B}, "
               f"{a.dtype}; {os.cpu_count()} cores; medians of {a.repeats} launches x {a.steps} steps")
         print(lesson.table(rows, ["run", "step ms", "spread", "in collectives ms", "vs 1 thread"]))
+        from machine import report
+        report(f"tensor_parallel_{size}", {"rows": rows, "runs": res})
 
 
 if __name__ == "__main__":

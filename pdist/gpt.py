@@ -28,6 +28,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from pdist import attention
 from pdist import functional as F
 from pdist import nn
 from pdist.autograd import Tensor
@@ -111,14 +112,9 @@ def causal_self_attention(qkv, n_head):
     """Multi-head causal self-attention, heads batched (no loop over heads):
     q, k, v = split(x W_qkv + b);  y_h = softmax(q_h k_h^T / sqrt(d) + M) v_h;
     out = concat_h(y_h) W_o + b_o. ``n_head`` is the number of heads this module
-    holds (a tensor-parallel rank holds n_head / tp of them). qkv: (B, T, 3 n_head hs)."""
-    B, T, C3 = qkv.shape
-    hs = C3 // (3 * n_head)
-    qkv = qkv.reshape(B, T, 3, n_head, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs)
-    q, k, v = qkv[0], qkv[1], qkv[2]  # (B, nh, T, hs)
-    att = F.scaled_causal_softmax(q @ k.transpose(-2, -1), 1.0 / math.sqrt(hs))  # (B, nh, T, T)
-    y = att @ v  # (B, nh, T, hs)
-    return y.permute(0, 2, 1, 3).reshape(B, T, n_head * hs)  # (B, T, C)
+    holds (a tensor-parallel rank holds n_head / tp of them). qkv: (B, T, 3 n_head hs).
+    One fused Function (pdist.attention): q, k, v stay views of qkv, no head transposes."""
+    return attention.causal_self_attention(qkv, n_head)  # (B, T, C)
 
 
 class _ZerosRng:

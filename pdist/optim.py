@@ -16,7 +16,7 @@ import math
 import numpy as np
 
 from pdist.autograd import zero_grads
-from pdist.backend import to_numpy, xp
+from pdist.backend import is_device_array, to_numpy, xp
 from pdist.errors import NonFiniteError
 
 
@@ -109,29 +109,52 @@ class AdamW(Optimizer):
                 adamw_update(p.data, p.grad, s, lr, b1, b2, eps, wd)
 
 
+BLOCK = 1 << 16  # elements per cache block of the host update (256 KiB of float32 per array)
+
+
 def adamw_update(p, g, s, lr, b1, b2, eps, wd):
     """One AdamW step on arrays, in place (also used by ZeRO on its shards).
-    Uses one temporary the size of p (no other allocations)."""
+
+    13 elementwise passes with one temporary, the bias corrections and lr folded into the
+    denominator: p -= m / ((sqrt(v) / sqrt(1 - b2^t) + eps) (1 - b1^t) / lr). On the host
+    the passes run over blocks of ``BLOCK`` elements, so that p, g, m, v and the
+    temporary stay in cache between passes: memory is read and written about once per
+    step instead of 13 times (a 12.8 M-parameter update: 76 -> 42 ms here,
+    docs/performance.md). On a device each pass is one kernel over the whole array."""
     s["step"] += 1
     t = s["step"]
     m, v = s["exp_avg"], s["exp_avg_sq"]
+    step_size = lr / (1.0 - b1 ** t)
+    c = (1.0 / (math.sqrt(1.0 - b2 ** t) * step_size), eps / step_size) if lr else None
+    n = p.size
+    if is_device_array(p) or n <= BLOCK or not all(a.flags.c_contiguous for a in (p, g, m, v)):
+        _adamw_block(p, g, m, v, lr, b1, b2, wd, c, xp.empty_like(p))
+        return
+    pf, gf, mf, vf = p.reshape(-1), g.reshape(-1), m.reshape(-1), v.reshape(-1)  # views
+    tmp = xp.empty(BLOCK, dtype=p.dtype)
+    for lo in range(0, n, BLOCK):
+        hi = min(n, lo + BLOCK)
+        _adamw_block(pf[lo:hi], gf[lo:hi], mf[lo:hi], vf[lo:hi], lr, b1, b2, wd, c, tmp[:hi - lo])
+
+
+def _adamw_block(p, g, m, v, lr, b1, b2, wd, c, tmp):
+    """The update on one block, in place; ``tmp`` is scratch of p's shape; ``c`` = (scale,
+    offset) of the folded denominator, None when lr = 0 (moments only)."""
     if wd:
         p *= 1.0 - lr * wd
-    tmp = xp.multiply(g, 1.0 - b1)  # (1 - b1) g
+    xp.multiply(g, 1.0 - b1, out=tmp)  # (1 - b1) g
     m *= b1
     m += tmp
     xp.multiply(g, g, out=tmp)
     tmp *= 1.0 - b2  # (1 - b2) g^2
     v *= b2
     v += tmp
-    bc1 = 1.0 - b1 ** t
-    bc2_sqrt = math.sqrt(1.0 - b2 ** t)
+    if c is None:
+        return
     denom = xp.sqrt(v, out=tmp)
-    denom /= bc2_sqrt
-    denom += eps  # sqrt(v_hat) + eps
-    step = xp.divide(m, denom, out=tmp)
-    step *= lr / bc1  # lr m_hat / (sqrt(v_hat) + eps)
-    p -= step
+    denom *= c[0]
+    denom += c[1]  # (sqrt(v_hat) + eps) / step_size
+    p -= xp.divide(m, denom, out=tmp)  # lr m_hat / (sqrt(v_hat) + eps)
 
 
 def _local_norm_reduction(grads, norm_type):

@@ -184,6 +184,52 @@ def test_scaled_causal_softmax(shape):
     np.testing.assert_allclose(y, ref / ref.sum(-1, keepdims=True), rtol=1e-12)
 
 
+def _composed_attention(qkv, n_head):
+    """The same attention from small ops (reshape, permute, slices, matmuls, softmax)."""
+    B, T, C3 = qkv.shape
+    hs = C3 // (3 * n_head)
+    qkv = qkv.reshape(B, T, 3, n_head, hs).permute(2, 0, 3, 1, 4)  # (3, B, nh, T, hs)
+    att = F.scaled_causal_softmax(qkv[0] @ qkv[1].transpose(-2, -1), 1.0 / np.sqrt(hs))
+    return (att @ qkv[2]).permute(0, 2, 1, 3).reshape(B, T, n_head * hs)
+
+
+@pytest.mark.parametrize("B,T,nh,hs", [(2, 5, 3, 4), (1, 1, 1, 2), (3, 4, 2, 3)])
+def test_fused_causal_attention(B, T, nh, hs):
+    from pdist.attention import causal_self_attention
+    grads_match(lambda x: causal_self_attention(x, nh), [rnd(B, T, 3 * nh * hs, seed=21)])
+    x, g = rnd(B, T, 3 * nh * hs, seed=22), rnd(B, T, nh * hs, seed=23)
+    got = []
+    for f in (causal_self_attention, _composed_attention):
+        t = Tensor(x, requires_grad=True)
+        y = f(t, nh)
+        y.backward(g)
+        got.append((y.data, t.grad))
+    np.testing.assert_allclose(got[0][0], got[1][0], rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(got[0][1], got[1][1], rtol=1e-13, atol=1e-15)
+    with pytest.raises(ValueError, match="qkv width"):
+        causal_self_attention(Tensor(rnd(1, 2, 7)), 1)
+
+
+def test_gelu_cache_blocks_match_one_pass(monkeypatch):
+    # on the host GELU runs over blocks of F.BLOCK elements (last one partial): the values
+    # and the gradient must be exactly those of one pass over the whole array
+    x, g = rnd(5, 7, seed=24) * 2, rnd(5, 7, seed=25)
+    out = []
+    for block in (4, 10 ** 9):
+        monkeypatch.setattr(F, "BLOCK", block)
+        t = Tensor(x, requires_grad=True)
+        y = F.gelu(t)
+        y.backward(g)
+        out.append((y.data, t.grad))
+    np.testing.assert_array_equal(out[0][0], out[1][0])
+    np.testing.assert_array_equal(out[0][1], out[1][1])
+    u = 0.7978845608028654 * (x + 0.044715 * x ** 3)
+    np.testing.assert_allclose(out[0][0], 0.5 * x * (1 + np.tanh(u)), rtol=1e-14, atol=1e-15)
+    # a non-contiguous input takes the one-pass path
+    xt = np.asfortranarray(x)
+    np.testing.assert_allclose(F.gelu(Tensor(xt)).data, out[0][0], rtol=1e-15)
+
+
 @pytest.mark.parametrize("shape", [(7,), (2, 3, 5)])
 def test_gelu(shape):
     x = rnd(*shape, seed=19) * 2

@@ -287,3 +287,35 @@ def test_adamw_trains_a_tiny_regression():
         opt.step()
         losses.append(loss.item())
     assert np.mean(losses[-10:]) < 0.3 * np.mean(losses[:10])
+
+
+def test_adamw_lr_zero_moves_nothing_but_keeps_moments():
+    # the update folds lr into a denominator: lr = 0 must not divide by zero
+    p = Parameter(np.arange(4.0), dtype="float64")
+    p.grad = np.array([1.0, -2.0, 0.5, 0.0])
+    opt = optim.AdamW([p], lr=0.0, weight_decay=0.1)
+    with np.errstate(all="raise"):
+        opt.step()
+    np.testing.assert_array_equal(p.data, np.arange(4.0))
+    np.testing.assert_allclose(opt.state[id(p)]["exp_avg"], 0.1 * p.grad)
+
+
+@pytest.mark.parametrize("wd", [0.0, 0.1])
+def test_adamw_cache_blocks_match_one_pass(monkeypatch, wd):
+    # the host update runs over blocks of optim.BLOCK elements (last block partial): every
+    # element must get exactly the update of the whole-array formula, in place
+    rng = np.random.default_rng(5)
+    p0, g = rng.standard_normal((13, 11)), rng.standard_normal((13, 11))
+    out = []
+    for block in (7, 10 ** 9):
+        monkeypatch.setattr(optim, "BLOCK", block)
+        p = Parameter(p0.copy(), dtype="float64")
+        opt = optim.AdamW([p], lr=1e-2, betas=(0.9, 0.95), eps=1e-8, weight_decay=wd)
+        ident = id(p.data)
+        for _ in range(3):
+            p.grad = g.copy()
+            opt.step()
+        assert id(p.data) == ident
+        out.append((p.data.copy(), opt.state[id(p)]["exp_avg"].copy(), opt.state[id(p)]["exp_avg_sq"].copy()))
+    for a, b in zip(*out):
+        np.testing.assert_array_equal(a, b)
