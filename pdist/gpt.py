@@ -29,7 +29,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from pdist import functional as F
-from pdist import nn
+from pdist import nn, precision
 from pdist.autograd import Tensor
 from pdist.backend import asarray, xp
 
@@ -165,7 +165,7 @@ class LMHead(nn.Module):
         self.weight = weight
 
     def forward(self, x):
-        return F.linear(x, self.weight.T)  # (B, T, V)
+        return precision.linear(x, self.weight.T)  # (B, T, V)
 
 
 class CrossEntropyLoss(nn.Module):

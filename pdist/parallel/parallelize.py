@@ -18,17 +18,22 @@ and is then averaged over dp. Every bad layout raises on every rank, before any
 collective, with one clear message.
 """
 from pdist.parallel.base import Local
+from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.pipeline_parallel import PipelineParallel, partition_layers
 from pdist.parallel.schedules import make_schedule
 from pdist.parallel.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
+from pdist.precision import cast_module, low_dtype
 
 
 def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
-                 chunks=1, data_parallel="bucketed"):
+                 chunks=1, data_parallel="bucketed", precision="fp32"):
     """Every error a layout can have, raised the same on every rank before any collective."""
     dp, tp, pp = mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size
+    if low_dtype(precision) is not None and (tp > 1 or pp > 1 or chunks > 1):
+        raise ValueError(f"precision={precision!r} runs with data parallelism and ZeRO (tp = pp = 1); "
+                         f"tensor and pipeline parallelism train in fp32 for now (got tp={tp}, pp={pp})")
     if zero_stage not in STAGES:
         raise ValueError(f"zero_stage must be one of {STAGES}, got {zero_stage!r}")
     if data_parallel not in ("bucketed", "naive"):
@@ -52,12 +57,15 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
                 chunks=1, data_parallel="bucketed", bucket_cap_mb=25, first_bucket_cap_mb=1,
-                check_finite=False):
+                check_finite=False, precision="fp32", scaler=None):
     """The GPT ``model`` on this rank of ``mesh`` (a DeviceMesh), as one strategy of the one
     shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
-    used when zero_stage = 0; ZeRO stages 1-3 replace it."""
+    used when zero_stage = 0; ZeRO stages 1-3 replace it. ``precision``: "fp32" (the model's
+    dtype), "bf16" or "fp16" (low-precision params and grads, fp32 masters: MixedPrecision,
+    outermost; ``scaler``: fp16's GradScaler, default ``GradScaler()``)."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
-                 data_parallel)
+                 data_parallel, precision)
+    cast_module(model, precision)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     s = Local(model, 1 if pipelined else microbatches)
     s.check_finite = bool(check_finite)
@@ -71,6 +79,8 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
         s = DataParallelNaive(s, mesh.dp_group)
     elif mesh.dp_world_size > 1:
         s = DataParallel(s, mesh.dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+    if low_dtype(precision) is not None:
+        s = MixedPrecision(s, precision, scaler)
     s.mesh = mesh
     return s
 
