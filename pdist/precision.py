@@ -22,10 +22,12 @@ How the arithmetic runs (on CPU; the rounding points, all deterministic):
   upcast weights (autocast's fp32 list).
 * a parameter's gradient is rounded to its dtype once per use and backward pass;
   uses of one tensor (the tied ``wte``) are summed in it.
-* micro-batch gradients are summed in fp32 and rounded once (``GradAccumulator``), as
-  the data-parallel sum over ranks is (pdist/comm/low_precision.py): so DP(N) and ZeRO
-  over N ranks equal one process with N micro-batches, bit for bit (scaling a loss
-  by a power of two commutes with every rounding).
+* k micro-batches: each backward runs on its micro-batch's mean loss (no 1/k there);
+  their gradients are summed in fp32, divided by k and rounded once
+  (``GradAccumulator``), exactly as the data-parallel average over N ranks is
+  (pdist/comm/low_precision.py: sum in fp32 in rank order, ÷ N, one rounding). So
+  DP(N) and ZeRO over N ranks equal one process with N micro-batches bit for bit:
+  rank r and micro-batch r compute the same rounded gradient from the same rows.
 * the optimizer updates the fp32 masters with the upcast (fp16: unscaled) gradient;
   the low-precision weights are the masters rounded, refreshed before the next forward
   (pdist/parallel/mixed_precision.py).
@@ -152,9 +154,9 @@ def embedding(idx, w):
 
 
 class GradAccumulator:
-    """Micro-batch gradients summed in fp32, rounded once: after each backward pass
+    """Micro-batch gradients averaged in fp32, rounded once: after each backward pass
     ``add()`` moves every low-precision ``.grad`` into an fp32 sum (zeroing it in place,
-    so views into flat buffers stay views); ``finish()`` writes the rounded sum back.
+    so views into flat buffers stay views); ``finish(1/k)`` writes round(sum / k) back.
     Transient: 4 bytes per parameter during the step (Megatron's fp32 main_grad)."""
 
     def __init__(self, params):
@@ -172,10 +174,11 @@ class GradAccumulator:
                 s += p.grad.astype(np.float32)
             p.grad[...] = 0
 
-    def finish(self):
+    def finish(self, factor=1.0):
         for p in self.params:
             s = self.sums.get(id(p))
             if s is not None:
+                s *= factor                                   # 1/k: the mean, before the one rounding
                 p.grad[...] = s.astype(p.dtype)
         self.sums = {}
 

@@ -236,8 +236,8 @@ class Local(Strategy):
         if len(x) % k:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
                              f"use a global batch divisible by dp * microbatches")
-        b, total, s = len(x) // k, 0.0, self.loss_scale / k
         acc = GradAccumulator(self.parameters()) if self.has_late_grads else None   # fp32 sum, rounded once
+        b, total, s = len(x) // k, 0.0, self.loss_scale / (k if acc is None else 1)   # acc divides by k
         for i in range(k):
             _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
             with trace.span("backward", cat="compute"):
@@ -246,7 +246,7 @@ class Local(Strategy):
                 acc.add()
             total += loss.item() / k
         if acc is not None:
-            acc.finish()
+            acc.finish(1.0 / k)
         return total
 
     def finish_grad_sync(self):

@@ -23,6 +23,8 @@ optimizer states = masters + m + v = 12Ψ/N at stages 1-3 (12Ψ at stage 0).
 ``pdist.memory.model_state_bytes`` counts the masters in ``optim_bytes`` (and alone in
 ``master_bytes``). The masters start as the low-precision weights, upcast (exact).
 """
+from contextlib import nullcontext
+
 import numpy as np
 
 from pdist.grad_scaler import GradScaler
@@ -98,11 +100,17 @@ class MixedPrecision(Strategy):
         self._local().loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.inner.zero_grad()
 
+    def _quiet(self):
+        """fp16 with a scaler: an overflow is expected (the step is skipped), not warned about."""
+        return np.errstate(over="ignore", invalid="ignore") if self.scaler is not None else nullcontext()
+
     def compute(self, x, y):
-        return self.inner.compute(x, y)
+        with self._quiet():
+            return self.inner.compute(x, y)
 
     def finish_grad_sync(self):
-        self.inner.finish_grad_sync()
+        with self._quiet():
+            self.inner.finish_grad_sync()
         inv = 1.0 / self.scaler.get_scale() if self.scaler is not None else 1.0
         for t, m in zip(self.low, self.masters):
             if t.grad is not None:

@@ -7,10 +7,10 @@ bf16 or fp16 parameters, fp32 masters, compute in float64) against one process,
 ``MixedPrecision(Local(GPT, microbatches=N))``, on the same global batches.
 
 Why bit-for-bit: rank r's rows are micro-batch r of the single process, so its
-forward and backward are the same BLAS calls on the same arrays (the 1/N loss factor
-is a power of two, which commutes with every rounding); each gives a gradient rounded
-once to the low dtype; both then sum the N of them in float32, in the order r = 0..N-1,
-and round once (the comm's two-phase reduction vs GradAccumulator). From there the
+forward and backward are the same BLAS calls on the same arrays, and give the same
+gradient, rounded once to the low dtype; both then sum the N of them in float32, in
+the order r = 0..N-1, divide by N and round once (the comm's two-phase reduction vs
+GradAccumulator). From there the
 fp32 master update is elementwise. So: masters, Adam m and v (every piece) and the
 low-precision weights equal exactly (``array_equal``); the losses (float64, summed in
 other orders) to rtol 1e-12. Also checked: the memory by category is the paper's
@@ -22,6 +22,7 @@ import numpy as np
 from pdist import comm, data, lesson, memory, precision
 from pdist.backend import set_default_dtype, to_numpy
 from pdist.gpt import GPT
+from pdist.grad_scaler import GradScaler
 from pdist.optim import AdamW
 from pdist.parallel import Local, MixedPrecision, parallelize
 from pdist.testing import report
@@ -49,15 +50,21 @@ def adamw(params):
     return AdamW(params, lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
 
 
+def scaler():
+    """fp16: a scale at which this small model's gradients do not overflow (at the default 2^16
+    both sides skip the same first steps: rank r and micro-batch r hold the same S g_r)."""
+    return GradScaler(init_scale=2.0 ** 8) if args.precision == "fp16" else None
+
+
 ref = MixedPrecision(Local(precision.cast_module(GPT(cfg, SEED), args.precision), microbatches=N),
-                     args.precision)
+                     args.precision, scaler())
 ref_opt = adamw(ref.parameters())
 ref_losses = train(ref, ref_opt, batch, args.steps)
 ref_sd = ref.full_state_dict()
 ref_pieces = {pc.name: pc for pc in ref.pieces()}
 
 mesh = comm.DeviceMesh(dp=N)
-model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, precision=args.precision,
+model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, precision=args.precision, scaler=scaler(),
                     data_parallel="naive" if args.naive else "bucketed")
 opt = adamw(model.parameters())
 world_stats = model.inner.group
@@ -65,6 +72,8 @@ world_stats.reset_stats()
 losses = train(model, opt, batch, args.steps)
 sent = world_stats.bytes_sent() / args.steps
 np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0, err_msg="losses")
+if model.scaler is not None:
+    assert model.scaler.state_dict() == ref.scaler.state_dict() and model.scaler.get_scale() == 2.0 ** 8
 
 # memory by category: the paper's mixed-precision formulas (ZeRO pads Ψ: Σ_units Ψ_pad)
 row = memory.model_state_bytes(model, opt)
