@@ -19,13 +19,16 @@ def mixed(cfg, prec, microbatches=1, scaler=None, seed=0):
 
 # ----------------------------------------------------------------- loss curves
 STEPS = 100
-# The tolerance. Lesson 00's run (lr 3e-3, batch 16) is chaotic: any perturbation of the
-# weights grows (fp64 vs fp32: the weights differ by ~1e-2 after 20 steps and the
-# curves by up to 0.07 nats; bf16's first step already differs by its rounding, 2^-9).
-# So the curves are compared through 10-step means, which average the batch-to-batch
-# noise: every window within WINDOW_TOL nats of fp32's (about 3% of the loss), and the
-# loss falls by at least 80% of fp32's fall (first 10 steps vs last 10).
-WINDOW_TOL, FALL_FRACTION = 0.15, 0.8
+# The tolerance. Lesson 00's run (lr 3e-3, batch 16) is chaotic: a perturbation of the
+# weights grows until the runs differ by a few tenths of a nat, whatever its cause.
+# Measured (fp32 throughout, 10-step means of the loss): multiplying every initial
+# weight by (1 + 2^-12 z), z ~ N(0, 1), moves a window by up to 0.11 nats; starting
+# from the weights rounded to fp16 (as the fp16 run does), by up to 0.32. bf16 and
+# fp16 begin with that rounding, so later windows are held to that band; the first
+# window, before the perturbation has grown, is held tight. So: steps 0-9 within
+# FIRST_TOL of fp32's mean, every 10-step mean within WINDOW_TOL, and the loss falls
+# by at least FALL_FRACTION of fp32's fall (first 10 steps vs last 10).
+FIRST_TOL, WINDOW_TOL, FALL_FRACTION = 0.02, 0.35, 0.8
 
 
 @pytest.fixture(scope="module")
@@ -46,7 +49,7 @@ def test_loss_curve_close_to_fp32(lesson00, prec):
     got, m = run(prec)
     assert m.module.transformer.wte.weight.dtype == precision.low_dtype(prec)
     windows = np.abs(got.reshape(-1, 10).mean(1) - ref.reshape(-1, 10).mean(1))
-    assert windows.max() <= WINDOW_TOL, windows
+    assert windows[0] <= FIRST_TOL and windows.max() <= WINDOW_TOL, windows
     fall, ref_fall = got[:10].mean() - got[-10:].mean(), ref[:10].mean() - ref[-10:].mean()
     assert fall >= FALL_FRACTION * ref_fall, (fall, ref_fall)
 
