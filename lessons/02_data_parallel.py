@@ -70,7 +70,7 @@ def tolerances(dtype, precision="fp32", micro_batches=1):
 
 
 def parse_args():
-    p = lesson.parser(__doc__, steps=20, dtype="float64", batch_size=16)
+    p = lesson.parser(__doc__, steps=20, dtype="float64", batch_size=16, precision=True)
     p.add_argument("--accum", dest="micro_batches", type=int, default=1,
                    help="micro-batches per step (gradient accumulation; default %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=0.25, help="bucket cap in MiB (PyTorch: 25)")

@@ -198,7 +198,7 @@ def one_precision(cfg, prec, stages, world, args, tokens):
 
 
 def main():
-    p = lesson.parser(__doc__, batch_size=12)
+    p = lesson.parser(__doc__, batch_size=12, precision=True)
     p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")

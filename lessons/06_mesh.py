@@ -47,10 +47,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory
+from pdist import comm, data, lesson, memory, precision
 from pdist.backend import synchronize
 from pdist.gpt import GPT
-from pdist.parallel import Local, check_layout, parallelize
+from pdist.parallel import Local, MixedPrecision, check_layout, parallelize
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline_parallel import partition_layers
 from pdist.parallel.schedules import virtual_stage
@@ -62,7 +62,7 @@ SPLIT = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_
 
 
 def parse():
-    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4)
+    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4, precision=True)
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=int, default=None, help=f"{axis} size (default: from the world size)")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
@@ -119,12 +119,14 @@ def stage_units(cfg, args, pp_rank):
     return [root] + units
 
 
-def memory_formula(cfg, args, pp_rank, b):
+def memory_formula(cfg, args, pp_rank, b, k=None):
+    """(params, grads, optim) bytes: b per param and grad, k per optimizer state (Adam: 2b;
+    mixed precision: b = 2, k = 12, the fp32 master, m and v)."""
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
-    N, psi = args.dp, sum(units)
+    N, psi, k = args.dp, sum(units), 2 * b if k is None else k
     pad = sum(-(-u // N) * N for u in units)
-    return {0: (b * psi, b * psi, 2 * b * psi), 1: (b * pad, b * pad, 2 * b * pad // N),
-            2: (b * pad, b * pad // N, 2 * b * pad // N), 3: (b * pad // N, b * pad // N, 2 * b * pad // N)}[args.zero]
+    return {0: (b * psi, b * psi, k * psi), 1: (b * pad, b * pad, k * pad // N),
+            2: (b * pad, b * pad // N, k * pad // N), 3: (b * pad // N, b * pad // N, k * pad // N)}[args.zero]
 
 
 def comm_theory(cfg, args, coords, b):
@@ -168,7 +170,8 @@ def main():
                      f"micro-batches")
     sizes = SimpleNamespace(dp_world_size=args.dp, tp_world_size=args.tp, pp_world_size=args.pp)
     try:       # every bad layout: the same usage error on every rank, before any collective
-        check_layout(cfg, sizes, args.zero, args.sp, args.schedule, args.microbatches, args.chunks)
+        check_layout(cfg, sizes, args.zero, args.sp, args.schedule, args.microbatches, args.chunks,
+                     precision=args.precision)
     except ValueError as e:
         parser.error(str(e))
     mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
@@ -177,11 +180,14 @@ def main():
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
 
     check_at = min(args.steps, CHECK_STEPS)
-    ref_losses, _ = _reference(cfg, batch, args.seed, args.steps)
-    _, ref_sd = _reference(cfg, batch, args.seed, check_at)
+    mixed = args.precision != "fp32"     # (dp only) one process with dp x m micro-batches rounds alike
+    ref_m = args.dp * args.microbatches if mixed else 1
+    ref_losses, _ = _reference(cfg, batch, args.seed, args.steps, args.precision, ref_m)
+    _, ref_sd = _reference(cfg, batch, args.seed, check_at, args.precision, ref_m)
 
     model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
-                        schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
+                        schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
+                        precision=args.precision)
     opt = lesson.make_adamw(model.parameters())
     groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
     sent, snap, times = [], {}, []
@@ -200,8 +206,11 @@ def main():
     t0 = time.perf_counter()
     losses = train(model, opt, batch, args.steps, on_step=on_step)
     secs = float(np.median(np.diff([t0] + times)))
-    b = np.dtype(args.dtype).itemsize
-    tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else None
+    b, k = (2, 12) if mixed else (np.dtype(args.dtype).itemsize, None)
+    # mixed precision: bit for bit with one micro-batch per rank (the same rounding points); with m > 1
+    # a rank rounds its m micro-batches' mean before the dp average: float32's 2-norm check
+    tol = dict(rtol=0, atol=0) if mixed and args.microbatches == 1 else \
+        dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" and not mixed else None
     pairs = [(a.astype(np.float64), ref_sd[pc.name][box_slices(pc)]) for pc, a in snap["pieces"]]
     sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs), sum(float(np.sum(r ** 2)) for a, r in pairs)])
     world.all_reduce(sq)
@@ -210,7 +219,7 @@ def main():
     loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-4, atol=0)
     mem = memory.model_state_bytes(model, opt)
     got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
-    want = memory_formula(cfg, args, mesh.pp_rank, b)
+    want = memory_formula(cfg, args, mesh.pp_rank, b, k)
     theory = comm_theory(cfg, args, mesh.coords, b)
     per_step = {k: float(np.median([s[k] for s in sent])) for k in groups}
     bytes_ok = all(abs(per_step[k] - theory[k]) <= 64 for k in groups)
@@ -238,12 +247,15 @@ def main():
                          f"{fb(sum(rows[0][2]))} of model states on rank 0)")
 
 
-def _reference(cfg, batch, seed, steps):
-    """Single-process training through the one loop, on the lesson's batches."""
-    model = Local(GPT(cfg, seed))
+def _reference(cfg, batch, seed, steps, prec="fp32", microbatches=1):
+    """Single-process training through the one loop, on the lesson's batches (bf16/fp16: with
+    fp32 masters, their state_dict)."""
+    model = Local(precision.cast_module(GPT(cfg, seed), prec), microbatches)
+    if prec != "fp32":
+        model = MixedPrecision(model, prec)
     opt = lesson.make_adamw(model.parameters())
     losses = train(model, opt, batch, steps)
-    return losses, model.module.state_dict()
+    return losses, (model.module.state_dict() if prec == "fp32" else model.full_state_dict())
 
 
 def report(args, cfg, rows, losses, ref_losses, rel, secs):

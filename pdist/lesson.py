@@ -17,7 +17,7 @@ TIMEOUT = 120     # s: a lesson's collectives wait this long at most (PDIST_TIME
 MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 
 
-def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
+def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, **model):
     """An ArgumentParser with the flags every training lesson accepts: --steps --seed
     --dtype --json, and the model and batch size (--n-layer --n-head --n-embd
     --block-size --batch-size; ``model`` overrides the lesson's defaults). Call
@@ -26,9 +26,10 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=seed, help="seed for weights and batches")
     p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
-    p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
-                   help="parameters and gradients in bf16/fp16 with fp32 master weights "
-                        "(docs/mixed_precision.md); --dtype is then the compute dtype")
+    if precision:
+        p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                       help="parameters and gradients in bf16/fp16 with fp32 master weights "
+                            "(docs/mixed_precision.md); --dtype is then the compute dtype")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON summary here (rank 0)")
     sizes = dict(MODEL_DEFAULTS, **model)
     for k, v in sizes.items():
@@ -41,6 +42,15 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     p.add_argument("--trace", metavar="PATH", default=None,
                    help="write one Chrome/Perfetto trace merged over ranks here (open at https://ui.perfetto.dev)")
     return p
+
+
+def fp32_only(parser, args, what):
+    """A lesson whose parallelism trains in fp32 only: a usage error (every rank, before any
+    collective) for ``--precision bf16/fp16``, saying where mixed precision runs."""
+    if getattr(args, "precision", "fp32") != "fp32":
+        parser.error(f"--precision {args.precision}: {what} trains in fp32 for now; mixed precision runs "
+                     f"with data parallelism and ZeRO (lessons 02, 03, 06 with --tp 1 --pp 1; "
+                     f"docs/mixed_precision.md)")
 
 
 def start(args):
