@@ -177,3 +177,37 @@ def test_fp16_overflow_on_one_rank_skips_on_every_rank(n, zero):
     assert [e["changed"] for e in log] == [True, False, True, True], log
     assert [e["scale_next"] for e in log] == [1024, 512, 512, 1024], log
     assert log[2]["adam_steps_before"] == [1] and all(e["loss_finite"] for e in log)
+
+
+def test_bf16_nonfinite_raises_with_check_finite():
+    """Without a scaler a non-finite gradient is an error (as in fp32), not a skipped step."""
+    from pdist.errors import NonFiniteError
+    m = MixedPrecision(Local(precision.cast_module(GPT(CFG, 0), "bf16")), "bf16")
+    m.inner.check_finite = True
+    m.masters[0].data[...] = np.nan                          # the next refresh poisons the weights
+    with pytest.raises(NonFiniteError, match="non-finite"):
+        train(m, AdamW(m.parameters()), batch, 1)
+
+
+def test_full_state_dict_is_the_masters_and_loads_back():
+    m = mixed(CFG, "bf16")
+    opt = AdamW(m.parameters())
+    train(m, opt, batch, 2)
+    sd = m.full_state_dict()
+    assert all(v.dtype == np.float32 for v in sd.values())
+    fresh = mixed(CFG, "bf16", seed=1)
+    fresh.load_full_state_dict(sd)
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(fresh.parameters(), m.parameters()))
+    low = dict(fresh.module.named_parameters())
+    for n, p in m.module.named_parameters():                 # refreshed from the loaded masters
+        assert np.array_equal(low[n].data, sd[n].astype(precision.bfloat16)), n
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_two_byte_collectives_sum_in_fp32_and_round_once(n):
+    """bf16 and fp16 all-reduce (sum, avg, max; sync and async; sizes not divisible by n),
+    reduce-scatter, all-gather, broadcast: the exact bits of their definition; an all-reduce
+    of S bytes counts 2(n-1)/n S (2 bytes per element)."""
+    got = reports(mpirun(n, "tests/workers/comm_low_precision.py", timeout=120))
+    assert len(got) == n and all(r["checked"] == 72 and r["sum"] == n for r in got), got
+    assert all(r["all_reduce_bytes"] == 2 * (n - 1) * 2000 // n for r in got), got
