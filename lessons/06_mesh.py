@@ -129,8 +129,10 @@ def memory_formula(cfg, args, pp_rank, b, k=None):
             2: (b * pad, b * pad // N, k * pad // N), 3: (b * pad // N, b * pad // N, k * pad // N)}[args.zero]
 
 
-def comm_theory(cfg, args, coords, b):
-    """Bytes this rank sends per step in each group (ring accounting)."""
+def comm_theory(cfg, args, coords, b, b_act=None):
+    """Bytes this rank sends per step in each group (ring accounting): b bytes per parameter
+    and gradient element, b_act per activation element (mixed precision: 2 and the compute dtype's)."""
+    b_act = b if b_act is None else b_act
     pp_rank = coords.pp
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
     N, t, psi = args.dp, args.tp, sum(units)
@@ -140,15 +142,15 @@ def comm_theory(cfg, args, coords, b):
           3: (2 * m + 1) * (N - 1) * b * pad / N}[args.zero]
     rows = args.batch_size // N // args.microbatches                  # per micro-batch
     T, C, V = cfg.block_size, cfg.n_embd, args.pp * args.chunks
-    act = rows * T // (t if args.sp else 1) * C * b
+    act = rows * T // (t if args.sp else 1) * C * b_act
     ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
     pp = args.microbatches * act * sum((k < V - 1) + (k > 0) for k in ks)
     spans = partition_layers(cfg.n_layer, V)
     L = sum(spans[k][1] - spans[k][0] for k in ks)
-    S, n_tok = rows * T * C * b, rows * T
+    S, n_tok = rows * T * C * b_act, rows * T
     ring = (t - 1) / t
     per_mb = (8 * L + 2 * (0 in ks) + 2 * (V - 1 in ks)) * ring * S    # blocks, embedding, head: fwd + bwd
-    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b                                  # loss: max + [sum, target]
+    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b_act                              # loss: max + [sum, target]
     tp = args.microbatches * per_mb
     if args.sp and t > 1:          # the sequence-partial grads (LayerNorms, row biases, wpe), once a step
         partial = L * 6 * C + 2 * C * (V - 1 in ks) + T * C * (0 in ks)
@@ -207,20 +209,25 @@ def main():
     losses = train(model, opt, batch, args.steps, on_step=on_step)
     secs = float(np.median(np.diff([t0] + times)))
     b, k = (2, 12) if mixed else (np.dtype(args.dtype).itemsize, None)
-    # mixed precision: bit for bit with one micro-batch per rank (the same rounding points); with m > 1
-    # a rank rounds its m micro-batches' mean before the dp average: float32's 2-norm check
-    tol = dict(rtol=0, atol=0) if mixed and args.microbatches == 1 else \
+    # mixed precision, one micro-batch per rank: the rounding points of one process with dp
+    # micro-batches, so bit for bit at tp = 1, and to a few fp32 ulps at tp > 1 (partial products
+    # summed in another order). With m > 1 a rank rounds its m micro-batches' mean before the dp
+    # average (one more rounding, 2^-8 relative in bf16): the 2-norm check, at 1e-2
+    exact = mixed and args.microbatches == 1
+    tol = (dict(rtol=0, atol=0) if args.tp == 1 else dict(rtol=1e-6, atol=1e-9)) if exact else \
         dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" and not mixed else None
+    rel_max = 1e-2 if mixed else 1e-3
     pairs = [(a.astype(np.float64), ref_sd[pc.name][box_slices(pc)]) for pc, a in snap["pieces"]]
     sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs), sum(float(np.sum(r ** 2)) for a, r in pairs)])
     world.all_reduce(sq)
     rel = float(np.sqrt(sq[0] / sq[1]))
-    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= 1e-3
-    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-4, atol=0)
+    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= rel_max
+    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-3 if mixed else 1e-4,
+                          atol=0)
     mem = memory.model_state_bytes(model, opt)
     got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
     want = memory_formula(cfg, args, mesh.pp_rank, b, k)
-    theory = comm_theory(cfg, args, mesh.coords, b)
+    theory = comm_theory(cfg, args, mesh.coords, b, np.dtype(args.dtype).itemsize)
     per_step = {k: float(np.median([s[k] for s in sent])) for k in groups}
     bytes_ok = all(abs(per_step[k] - theory[k]) <= 64 for k in groups)
     ok = shards_ok and loss_ok and got == want and bytes_ok

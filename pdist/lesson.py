@@ -49,8 +49,8 @@ def fp32_only(parser, args, what):
     collective) for ``--precision bf16/fp16``, saying where mixed precision runs."""
     if getattr(args, "precision", "fp32") != "fp32":
         parser.error(f"--precision {args.precision}: {what} trains in fp32 for now; mixed precision runs "
-                     f"with data parallelism and ZeRO (lessons 02, 03, 06 with --tp 1 --pp 1; "
-                     f"docs/mixed_precision.md)")
+                     f"with data parallelism, ZeRO and tensor parallelism without sequence parallelism "
+                     f"(lessons 02, 03, and 06 with --pp 1 --no-sp; docs/mixed_precision.md)")
 
 
 def start(args):

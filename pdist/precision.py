@@ -12,12 +12,13 @@ master copy, m and v, 12 B: 16Ψ, the paper's K = 12.
 
 How the arithmetic runs (on CPU; the rounding points, all deterministic):
 
-* a matmul (``nn.Linear``, the tied LM head) rounds its input activations to the low
-  dtype, upcasts the low-precision weight exactly, and multiplies in the compute
-  dtype (the model's activations' dtype, float32; float64 in the equivalence tests)
-  through BLAS: bf16 inputs, fp32 products and accumulation, as a bf16 GEMM with fp32
-  accumulate does. The gradient it hands back to its input is rounded to the low
-  dtype too (autocast's rule: an op's gradients have its inputs' dtypes).
+* a matmul (``nn.Linear``, the tied LM head, the tensor-parallel layers) rounds its
+  input activations to the low dtype, upcasts the low-precision weight exactly, and
+  multiplies in the compute dtype (the model's activations' dtype, float32; float64 in
+  the equivalence tests) through BLAS: bf16 inputs, fp32 products and accumulation, as
+  a bf16 GEMM with fp32 accumulate does. The gradients of the weights are rounded to
+  their dtype; the gradient of the activations stays in the compute dtype (so a
+  tensor-parallel all-reduce of partial dX sums what one process computes whole).
 * embeddings, LayerNorm, softmax and the loss run in the compute dtype on the
   upcast weights (autocast's fp32 list).
 * a parameter's gradient is rounded to its dtype once per use and backward pass;
@@ -103,8 +104,8 @@ def _round(a, low):
 
 class LowLinear(Function):
     """Y = round(X) W + b, with W, b low-precision and upcast, X rounded to W's dtype;
-    dX = round(G W^T), dW = round(round(X)^T G), db = round(sum G) (rounded to the
-    parameters' dtype). W is read again at backward (ZeRO-3 may have re-gathered it);
+    dX = G W^T (compute dtype), dW = round(round(X)^T G), db = round(sum G) (rounded to
+    the parameters' dtype). W is read again at backward (ZeRO-3 may have re-gathered it);
     no upcast copy of W outlives the op."""
     def forward(self, x, w, b=None):
         c = x.dtype
@@ -119,7 +120,7 @@ class LowLinear(Function):
         nx, nw = self.needs_input_grad[:2]
         nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
         g2 = g.reshape(-1, g.shape[-1])                                                   # (N, out)
-        gx = _round(g2 @ w.astype(g.dtype).T, w.dtype).reshape(*self.lead, w.shape[0]) if nx else None
+        gx = (g2 @ w.astype(g.dtype).T).reshape(*self.lead, w.shape[0]) if nx else None          # (N, in)
         gw = (self.x2.T @ g2).astype(w.dtype) if nw else None                             # (in, out)
         gb = g2.sum(axis=0).astype(w.dtype) if nb else None
         return gx, gw, gb

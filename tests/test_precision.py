@@ -19,16 +19,22 @@ def mixed(cfg, prec, microbatches=1, scaler=None, seed=0):
 
 # ----------------------------------------------------------------- loss curves
 STEPS = 100
-# The tolerance. Lesson 00's run (lr 3e-3, batch 16) is chaotic: a perturbation of the
-# weights grows until the runs differ by a few tenths of a nat, whatever its cause.
-# Measured (fp32 throughout, 10-step means of the loss): multiplying every initial
-# weight by (1 + 2^-12 z), z ~ N(0, 1), moves a window by up to 0.11 nats; starting
-# from the weights rounded to fp16 (as the fp16 run does), by up to 0.32. bf16 and
-# fp16 begin with that rounding, so later windows are held to that band; the first
-# window, before the perturbation has grown, is held tight. So: steps 0-9 within
-# FIRST_TOL of fp32's mean, every 10-step mean within WINDOW_TOL, and the loss falls
-# by at least FALL_FRACTION of fp32's fall (first 10 steps vs last 10).
-FIRST_TOL, WINDOW_TOL, FALL_FRACTION = 0.02, 0.35, 0.8
+# The reference and the tolerance. Lesson 00's run (lr 3e-3, batch 16) is chaotic: a
+# perturbation of the weights grows until runs differ by tenths of a nat, whatever its
+# cause. Measured (fp32 throughout, 10-step means of the loss): multiplying every
+# initial weight by (1 + 2^-12 z), z ~ N(0, 1), moves a window by up to 0.11 nats;
+# starting from the weights rounded to fp16, by up to 0.32. The mixed-precision run
+# starts from its rounded weights (its masters are their upcast), so it is compared
+# with fp32 training from those same weights: what is left is the arithmetic. Steps
+# 0-9 (before a perturbation has grown) within FIRST_TOL of the reference's mean,
+# every 10-step mean within WINDOW_TOL, and the loss falls by at least FALL_FRACTION
+# of the reference's fall (first 10 steps vs last 10).
+# fp16 has one transient: at step 18 its loss jumps by 1.3-2 nats (at every loss scale
+# from 2^8 to 2^16, so not the scaler) and is back on the reference's curve at step 19
+# (at 2^16 after three skipped steps: the jump's gradients overflow). The step-17 update
+# left block 0's c_attn weight (within 0.016 of the reference's) sharp for batch 18's
+# attention. So fp16's windows are held to WINDOW_TOL from step 30 on (SETTLED).
+FIRST_TOL, WINDOW_TOL, FALL_FRACTION, SETTLED = 0.02, 0.25, 0.8, {"bf16": 1, "fp16": 3}
 
 
 @pytest.fixture(scope="module")
@@ -36,20 +42,28 @@ def lesson00():
     tokens, tok = data.char_dataset()
     cfg = lesson.gpt_config(tok.vocab_size)          # lesson 00's model: 2 layers, 4 heads, 64 wide, T 32
 
-    def run(prec):
-        m = Local(GPT(cfg, 0)) if prec == "fp32" else mixed(cfg, prec)
+    def run(prec, start_from=None):
+        """fp32 (from the weights rounded to ``start_from``), or mixed precision ``prec``."""
+        if prec == "fp32":
+            model = GPT(cfg, 0)
+            for p in model.parameters():
+                p.data = p.data.astype(precision.low_dtype(start_from)).astype(p.dtype)
+            m = Local(model)
+        else:
+            m = mixed(cfg, prec)
         opt = lesson.make_adamw(m.parameters())
         return np.array(train(m, opt, lambda s: data.get_batch(tokens, 16, cfg.block_size, 0, s), STEPS)), m
-    return run, run("fp32")[0]
+    return run
 
 
 @pytest.mark.parametrize("prec", ["bf16", "fp16"])
 def test_loss_curve_close_to_fp32(lesson00, prec):
-    run, ref = lesson00
+    run = lesson00
+    ref, _ = run("fp32", start_from=prec)
     got, m = run(prec)
     assert m.module.transformer.wte.weight.dtype == precision.low_dtype(prec)
     windows = np.abs(got.reshape(-1, 10).mean(1) - ref.reshape(-1, 10).mean(1))
-    assert windows[0] <= FIRST_TOL and windows.max() <= WINDOW_TOL, windows
+    assert windows[0] <= FIRST_TOL and windows[SETTLED[prec]:].max() <= WINDOW_TOL, windows
     fall, ref_fall = got[:10].mean() - got[-10:].mean(), ref[:10].mean() - ref[-10:].mean()
     assert fall >= FALL_FRACTION * ref_fall, (fall, ref_fall)
 
@@ -142,6 +156,17 @@ def test_microbatches_sum_in_fp32_and_round_once():
         assert p.grad.dtype == precision.bfloat16 and np.array_equal(p.grad, want.astype(precision.bfloat16)), n
 
 
+@pytest.mark.parametrize("tp,pp,sp,words", [(1, 2, False, "pipeline parallelism"),
+                                            (2, 1, True, "sequence parallelism")])
+def test_precision_refuses_pipeline_and_sequence_parallelism(tp, pp, sp, words):
+    from types import SimpleNamespace
+    from pdist.parallel import check_layout
+    mesh = SimpleNamespace(dp_world_size=1, tp_world_size=tp, pp_world_size=pp)
+    with pytest.raises(ValueError, match=words):
+        check_layout(lesson.gpt_config(96, n_layer=2), mesh, sequence_parallel=sp, microbatches=2,
+                     precision="bf16")
+
+
 def test_bad_precision_is_a_clear_error():
     with pytest.raises(ValueError, match="precision must be one of"):
         precision.low_dtype("fp8")
@@ -152,21 +177,25 @@ def test_bad_precision_is_a_clear_error():
 # ----------------------------------------------------------------- every layout equals one process
 LAYOUTS = [(2, "--zero 0"), (2, "--zero 0 --naive"), (2, "--zero 1"), (2, "--zero 2"), (2, "--zero 3"),
            (4, "--zero 0"), (4, "--zero 1"), (4, "--zero 2"), (4, "--zero 3"),
-           (2, "--precision fp16 --zero 2"), (4, "--precision fp16 --zero 3"), (4, "--precision fp16 --zero 0")]
+           (2, "--precision fp16 --zero 2"), (4, "--precision fp16 --zero 3"), (4, "--precision fp16 --zero 0"),
+           (2, "--tp 2"), (2, "--tp 2 --precision fp16"), (4, "--tp 2 --zero 0"), (4, "--tp 2 --zero 1"),
+           (4, "--tp 2 --zero 3")]
 
 
 @pytest.mark.parametrize("n,layout", LAYOUTS, ids=[f"n{n} {a}" for n, a in LAYOUTS])
 def test_layout_equals_one_process_in_the_same_precision(n, layout):
-    """Masters, Adam's m and v and the low weights bit-for-bit; memory = the paper's formula;
-    bytes sent per step = the ring accounting of 2-byte elements (the worker's docstring)."""
+    """Masters, Adam's m and v and the low weights bit-for-bit (tp: to a few fp32 ulps); memory =
+    the paper's formula; bytes sent over dp per step = the ring accounting of 2-byte elements."""
     got = reports(mpirun(n, "tests/workers/precision_equiv.py", *layout.split(), timeout=240))
     assert sorted(r["rank"] for r in got) == list(range(n))
-    zero = int(layout.split("--zero ")[1].split()[0])
+    zero = int(layout.split("--zero ")[1].split()[0]) if "--zero" in layout else 0
+    dp = n // (2 if "--tp 2" in layout else 1)
     s = 2 * got[0]["psi"]                                   # S: 2 bytes per element on the wire
-    ring = {0: 2, 1: 2, 2: 2, 3: 3}[zero] * (n - 1) * s / n
+    ring = {0: 2, 1: 2, 2: 2, 3: 3}[zero] * (dp - 1) * s / dp
     for r in got:
         assert r["checked_pieces"] > 0
-        assert abs(r["sent_per_step"] - ring) <= 64, (r["sent_per_step"], ring)   # integer division per call
+        if dp > 1:                                          # (dp = 1: the group is tp's, activations)
+            assert abs(r["sent_per_step"] - ring) <= 64, (r["sent_per_step"], ring)   # integer division
 
 
 @pytest.mark.parametrize("n,zero", [(2, 0), (4, 2), (4, 3)])

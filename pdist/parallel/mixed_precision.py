@@ -3,7 +3,7 @@
     model = parallelize(GPT(cfg, seed), mesh, zero_stage=2, precision="bf16")
     opt = AdamW(model.parameters())        # the fp32 masters of this rank's tensors
 
-The strategy inside (Local, DataParallel, ZeRO) holds the model's low-precision
+The strategy inside (Local, TensorParallel, DataParallel, ZeRO) holds the model's low-precision
 tensors: weights w (2 B), gradients g (2 B), flat buffers and shards of them. This
 layer keeps, for each tensor the inner strategy's optimizer would update (a
 parameter, or a ZeRO flat shard), an fp32 master W (mixed precision's "master

@@ -31,9 +31,10 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
                  chunks=1, data_parallel="bucketed", precision="fp32"):
     """Every error a layout can have, raised the same on every rank before any collective."""
     dp, tp, pp = mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size
-    if low_dtype(precision) is not None and (tp > 1 or pp > 1 or chunks > 1):
-        raise ValueError(f"precision={precision!r} runs with data parallelism and ZeRO (tp = pp = 1); "
-                         f"tensor and pipeline parallelism train in fp32 for now (got tp={tp}, pp={pp})")
+    if low_dtype(precision) is not None and (pp > 1 or chunks > 1 or (sequence_parallel and tp > 1)):
+        raise ValueError(f"precision={precision!r} runs with data and tensor parallelism and ZeRO (pp = 1, "
+                         f"no sequence parallelism); pipeline parallelism and sequence parallelism train in "
+                         f"fp32 for now (got pp={pp}, sequence_parallel={bool(sequence_parallel)})")
     if zero_stage not in STAGES:
         raise ValueError(f"zero_stage must be one of {STAGES}, got {zero_stage!r}")
     if data_parallel not in ("bucketed", "naive"):
@@ -65,12 +66,12 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     outermost; ``scaler``: fp16's GradScaler, default ``GradScaler()``)."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
                  data_parallel, precision)
-    cast_module(model, precision)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     s = Local(model, 1 if pipelined else microbatches)
     s.check_finite = bool(check_finite)
     if mesh.tp_world_size > 1:
         s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)
+    cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
     if zero_stage:
