@@ -3,6 +3,11 @@
     python lessons/02_data_parallel.py                 # 1 rank
     mpirun -n 4 python lessons/02_data_parallel.py     # 4 ranks (or -n 2)
     mpirun -n 2 python lessons/02_data_parallel.py --accum 2 --steps 10 --json dp.json
+    mpirun -n 4 python lessons/02_data_parallel.py --precision bf16   # bf16 grads on the wire, fp32 masters
+
+With ``--precision bf16`` (or fp16) the parameters and gradients are 2 bytes, the all-reduce
+sends half the bytes, and the check compares with one process holding n micro-batches in
+the same precision, bit for bit (docs/mixed_precision.md; with --accum > 1: float32's tolerance).
 
 Each rank holds the whole GPT and takes rows [r B/n, (r+1) B/n) of the global batch
 of every step (``model.local_batch``). Its loss is the mean over its rows, so
@@ -105,8 +110,8 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
         in_flight.append(trace.comm_seconds())
         comm_bytes.append(world.stats.get("all_reduce", {}).get("bytes", 0))
         if step + 1 == check_at:
-            ok[0] = all(np.allclose(to_numpy(pc.view(pc.tensor.data)), base_state[pc.name][box_slices(pc)], **tol)
-                        for pc in model.pieces())          # mixed precision: the fp32 masters
+            ok[0] = all(np.allclose(to_numpy(pc.view(pc.tensor.data)), base_state[pc.name][box_slices(pc)],
+                                    **tol) for pc in model.pieces())    # mixed precision: the fp32 masters
 
     losses = train(model, opt, batch, args.steps, on_step=on_step)
     passed = ok[0] and np.allclose(losses[:check_at], base_losses[:check_at],
@@ -175,8 +180,8 @@ def main():
 
     def mixed(s):
         return s if prec == "fp32" else MixedPrecision(s, prec)
-    naive, ok_naive, t_naive = run("dp_naive", mixed(DataParallelNaive(local(), world)), world, args, cfg, tokens,
-                                   base_losses, base_state)
+    naive, ok_naive, t_naive = run("dp_naive", mixed(DataParallelNaive(local(), world)), world, args, cfg,
+                                   tokens, base_losses, base_state)
     dp = DataParallel(local(), world, bucket_cap_mb=args.bucket_mb, first_bucket_cap_mb=args.first_bucket_mb)
     bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", mixed(dp), world, args, cfg, tokens, base_losses,
                                             base_state)

@@ -4,6 +4,12 @@ parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero.py).
     mpirun -n 4 python lessons/03_zero.py              # stages 0, 1, 2, 3 side by side
     mpirun -n 4 python lessons/03_zero.py --stage 3    # one stage
     python lessons/03_zero.py                          # one rank: nothing to shard, same numbers
+    mpirun -n 4 python lessons/03_zero.py --precision bf16   # also the paper's own mixed-precision table
+
+``--precision bf16`` (or fp16) prints a second table: bf16 params and grads, fp32 master, m
+and v (K = 12), so the formulas are the paper's literally: stage 0 16Ψ, 1 4Ψ+12Ψ/N, 2
+2Ψ+14Ψ/N, 3 16Ψ/N; its check is bit-for-bit against one process with N micro-batches in
+the same precision (docs/mixed_precision.md).
 
 Every stage trains the same GPT on the same global batches as single-process
 training (pdist.lesson.train_reference), through the same loop (pdist.training.train):
@@ -59,7 +65,7 @@ from pdist.parallel.layout import box_slices
 from pdist.training import train
 
 FORMULA = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}  # in float32 (b = 4)
-FORMULA_MIXED = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}  # the paper's: bf16/fp16 + fp32 K = 12
+FORMULA_MIXED = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}  # the paper's: 2 + 2 + K = 12
 COMM = {0: "2Ψ·(N-1)/N", 1: "2Ψ·(N-1)/N", 2: "2Ψ·(N-1)/N", 3: "3Ψ·(N-1)/N"}  # ring accounting
 CHECK_STEPS = 10   # horizon of the tight shard check (why: lessons/02_data_parallel.py's docstring)
 F32_REL = 1e-4     # float32: |θ - θ_ref| / |θ_ref| over the whole model (all shards)

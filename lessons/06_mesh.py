@@ -4,6 +4,11 @@
     mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1     # any pair
     mpirun -n 4 python lessons/06_mesh.py --dp 1 --tp 2 --pp 2 --schedule gpipe
     python lessons/06_mesh.py                                      # 1 rank: the same loop, nothing split
+    mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1 --no-sp --precision bf16   # mixed precision
+
+``--precision bf16`` (or fp16; pp = 1, no sequence parallelism) trains with bf16 params and
+grads and fp32 masters (docs/mixed_precision.md); the memory formula is the paper's (2 + 2 +
+12 bytes per parameter) and the reference is one process in the same precision.
 
 Without --dp/--tp/--pp the layout follows the world size: 8 ranks 2 x 2 x 2, 4 ranks
 dp 2 x tp 2, 2 ranks tp 2, 1 rank 1 x 1 x 1. With some given, the first one left out
@@ -126,7 +131,8 @@ def memory_formula(cfg, args, pp_rank, b, k=None):
     N, psi, k = args.dp, sum(units), 2 * b if k is None else k
     pad = sum(-(-u // N) * N for u in units)
     return {0: (b * psi, b * psi, k * psi), 1: (b * pad, b * pad, k * pad // N),
-            2: (b * pad, b * pad // N, k * pad // N), 3: (b * pad // N, b * pad // N, k * pad // N)}[args.zero]
+            2: (b * pad, b * pad // N, k * pad // N),
+            3: (b * pad // N, b * pad // N, k * pad // N)}[args.zero]
 
 
 def comm_theory(cfg, args, coords, b, b_act=None):
@@ -150,7 +156,7 @@ def comm_theory(cfg, args, coords, b, b_act=None):
     S, n_tok = rows * T * C * b_act, rows * T
     ring = (t - 1) / t
     per_mb = (8 * L + 2 * (0 in ks) + 2 * (V - 1 in ks)) * ring * S    # blocks, embedding, head: fwd + bwd
-    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b_act                              # loss: max + [sum, target]
+    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b_act                         # loss: max + [sum, target]
     tp = args.microbatches * per_mb
     if args.sp and t > 1:          # the sequence-partial grads (LayerNorms, row biases, wpe), once a step
         partial = L * 6 * C + 2 * C * (V - 1 in ks) + T * C * (0 in ks)
@@ -222,8 +228,8 @@ def main():
     world.all_reduce(sq)
     rel = float(np.sqrt(sq[0] / sq[1]))
     shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= rel_max
-    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-3 if mixed else 1e-4,
-                          atol=0)
+    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at],
+                          rtol=1e-9 if tol else 1e-3 if mixed else 1e-4, atol=0)
     mem = memory.model_state_bytes(model, opt)
     got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
     want = memory_formula(cfg, args, mesh.pp_rank, b, k)

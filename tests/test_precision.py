@@ -3,6 +3,7 @@ fp16's dynamic loss scaling, and every data-parallel / ZeRO layout equal to one 
 in the same precision, with the ZeRO paper's mixed-precision memory to the byte."""
 import numpy as np
 import pytest
+from threadpoolctl import threadpool_limits
 
 from pdist import data, lesson, memory, precision
 from pdist.gpt import GPT
@@ -18,23 +19,17 @@ def mixed(cfg, prec, microbatches=1, scaler=None, seed=0):
 
 
 # ----------------------------------------------------------------- loss curves
-STEPS = 100
-# The reference and the tolerance. Lesson 00's run (lr 3e-3, batch 16) is chaotic: a
-# perturbation of the weights grows until runs differ by tenths of a nat, whatever its
-# cause. Measured (fp32 throughout, 10-step means of the loss): multiplying every
-# initial weight by (1 + 2^-12 z), z ~ N(0, 1), moves a window by up to 0.11 nats;
-# starting from the weights rounded to fp16, by up to 0.32. The mixed-precision run
-# starts from its rounded weights (its masters are their upcast), so it is compared
-# with fp32 training from those same weights: what is left is the arithmetic. Steps
-# 0-9 (before a perturbation has grown) within FIRST_TOL of the reference's mean,
-# every 10-step mean within WINDOW_TOL, and the loss falls by at least FALL_FRACTION
-# of the reference's fall (first 10 steps vs last 10).
-# fp16 has one transient: at step 18 its loss jumps by 1.3-2 nats (at every loss scale
-# from 2^8 to 2^16, so not the scaler) and is back on the reference's curve at step 19
-# (at 2^16 after three skipped steps: the jump's gradients overflow). The step-17 update
-# left block 0's c_attn weight (within 0.016 of the reference's) sharp for batch 18's
-# attention. So fp16's windows are held to WINDOW_TOL from step 30 on (SETTLED).
-FIRST_TOL, WINDOW_TOL, FALL_FRACTION, SETTLED = 0.02, 0.25, 0.8, {"bf16": 1, "fp16": 3}
+STEPS, LR = 100, 1e-3
+# Lesson 00's model, batches and AdamW (betas (0.9, 0.95), weight decay 0.1), at lr 1e-3.
+# At the lesson's lr 3e-3 the run is chaotic: fp32 started from its weights times
+# (1 + 2^-12 z), z ~ N(0, 1), already moves the 10-step mean losses by up to 0.11 nats,
+# and even the BLAS thread count changes the curve; at 1e-3 it is not, so the curves
+# compare the arithmetic. The mixed-precision run starts from its rounded weights (its
+# masters are their upcast), so the reference is fp32 training from those same weights.
+# Measured (one BLAS thread): every 10-step mean within 0.009 nats (bf16) and 0.0005
+# (fp16); the tolerance: every window within WINDOW_TOL (about 1% of the loss), and the
+# loss falls (first 10 steps' mean minus last 10's) by at least FALL_FRACTION of fp32's.
+WINDOW_TOL, FALL_FRACTION = 0.03, 0.95
 
 
 @pytest.fixture(scope="module")
@@ -51,8 +46,11 @@ def lesson00():
             m = Local(model)
         else:
             m = mixed(cfg, prec)
-        opt = lesson.make_adamw(m.parameters())
-        return np.array(train(m, opt, lambda s: data.get_batch(tokens, 16, cfg.block_size, 0, s), STEPS)), m
+        opt = AdamW(m.parameters(), lr=LR, betas=lesson.BETAS, eps=lesson.EPS,
+                    weight_decay=lesson.WEIGHT_DECAY)
+        with threadpool_limits(1):                      # the same BLAS summation order every run
+            losses = train(m, opt, lambda s: data.get_batch(tokens, 16, cfg.block_size, 0, s), STEPS)
+        return np.array(losses), m
     return run
 
 
@@ -63,9 +61,9 @@ def test_loss_curve_close_to_fp32(lesson00, prec):
     got, m = run(prec)
     assert m.module.transformer.wte.weight.dtype == precision.low_dtype(prec)
     windows = np.abs(got.reshape(-1, 10).mean(1) - ref.reshape(-1, 10).mean(1))
-    assert windows[0] <= FIRST_TOL and windows[SETTLED[prec]:].max() <= WINDOW_TOL, windows
+    assert windows.max() <= WINDOW_TOL, windows
     fall, ref_fall = got[:10].mean() - got[-10:].mean(), ref[:10].mean() - ref[-10:].mean()
-    assert fall >= FALL_FRACTION * ref_fall, (fall, ref_fall)
+    assert ref_fall > 1.0 and fall >= FALL_FRACTION * ref_fall, (fall, ref_fall)
 
 
 # ----------------------------------------------------------------- fp16 loss scaling
@@ -153,7 +151,8 @@ def test_microbatches_sum_in_fp32_and_round_once():
         parts.append({n: p.grad.astype(np.float32) for n, p in one.module.named_parameters()})
     for n, p in m.module.named_parameters():
         want = (parts[0][n] + parts[1][n] + parts[2][n] + parts[3][n]) / np.float32(4)
-        assert p.grad.dtype == precision.bfloat16 and np.array_equal(p.grad, want.astype(precision.bfloat16)), n
+        assert p.grad.dtype == precision.bfloat16, n
+        assert np.array_equal(p.grad, want.astype(precision.bfloat16)), n
 
 
 @pytest.mark.parametrize("tp,pp,sp,words", [(1, 2, False, "pipeline parallelism"),
@@ -177,7 +176,8 @@ def test_bad_precision_is_a_clear_error():
 # ----------------------------------------------------------------- every layout equals one process
 LAYOUTS = [(2, "--zero 0"), (2, "--zero 0 --naive"), (2, "--zero 1"), (2, "--zero 2"), (2, "--zero 3"),
            (4, "--zero 0"), (4, "--zero 1"), (4, "--zero 2"), (4, "--zero 3"),
-           (2, "--precision fp16 --zero 2"), (4, "--precision fp16 --zero 3"), (4, "--precision fp16 --zero 0"),
+           (2, "--precision fp16 --zero 2"), (4, "--precision fp16 --zero 3"),
+           (4, "--precision fp16 --zero 0"),
            (2, "--tp 2"), (2, "--tp 2 --precision fp16"), (4, "--tp 2 --zero 0"), (4, "--tp 2 --zero 1"),
            (4, "--tp 2 --zero 3")]
 

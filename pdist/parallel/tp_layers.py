@@ -165,7 +165,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else xp.asarray(idx)
         F.check_indices(idx, self.num_embeddings, "embedding index")  # same ids, same error on every rank
-        y = _VocabParallelEmbedding.apply(precision.weight(self.weight), idx, self.vocab_start_index)  # (B, T, C)
+        w = precision.weight(self.weight)                                 # (V/t, C), upcast under bf16/fp16
+        y = _VocabParallelEmbedding.apply(w, idx, self.vocab_start_index)  # (B, T, C) partial
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, C)
         return reduce_from_tensor_parallel_region(y, self.group)  # (B, T, C)

@@ -34,7 +34,8 @@ for dt in (bfloat16, np.dtype(np.float16)):
                 w = world.all_reduce(buf, op=op, async_op=async_op)
                 if async_op:
                     w.wait()
-                assert buf.dtype == dt and np.array_equal(buf.view(np.uint16), want(size, op).view(np.uint16)), \
+                expect = want(size, op)
+                assert buf.dtype == dt and np.array_equal(buf.view(np.uint16), expect.view(np.uint16)), \
                     (dt, size, op)
                 checked += 1
         full = want(size, "avg")

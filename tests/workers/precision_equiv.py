@@ -112,6 +112,7 @@ low = {n: p.data for n, p in ref.module.named_parameters()}
 for n, p in model.module.named_parameters():
     if p.data.size:
         want = low[n][tuple(slice(0, d) for d in p.shape)] if args.tp == 1 else None    # (tp: shards)
-        assert p.dtype == precision.low_dtype(args.precision) and (want is None or np.array_equal(p.data, want)), n
+        assert p.dtype == precision.low_dtype(args.precision), n
+        assert want is None or np.array_equal(p.data, want), n
 
 report(rank=world.rank, checked_pieces=checked, memory=row, psi=psi, sent_per_step=sent, losses=losses)
