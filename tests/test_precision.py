@@ -240,3 +240,26 @@ def test_two_byte_collectives_sum_in_fp32_and_round_once(n):
     got = reports(mpirun(n, "tests/workers/comm_low_precision.py", timeout=120))
     assert len(got) == n and all(r["checked"] == 72 and r["sum"] == n for r in got), got
     assert all(r["all_reduce_bytes"] == 2 * (n - 1) * 2000 // n for r in got), got
+
+
+def test_grad_scaler_matches_torch_amp_grad_scaler():
+    """The same pattern of overflowing steps gives PyTorch's scales, skips and state_dict
+    (torch.amp.GradScaler on CPU; skipped when PyTorch is not installed)."""
+    torch = pytest.importorskip("torch")
+    from pdist.autograd import Tensor
+    from pdist.optim import SGD
+    kw = dict(init_scale=2.0 ** 4, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
+    ours, theirs = GradScaler(**kw), torch.amp.GradScaler("cpu", **kw)
+    p, tp = Tensor(np.ones(3), requires_grad=True), torch.nn.Parameter(torch.ones(3, dtype=torch.float64))
+    opt, topt = SGD([p], lr=0.1), torch.optim.SGD([tp], lr=0.1)
+    for step, bad in enumerate([0, 0, 0, 0, 1, 0, 1, 1, 0, 0, 0, 0, 0]):
+        assert ours.scale(1.0) == float(theirs.scale(torch.tensor(1.0))), step   # S (torch: lazily set)
+        g = np.full(3, np.inf if bad else 0.5) * ours.get_scale()           # S g, or an overflow
+        p.grad, tp.grad = g.copy(), torch.tensor(g)
+        ours.step(opt)
+        theirs.step(topt)
+        ours.update()
+        theirs.update()
+        assert ours.get_scale() == theirs.get_scale(), step
+        assert np.allclose(p.data, tp.detach().numpy()), step
+    assert ours.state_dict()["_growth_tracker"] == theirs.state_dict()["_growth_tracker"]
