@@ -51,7 +51,8 @@ def fp32_only(parser, args, what):
         parser.error(f"--precision {args.precision}: {what} trains in fp32 for now; mixed precision runs "
                      f"with data parallelism, ZeRO and tensor parallelism without sequence parallelism "
                      f"(lessons 02, 03, and 06 with --pp 1 --no-sp, e.g. mpirun -n 2 python "
-                     f"lessons/06_mesh.py --tp 2 --no-sp --precision {args.precision}; docs/mixed_precision.md)")
+                     f"lessons/06_mesh.py --tp 2 --no-sp --precision {args.precision}; "
+                     f"docs/mixed_precision.md)")
 
 
 def start(args):
