@@ -3,6 +3,11 @@
     python lessons/02_data_parallel.py                 # 1 rank
     mpirun -n 4 python lessons/02_data_parallel.py     # 4 ranks (or -n 2)
     mpirun -n 2 python lessons/02_data_parallel.py --accum 2 --steps 10 --json dp.json
+    mpirun -n 4 python lessons/02_data_parallel.py --precision bf16   # bf16 grads on the wire, fp32 masters
+
+With ``--precision bf16`` (or fp16) the parameters and gradients are 2 bytes, the all-reduce
+sends half the bytes, and the check compares with one process holding n micro-batches in
+the same precision, bit for bit (docs/mixed_precision.md; with --accum > 1: float32's tolerance).
 
 Each rank holds the whole GPT and takes rows [r B/n, (r+1) B/n) of the global batch
 of every step (``model.local_batch``). Its loss is the mean over its rows, so
@@ -52,24 +57,27 @@ import statistics
 
 import numpy as np
 
-from pdist import data, lesson, memory, trace
+from pdist import data, lesson, memory, precision, trace
 from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
-from pdist.parallel import DataParallel, DataParallelNaive, Local
+from pdist.parallel import DataParallel, DataParallelNaive, Local, MixedPrecision
+from pdist.parallel.layout import box_slices
 from pdist.training import train
 
 CHECK_STEPS = 10   # the tight parameter check's horizon (see the docstring)
 
 
-def tolerances(dtype):
+def tolerances(dtype, precision="fp32", micro_batches=1):
     """(parameter tolerance for np.allclose, loss rtol) of the check (see the docstring)."""
-    if dtype == "float64":
+    if precision != "fp32" and micro_batches == 1:
+        return dict(rtol=0, atol=0), 1e-9          # the same rounding points: bit for bit
+    if dtype == "float64" and precision == "fp32":
         return dict(rtol=1e-9, atol=1e-12), 1e-9
     return dict(rtol=0, atol=2e-4), 1e-5
 
 
 def parse_args():
-    p = lesson.parser(__doc__, steps=20, dtype="float64", batch_size=16)
+    p = lesson.parser(__doc__, steps=20, dtype="float64", batch_size=16, precision=True)
     p.add_argument("--accum", dest="micro_batches", type=int, default=1,
                    help="micro-batches per step (gradient accumulation; default %(default)s)")
     p.add_argument("--bucket-mb", type=float, default=0.25, help="bucket cap in MiB (PyTorch: 25)")
@@ -87,7 +95,7 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
     n, rank = world.size, world.rank
     opt = lesson.make_adamw(model.parameters())
     check_at = min(args.steps, CHECK_STEPS)
-    tol, loss_rtol = tolerances(args.dtype)
+    tol, loss_rtol = tolerances(args.dtype, args.precision, args.micro_batches)
     comm_bytes, times, waits, in_flight, clock, ok = [], [], [], [], [0.0], [False]
     rss = memory.StepRSS()     # what the process holds: RSS after each step, and the step's peak
 
@@ -107,8 +115,8 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
         in_flight.append(trace.comm_seconds())
         comm_bytes.append(world.stats.get("all_reduce", {}).get("bytes", 0))
         if step + 1 == check_at:
-            ok[0] = all(np.allclose(to_numpy(q.data), base_state[nm], **tol)
-                        for nm, q in model.module.named_parameters())
+            ok[0] = all(np.allclose(to_numpy(pc.view(pc.tensor.data)), base_state[pc.name][box_slices(pc)],
+                                    **tol) for pc in model.pieces())    # mixed precision: the fp32 masters
 
     losses = train(model, opt, batch, args.steps, on_step=on_step)
     passed = ok[0] and np.allclose(losses[:check_at], base_losses[:check_at],
@@ -117,6 +125,7 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
     oks, digests = zip(*world.all_gather_object((passed, digest)))
     mem = memory.memory_row(rank, model, opt, rss=rss.row())   # bucketed: grads are views of the buckets
     rec = {"name": name, "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
+           "precision": args.precision,
            "params": cfg.num_params(),
            "loss": losses, "baseline_loss": base_losses,
            "memory_per_rank": world.all_gather_object(mem),
@@ -128,7 +137,8 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
 
 def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
     psi, k = naive["params"], args.micro_batches
-    print(f"GPT {cfg.n_layer} layers, n_embd {cfg.n_embd}, Psi = {psi:,} parameters ({args.dtype}); "
+    what = args.dtype if args.precision == "fp32" else f"{args.precision} params and grads, fp32 masters"
+    print(f"GPT {cfg.n_layer} layers, n_embd {cfg.n_embd}, Psi = {psi:,} parameters ({what}); "
           f"{n} rank(s), global batch {args.batch_size} = {n} x {args.batch_size // n} rows"
           f"{f' in {k} micro-batches' if k > 1 else ''}; {len(dp.buckets)} buckets "
           f"(bytes, in issue order: {[int(b.buffer.nbytes) for b in dp.buckets]})\n")
@@ -137,7 +147,7 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
              max(abs(naive["loss"][s] - base[s]), abs(bucketed["loss"][s] - base[s])))
             for s in range(args.steps)]
     print(lesson.table(rows, ["step", "1 process", "naive DP", "bucketed DP", "max |diff|"], "{:.6g}"))
-    formula = 2 * (n - 1) / n * psi * np.dtype(args.dtype).itemsize
+    formula = 2 * (n - 1) / n * psi * (np.dtype(args.dtype).itemsize if args.precision == "fp32" else 2)
     rows = []
     for rec, (step_s, wait_s, fly_s) in ((naive, t_naive), (bucketed, t_bucketed)):
         rows.append((rec["name"], lesson.fmt_bytes(rec["comm_bytes_per_step"][0]), lesson.fmt_bytes(formula),
@@ -149,14 +159,15 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
     print(lesson.table(rows, ["run", "all-reduced", "2(n-1)/n*Psi*bytes", "compute ms", "waiting ms",
                               "in flight ms", "step ms"]))
     b, fb = np.dtype(args.dtype).itemsize, lesson.fmt_bytes
+    per = 4 * b if args.precision == "fp32" else 16      # bytes per parameter: one dtype; mixed 2 + 2 + 12
     rows = [(rec["name"], m["rank"], fb(m["params_bytes"] + m["grads_bytes"] + m["optim_bytes"]),
-             fb(4 * b * psi), fb(m["rss_bytes"] or 0), fb(m["rss_peak_bytes"] or 0))
+             fb(per * psi), fb(m["rss_bytes"] or 0), fb(m["rss_peak_bytes"] or 0))
             for rec in (naive, bucketed) for m in rec["memory_per_rank"]]
-    print("\nmemory per rank: model states (pdist.memory), the formula (params + grads + Adam m, v = 4bΨ), "
-          "and what\nthe process holds (RSS after the last step, and its peak during that step; the "
-          "interpreter and\nlibraries included, see lesson 03)")
+    print("\nmemory per rank: model states (pdist.memory), the formula (params + grads + Adam m, v = 4bΨ; "
+          "mixed\nprecision 16Ψ: 2 + 2 + fp32 master, m, v), and what the process holds (RSS after the last "
+          "step,\nand its peak during that step; the interpreter and libraries included, see lesson 03)")
     print(lesson.table(rows, ["run", "rank", "states", "formula", "rss", "rss peak"]))
-    tol, loss_rtol = tolerances(args.dtype)
+    tol, loss_rtol = tolerances(args.dtype, args.precision, args.micro_batches)
     print(f"\nreplicas bitwise identical; parameters after {min(args.steps, CHECK_STEPS)} steps equal "
           f"1 process "
           f"(rtol {tol['rtol']:g}, atol {tol['atol']:g}), losses of those steps too (rtol {loss_rtol:g}): "
@@ -173,15 +184,20 @@ def main():
                 f"(use a multiple of {n * k})")
     cfg = lesson.config_from_args(args, tok.vocab_size)
     check_at = min(args.steps, CHECK_STEPS)
-    base_losses, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)
-    _, base_state = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, tokens)
+    prec = args.precision       # mixed precision: one process with n x k micro-batches rounds as n ranks do
+    ref = dict(tokens=tokens, precision=prec, microbatches=1 if prec == "fp32" else n * k)
+    base_losses, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, **ref)
+    _, base_state = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, **ref)
 
     def local():
-        return Local(GPT(cfg, seed=args.seed), microbatches=k)
-    naive, ok_naive, t_naive = run("dp_naive", DataParallelNaive(local(), world), world, args, cfg, tokens,
-                                   base_losses, base_state)
+        return Local(precision.cast_module(GPT(cfg, seed=args.seed), prec), microbatches=k)
+
+    def mixed(s):
+        return s if prec == "fp32" else MixedPrecision(s, prec)
+    naive, ok_naive, t_naive = run("dp_naive", mixed(DataParallelNaive(local(), world)), world, args, cfg,
+                                   tokens, base_losses, base_state)
     dp = DataParallel(local(), world, bucket_cap_mb=args.bucket_mb, first_bucket_cap_mb=args.first_bucket_mb)
-    bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", dp, world, args, cfg, tokens, base_losses,
+    bucketed, ok_bucketed, t_bucketed = run("dp_bucketed", mixed(dp), world, args, cfg, tokens, base_losses,
                                             base_state)
     if rank == 0:
         report(args, cfg, n, dp, dict(naive, passed=ok_naive), dict(bucketed, passed=ok_bucketed),

@@ -4,6 +4,12 @@ parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero.py).
     mpirun -n 4 python lessons/03_zero.py              # stages 0, 1, 2, 3 side by side
     mpirun -n 4 python lessons/03_zero.py --stage 3    # one stage
     python lessons/03_zero.py                          # one rank: nothing to shard, same numbers
+    mpirun -n 4 python lessons/03_zero.py --precision bf16   # also the paper's own mixed-precision table
+
+``--precision bf16`` (or fp16) prints a second table: bf16 params and grads, fp32 master, m
+and v (K = 12), so the formulas are the paper's literally: stage 0 16Ψ, 1 4Ψ+12Ψ/N, 2
+2Ψ+14Ψ/N, 3 16Ψ/N; its check is bit-for-bit against one process with N micro-batches in
+the same precision (docs/mixed_precision.md).
 
 Every stage trains the same GPT on the same global batches as single-process
 training (pdist.lesson.train_reference), through the same loop (pdist.training.train):
@@ -53,9 +59,11 @@ The second table is what each process holds (the OS's count, per rank, MiB):
 --check-rss (on by default from Ψ = 4 M: below it the baseline hides the model, e.g.
 --n-layer 8 --n-embd 512 --n-head 8 --batch-size 4 gives Ψ = 25.3 M) adds to PASS:
 |trimmed - (base+formula)| and |rss peak - (base+peak)| <= 15% of the prediction on
-every rank. --timeline PNG plots each rank's memory over one step, the states and
-activations stacked, with every all-gather, free and reduce-scatter marked; the same
-events and a "memory" counter go into --trace (pdist/memory_timeline.py).
+every rank (fp32 only: in bf16/fp16 the fp32 gradients the optimizer read stay alive
+until the next step's zero_grad, docs/mixed_precision.md). --timeline PNG plots each
+rank's memory over one step, the states and activations stacked, with every all-gather,
+free and reduce-scatter marked; the same events and a "memory" counter go into --trace
+(pdist/memory_timeline.py).
 
 PASS means, on every rank: model-state bytes equal the formula exactly, bytes sent
 equal the theory, and (as in lesson 02) after min(--steps, 10) steps every shard
@@ -74,14 +82,15 @@ import time
 
 import numpy as np
 
-from pdist import backend, data, lesson, memory, memory_timeline
+from pdist import backend, data, lesson, memory, memory_timeline, precision
 from pdist.backend import synchronize, to_numpy
 from pdist.gpt import GPT
-from pdist.parallel import ZeRO
+from pdist.parallel import MixedPrecision, ZeRO
 from pdist.parallel.layout import box_slices
 from pdist.training import train
 
 FORMULA = {0: "16Ψ", 1: "8Ψ+8Ψ/N", 2: "4Ψ+12Ψ/N", 3: "16Ψ/N"}  # in float32 (b = 4)
+FORMULA_MIXED = {0: "16Ψ", 1: "4Ψ+12Ψ/N", 2: "2Ψ+14Ψ/N", 3: "16Ψ/N"}  # the paper's: 2 + 2 + K = 12
 COMM = {0: "2Ψ·(N-1)/N", 1: "2Ψ·(N-1)/N", 2: "2Ψ·(N-1)/N", 3: "3Ψ·(N-1)/N"}  # ring accounting
 RSS_TOL = 0.15          # |RSS - prediction| / prediction, when the RSS is checked
 RSS_CHECK_MIN_PSI = 4_000_000   # checked by default from here: below, the baseline hides the model
@@ -89,12 +98,15 @@ CHECK_STEPS = 10   # horizon of the tight shard check (why: lessons/02_data_para
 F32_REL = 1e-4     # float32: |θ - θ_ref| / |θ_ref| over the whole model (all shards)
 
 
-def formula_bytes(stage, psi, n, b):
-    """(params, grads, optim) bytes per rank from the ZeRO paper, one dtype of b bytes, Adam."""
-    return {0: (b * psi, b * psi, 2 * b * psi),
-            1: (b * psi, b * psi, 2 * b * psi // n),
-            2: (b * psi, b * psi // n, 2 * b * psi // n),
-            3: (b * psi // n, b * psi // n, 2 * b * psi // n)}[stage]
+def formula_bytes(stage, psi, n, b, k=None):
+    """(params, grads, optim) bytes per rank from the ZeRO paper: params and grads of b bytes,
+    optimizer states of k bytes per parameter (one dtype with Adam: k = 2b; mixed
+    precision: b = 2, k = 12, fp32 master + m + v)."""
+    k = 2 * b if k is None else k
+    return {0: (b * psi, b * psi, k * psi),
+            1: (b * psi, b * psi, k * psi // n),
+            2: (b * psi, b * psi // n, k * psi // n),
+            3: (b * psi // n, b * psi // n, k * psi // n)}[stage]
 
 
 def comm_theory(stage, z, n, b):
@@ -142,7 +154,15 @@ def shard_error(z, ref_sd, world, tol):
     return (all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= F32_REL), rel
 
 
-def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=None):
+def build(cfg, stage, world, args, prec):
+    """ZeRO-``stage`` over the world from a meta GPT: each rank draws its own pieces only
+    (pdist/meta.py); bf16/fp16: the model cast, fp32 masters outside."""
+    model = precision.cast_module(GPT(cfg, seed=args.seed, device="meta"), prec)
+    z = ZeRO(model, stage, world, prefetch=not args.no_prefetch)
+    return z if prec == "fp32" else MixedPrecision(z, prec)
+
+
+def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=None, prec="fp32"):
     """Train ``steps`` steps under ZeRO-``stage`` with the one loop. After step ``check_at``,
     compare this rank's pieces with ``ref_sd`` (``shard_error``). Returns
     (model, optimizer, losses, bytes sent per step, median seconds per step, (ok, rel err),
@@ -151,7 +171,7 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     backend.malloc_trim()      # malloc's free pages (earlier runs' temporaries) back to the OS
     rss = {"rss_baseline_bytes": memory.rss_bytes()}   # before the model: interpreter, libraries, data
     with memory.RSSPeak() as init:     # meta init: each rank draws its own pieces only (pdist/meta.py)
-        z = ZeRO(GPT(cfg, seed=args.seed, device="meta"), stage, world, prefetch=not args.no_prefetch)
+        z = build(cfg, stage, world, args, prec)
     rss["rss_init_peak_bytes"] = init.peak_bytes
     opt = lesson.make_adamw(z.parameters())
     sent, secs, check, clock = [], [], [(True, 0.0)], [0.0]
@@ -179,28 +199,97 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     return z, opt, losses, sent, float(np.median(secs)), check[0], rss
 
 
-def peak_bytes(cfg, stage, world, args, tokens):
+def peak_bytes(cfg, stage, world, args, tokens, prec):
     """The peak of one step (step 0's batch) after 2 traced steps from a fresh model
     (tracemalloc slows NumPy's allocations, so the timed run is not traced). The same
     step's memory timeline (pdist/memory_timeline.py) goes into the trace, and with
     --timeline into a PNG."""
     memory.start_tracing(restart=True)
-    zm, om, *_ = run(cfg, stage, world, args, tokens, min(2, args.steps))
+    zm, om, *_ = run(cfg, stage, world, args, tokens, min(2, args.steps), prec=prec)
     with memory.PeakMemory() as pk, memory_timeline.record(zm, om) as tl:
         train(zm, om, lambda step: data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, 0), 1)
     memory.stop_tracing()
     if args.timeline:          # every rank's samples of this step, one PNG (rank 0)
         per_rank = world.all_gather_object(tl.samples)
-        path = args.timeline if args.stage is not None else \
-            f"{os.path.splitext(args.timeline)[0]}.zero{stage}.png"
-        title = f"ZeRO-{stage}: one step, {world.size} ranks"
+        tag = f".zero{stage}" if args.stage is None else ""
+        tag += f".{prec}" if args.precision != "fp32" else ""
+        path = f"{os.path.splitext(args.timeline)[0]}{tag}.png" if tag else args.timeline
+        title = f"ZeRO-{stage}, {prec}: one step, {world.size} ranks"
         if world.rank == 0 and not memory_timeline.plot(per_rank, path, title):
             print("--timeline: matplotlib is not installed (pip install 'pdist[plot]'): no PNG written")
     return pk.peak_bytes
 
 
+def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
+    """Every stage in one precision: the tables (rank 0), and (the JSON's runs, PASS on every rank)."""
+    n, rank, mixed = world.size, world.rank, prec != "fp32"
+    b, k = (2, 12) if mixed else (np.dtype(args.dtype).itemsize, None)
+    # the check (as lesson 02's): shards after min(steps, 10) steps and the losses of those steps;
+    # mixed precision: the single process with n micro-batches rounds where the ranks do: exact
+    check_at = min(args.steps, CHECK_STEPS)
+    tol = dict(rtol=0, atol=0) if mixed else dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else None
+    loss_rtol = 1e-9 if args.dtype == "float64" or mixed else 1e-5
+    ref = dict(tokens=tokens, precision=prec, microbatches=n if mixed else 1)
+    baseline, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, **ref)
+    _, ref_sd = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, **ref)
+
+    rows, rss_rows, runs, ok_all = [], [], [], True
+    name = args.dtype if not mixed else f"{prec} params and grads, fp32 masters, compute in {args.dtype}"
+    for stage in stages:
+        peak = peak_bytes(cfg, stage, world, args, tokens, prec)
+        model, opt, losses, sent, sps, (shards_ok, err), rss = run(cfg, stage, world, args, tokens, args.steps,
+                                                                    check_at, ref_sd, tol, prec)
+        mem = memory.memory_row(rank, model, opt, peak, rss)
+        z = model.inner if mixed else model
+        psi = z.numel if stage == 0 else z.numel_padded
+        want = formula_bytes(stage, psi, n, b, k)
+        theory = comm_theory(stage, z, n, b)
+        got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
+        rss_pred = rss_prediction(rss, sum(want), peak)
+        mem.update(rss_prediction_bytes=rss_pred[0], rss_peak_prediction_bytes=rss_pred[1])
+        rss_ok = not check_rss or rss_close(rss, rss_pred)
+        loss_ok = np.allclose(losses[:check_at], baseline[:check_at], rtol=loss_rtol, atol=0)
+        ok = (shards_ok and loss_ok and got == want and rss_ok
+              and all(abs(s - theory) <= len(z.units) for s in sent))
+        flag = np.array([1.0 if ok else 0.0])
+        world.all_reduce(flag, op="min")                            # PASS only if every rank passed
+        ok_all &= bool(flag[0])
+        mems, sents = world.all_gather_object(mem), world.all_gather_object(float(np.mean(sent)))
+        runs.append({"name": f"zero{stage}" + (f"_{prec}" if mixed else ""),
+                     "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage},
+                     "dtype": args.dtype, "precision": prec,
+                     "params": z.numel, "params_padded": z.numel_padded,
+                     "loss": list(losses), "baseline_loss": list(baseline), "memory_per_rank": mems,
+                     "comm_bytes_per_step": sents, "comm_bytes_theory": theory,
+                     "memory_formula": dict(zip(("params_bytes", "grads_bytes", "optim_bytes"), want)),
+                     "seconds_per_step": sps, "rss_checked": check_rss})
+        fb = lesson.fmt_bytes
+        formula = FORMULA_MIXED[stage] if mixed else FORMULA[stage] if b == 4 else "2x " + FORMULA[stage]
+        rows.append([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
+                     f"{formula} = {fb(sum(want))}",
+                     "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
+                     fb(peak), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"])
+        rss_rows += [[stage] + rss_row(m) for m in mems]
+        numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
+        del model, z, opt      # the next stage's baseline RSS must not hold this one's model
+
+    if rank == 0:
+        print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters ({n_units} flat units: "
+              f"root wte+wpe, {cfg.n_layer} blocks, ln_f), Ψ_pad = {numel_padded:,}, {name} "
+              f"(b = {b}{', K = 12' if mixed else ''}), AdamW, {args.steps} steps, "
+              f"global batch {args.batch_size}\n")
+        print(lesson.table(rows, ["stage", "params", "grads", "optim", "total", "formula", "=",
+                                  "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
+        print(f"\nWhat each process holds (RSS, the OS's count; the last step; "
+              f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked here'}):")
+        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc free",
+                                      "trimmed", "base+formula", "Δ", "rss peak", "base+peak", "Δ"]))
+        print()
+    return runs, ok_all
+
+
 def main():
-    p = lesson.parser(__doc__, batch_size=12)
+    p = lesson.parser(__doc__, batch_size=12, precision=True)
     p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
@@ -221,62 +310,12 @@ def main():
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
 
     cfg = lesson.config_from_args(args, tok.vocab_size)
-    b = np.dtype(args.dtype).itemsize
-    # the check (as lesson 02's): shards after min(steps, 10) steps and the losses of those steps
-    check_at = min(args.steps, CHECK_STEPS)
-    tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else None    # None: F32_REL
-    loss_rtol = 1e-9 if args.dtype == "float64" else 1e-5
-    baseline, _ = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)
-    _, ref_sd = lesson.train_reference(cfg, args.seed, check_at, args.batch_size, tokens)
-
-    psi = cfg.num_params()
-    check_rss = args.check_rss or (args.check_rss is None and psi >= RSS_CHECK_MIN_PSI)
-    rows, rss_rows, runs, ok_all = [], [], [], True
-    for stage in stages:
-        peak = peak_bytes(cfg, stage, world, args, tokens)
-        z, opt, losses, sent, sps, (shards_ok, err), rss = run(cfg, stage, world, args, tokens, args.steps,
-                                                                check_at, ref_sd, tol)
-        mem = memory.memory_row(rank, z, opt, peak, rss)
-        psi = z.numel if stage == 0 else z.numel_padded
-        want = formula_bytes(stage, psi, n, b)
-        theory = comm_theory(stage, z, n, b)
-        got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
-        rss_pred = rss_prediction(rss, sum(want), peak)
-        mem.update(rss_prediction_bytes=rss_pred[0], rss_peak_prediction_bytes=rss_pred[1])
-        rss_ok = not check_rss or rss_close(rss, rss_pred)
-        loss_ok = np.allclose(losses[:check_at], baseline[:check_at], rtol=loss_rtol, atol=0)
-        ok = (shards_ok and loss_ok and got == want and rss_ok
-              and all(abs(s - theory) <= len(z.units) for s in sent))
-        flag = np.array([1.0 if ok else 0.0])
-        world.all_reduce(flag, op="min")                            # PASS only if every rank passed
-        ok_all &= bool(flag[0])
-        mems, sents = world.all_gather_object(mem), world.all_gather_object(float(np.mean(sent)))
-        runs.append({"name": f"zero{stage}", "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage},
-                     "dtype": args.dtype, "params": z.numel, "params_padded": z.numel_padded,
-                     "loss": list(losses), "baseline_loss": list(baseline), "memory_per_rank": mems,
-                     "comm_bytes_per_step": sents, "comm_bytes_theory": theory,
-                     "memory_formula": dict(zip(("params_bytes", "grads_bytes", "optim_bytes"), want)),
-                     "seconds_per_step": sps, "rss_checked": check_rss})
-        fb = lesson.fmt_bytes
-        rows.append([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
-                     f"{FORMULA[stage] if b == 4 else '2x ' + FORMULA[stage]} = {fb(sum(want))}",
-                     "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
-                     fb(peak), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"])
-        rss_rows += [[stage] + rss_row(m) for m in mems]
-        numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
-        del z, opt             # the next stage's baseline RSS must not hold this one's model
-
-    if rank == 0:
-        print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters ({n_units} flat units: "
-              f"root wte+wpe, {cfg.n_layer} blocks, ln_f), Ψ_pad = {numel_padded:,}, {args.dtype} "
-              f"(b = {b}), AdamW, {args.steps} steps, global batch {args.batch_size}\n")
-        print(lesson.table(rows, ["stage", "params", "grads", "optim", "total", "formula", "=",
-                                  "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
-        print(f"\nWhat each process holds (RSS, the OS's count; the last step; "
-              f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked at this Ψ'}):")
-        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc free",
-                                      "trimmed", "base+formula", "Δ", "rss peak", "base+peak", "Δ"]))
-        print()
+    check_rss = args.check_rss or (args.check_rss is None and cfg.num_params() >= RSS_CHECK_MIN_PSI)
+    runs, ok_all = [], True
+    for prec in ["fp32"] + ([args.precision] if args.precision != "fp32" else []):   # both: fp32 first
+        r, ok = one_precision(cfg, prec, stages, world, args, tokens, check_rss and prec == "fp32")
+        runs += r
+        ok_all &= ok
     lesson.finish("03_zero", ok_all, runs, args, rank=rank, world_size=n,
                   detail=f"(stages {stages} on {n} ranks: shards equal the single-process run, "
                          f"memory = formula, bytes = theory)" if ok_all else

@@ -185,8 +185,9 @@ def report(tp_run, sp_run, cfg, args, t):
 
 
 def main():
-    ap = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=8)
+    ap = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=8, precision=True)
     args = lesson.validate(ap, ap.parse_args())
+    lesson.fp32_only(ap, args, "this lesson's second run, tensor + sequence parallelism,")
     world, tokens, tok = lesson.start(args)
     lesson.warn_shared_cores(world)
     t, rank = world.size, world.rank

@@ -160,9 +160,10 @@ def report(rows, show, pp, cfg, args, n):
 
 def main():
     # float64: equality to 1e-9 is the check
-    ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8)
+    ap = lesson.parser(__doc__, steps=6, dtype="float64", batch_size=16, n_layer=8, precision=True)
     ap.add_argument("--png", metavar="PATH", default=None, help="also draw planned vs measured (matplotlib)")
     args = lesson.validate(ap, ap.parse_args())
+    lesson.fp32_only(ap, args, "pipeline parallelism")
     if args.png and importlib.util.find_spec("matplotlib") is None:   # fail now, not after the run
         ap.error("--png needs matplotlib: .venv/bin/pip install 'pdist[plots]' (or leave out --png)")
     world, tokens, tok = lesson.start(args)

@@ -4,6 +4,11 @@
     mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1     # any pair
     mpirun -n 4 python lessons/06_mesh.py --dp 1 --tp 2 --pp 2 --schedule gpipe
     python lessons/06_mesh.py                                      # 1 rank: the same loop, nothing split
+    mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1 --no-sp --precision bf16   # mixed precision
+
+``--precision bf16`` (or fp16; pp = 1, no sequence parallelism) trains with bf16 params and
+grads and fp32 masters (docs/mixed_precision.md); the memory formula is the paper's (2 + 2 +
+12 bytes per parameter) and the reference is one process in the same precision.
 
 Without --dp/--tp/--pp the layout follows the world size: 8 ranks 2 x 2 x 2, 4 ranks
 dp 2 x tp 2, 2 ranks tp 2, 1 rank 1 x 1 x 1. With some given, the first one left out
@@ -49,10 +54,10 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory
+from pdist import comm, data, lesson, memory, precision
 from pdist.backend import synchronize
 from pdist.gpt import GPT
-from pdist.parallel import Local, check_layout, parallelize
+from pdist.parallel import Local, MixedPrecision, check_layout, parallelize
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline_parallel import partition_layers
 from pdist.parallel.schedules import virtual_stage
@@ -64,7 +69,7 @@ SPLIT = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_
 
 
 def parse():
-    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4)
+    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4, precision=True)
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=int, default=None, help=f"{axis} size (default: from the world size)")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
@@ -121,16 +126,21 @@ def stage_units(cfg, args, pp_rank):
     return [root] + units
 
 
-def memory_formula(cfg, args, pp_rank, b):
+def memory_formula(cfg, args, pp_rank, b, k=None):
+    """(params, grads, optim) bytes: b per param and grad, k per optimizer state (Adam: 2b;
+    mixed precision: b = 2, k = 12, the fp32 master, m and v)."""
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
-    N, psi = args.dp, sum(units)
+    N, psi, k = args.dp, sum(units), 2 * b if k is None else k
     pad = sum(-(-u // N) * N for u in units)
-    return {0: (b * psi, b * psi, 2 * b * psi), 1: (b * pad, b * pad, 2 * b * pad // N),
-            2: (b * pad, b * pad // N, 2 * b * pad // N), 3: (b * pad // N, b * pad // N, 2 * b * pad // N)}[args.zero]
+    return {0: (b * psi, b * psi, k * psi), 1: (b * pad, b * pad, k * pad // N),
+            2: (b * pad, b * pad // N, k * pad // N),
+            3: (b * pad // N, b * pad // N, k * pad // N)}[args.zero]
 
 
-def comm_theory(cfg, args, coords, b):
-    """Bytes this rank sends per step in each group (ring accounting)."""
+def comm_theory(cfg, args, coords, b, b_act=None):
+    """Bytes this rank sends per step in each group (ring accounting): b bytes per parameter
+    and gradient element, b_act per activation element (mixed precision: 2 and the compute dtype's)."""
+    b_act = b if b_act is None else b_act
     pp_rank = coords.pp
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
     N, t, psi = args.dp, args.tp, sum(units)
@@ -140,15 +150,15 @@ def comm_theory(cfg, args, coords, b):
           3: (2 * m + 1) * (N - 1) * b * pad / N}[args.zero]
     rows = args.batch_size // N // args.microbatches                  # per micro-batch
     T, C, V = cfg.block_size, cfg.n_embd, args.pp * args.chunks
-    act = rows * T // (t if args.sp else 1) * C * b
+    act = rows * T // (t if args.sp else 1) * C * b_act
     ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
     pp = args.microbatches * act * sum((k < V - 1) + (k > 0) for k in ks)
     spans = partition_layers(cfg.n_layer, V)
     L = sum(spans[k][1] - spans[k][0] for k in ks)
-    S, n_tok = rows * T * C * b, rows * T
+    S, n_tok = rows * T * C * b_act, rows * T
     ring = (t - 1) / t
     per_mb = (8 * L + 2 * (0 in ks) + 2 * (V - 1 in ks)) * ring * S    # blocks, embedding, head: fwd + bwd
-    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b                                  # loss: max + [sum, target]
+    per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b_act                         # loss: max + [sum, target]
     tp = args.microbatches * per_mb
     if args.sp and t > 1:          # the sequence-partial grads (LayerNorms, row biases, wpe), once a step
         partial = L * 6 * C + 2 * C * (V - 1 in ks) + T * C * (0 in ks)
@@ -170,7 +180,8 @@ def main():
                      f"micro-batches")
     sizes = SimpleNamespace(dp_world_size=args.dp, tp_world_size=args.tp, pp_world_size=args.pp)
     try:       # every bad layout: the same usage error on every rank, before any collective
-        check_layout(cfg, sizes, args.zero, args.sp, args.schedule, args.microbatches, args.chunks)
+        check_layout(cfg, sizes, args.zero, args.sp, args.schedule, args.microbatches, args.chunks,
+                     precision=args.precision)
     except ValueError as e:
         parser.error(str(e))
     mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
@@ -179,13 +190,15 @@ def main():
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
 
     check_at = min(args.steps, CHECK_STEPS)
-    ref_losses, _ = _reference(cfg, batch, args.seed, args.steps)
-    _, ref_sd = _reference(cfg, batch, args.seed, check_at)
+    mixed = args.precision != "fp32"     # (dp only) one process with dp x m micro-batches rounds alike
+    ref_m = args.dp * args.microbatches if mixed else 1
+    ref_losses, _ = _reference(cfg, batch, args.seed, args.steps, args.precision, ref_m)
+    _, ref_sd = _reference(cfg, batch, args.seed, check_at, args.precision, ref_m)
 
     # meta init: each rank draws only the pieces it holds (pdist/meta.py)
     model = parallelize(GPT(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero,
-                        sequence_parallel=args.sp,
-                        schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks)
+                        sequence_parallel=args.sp, schedule=args.schedule, microbatches=args.microbatches,
+                        chunks=args.chunks, precision=args.precision)
     opt = lesson.make_adamw(model.parameters())
     groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
     sent, snap, times = [], {}, []
@@ -208,18 +221,26 @@ def main():
     t0 = time.perf_counter()
     losses = train(model, opt, batch, args.steps, on_step=on_step)
     secs = float(np.median(np.diff([t0] + times)))
-    b = np.dtype(args.dtype).itemsize
-    tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else None
+    b, k = (2, 12) if mixed else (np.dtype(args.dtype).itemsize, None)
+    # mixed precision, one micro-batch per rank: the rounding points of one process with dp
+    # micro-batches, so bit for bit at tp = 1, and to a few fp32 ulps at tp > 1 (partial products
+    # summed in another order). With m > 1 a rank rounds its m micro-batches' mean before the dp
+    # average (one more rounding, 2^-8 relative in bf16): the 2-norm check, at 1e-2
+    exact = mixed and args.microbatches == 1
+    tol = (dict(rtol=0, atol=0) if args.tp == 1 else dict(rtol=1e-6, atol=1e-9)) if exact else \
+        dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" and not mixed else None
+    rel_max = 1e-2 if mixed else 1e-3
     pairs = [(a.astype(np.float64), ref_sd[pc.name][box_slices(pc)]) for pc, a in snap["pieces"]]
     sq = np.array([sum(float(np.sum((a - r) ** 2)) for a, r in pairs), sum(float(np.sum(r ** 2)) for a, r in pairs)])
     world.all_reduce(sq)
     rel = float(np.sqrt(sq[0] / sq[1]))
-    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= 1e-3
-    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at], rtol=1e-9 if tol else 1e-4, atol=0)
+    shards_ok = all(np.allclose(a, r, **tol) for a, r in pairs) if tol else rel <= rel_max
+    loss_ok = np.allclose(losses[:check_at], ref_losses[:check_at],
+                          rtol=1e-9 if tol else 1e-3 if mixed else 1e-4, atol=0)
     mem = memory.model_state_bytes(model, opt)
     got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
-    want = memory_formula(cfg, args, mesh.pp_rank, b)
-    theory = comm_theory(cfg, args, mesh.coords, b)
+    want = memory_formula(cfg, args, mesh.pp_rank, b, k)
+    theory = comm_theory(cfg, args, mesh.coords, b, np.dtype(args.dtype).itemsize)
     per_step = {k: float(np.median([s[k] for s in sent])) for k in groups}
     bytes_ok = all(abs(per_step[k] - theory[k]) <= 64 for k in groups)
     ok = shards_ok and loss_ok and got == want and bytes_ok
@@ -249,12 +270,15 @@ def main():
                          f"{fb(sum(rows[0][2]))} of model states on rank 0)")
 
 
-def _reference(cfg, batch, seed, steps):
-    """Single-process training through the one loop, on the lesson's batches."""
-    model = Local(GPT(cfg, seed))
+def _reference(cfg, batch, seed, steps, prec="fp32", microbatches=1):
+    """Single-process training through the one loop, on the lesson's batches (bf16/fp16: with
+    fp32 masters, their state_dict)."""
+    model = Local(precision.cast_module(GPT(cfg, seed), prec), microbatches)
+    if prec != "fp32":
+        model = MixedPrecision(model, prec)
     opt = lesson.make_adamw(model.parameters())
     losses = train(model, opt, batch, steps)
-    return losses, model.module.state_dict()
+    return losses, (model.module.state_dict() if prec == "fp32" else model.full_state_dict())
 
 
 def report(args, cfg, rows, losses, ref_losses, rel, secs):

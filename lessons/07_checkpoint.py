@@ -35,10 +35,11 @@ from pdist.training import train
 
 
 def parse():
-    p = lesson.parser(__doc__, steps=8, dtype="float64", batch_size=8)
+    p = lesson.parser(__doc__, steps=8, dtype="float64", batch_size=8, precision=True)
     p.add_argument("--save-at", type=int, default=4, help="step after which to save (default %(default)s)")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
     args = lesson.validate(p, p.parse_args())
+    lesson.fp32_only(p, args, "this lesson's resharding checkpoint")
     if not 1 <= args.save_at < args.steps:
         p.error(f"--save-at must be in [1, --steps), got {args.save_at} with --steps {args.steps}")
     return p, args

@@ -57,6 +57,7 @@ class Tensor:
     """An array plus what is needed to differentiate through it."""
 
     __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
+    transient_grad = False     # True: zero_grad drops .grad even with set_to_none=False (precision.py)
 
     def __init__(self, data, requires_grad=False, dtype=None, name=None):
         if isinstance(data, Tensor):
@@ -139,7 +140,7 @@ def zero_grads(tensors, set_to_none=True):
     """End gradient accumulation: ``.grad = None`` (PyTorch's default), or zero the
     existing arrays in place (keeps views, e.g. DDP's bucket views, intact)."""
     for t in tensors:
-        if set_to_none:
+        if set_to_none or t.transient_grad:    # a master weight's fp32 gradient: always dropped
             t.grad = None
         elif t.grad is not None:
             t.grad[...] = 0

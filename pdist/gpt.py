@@ -30,7 +30,7 @@ import numpy as np
 
 from pdist import attention
 from pdist import functional as F
-from pdist import nn
+from pdist import nn, precision
 from pdist.autograd import Tensor
 from pdist.backend import asarray, default_dtype, xp
 from pdist.meta import MetaArray, RowStream, materialize_whole
@@ -195,7 +195,7 @@ class LMHead(nn.Module):
         self.weight = weight
 
     def forward(self, x):
-        return F.linear(x, self.weight.T)  # (B, T, V)
+        return precision.linear(x, self.weight.T)  # (B, T, V)
 
 
 class CrossEntropyLoss(nn.Module):

@@ -17,7 +17,7 @@ TIMEOUT = 120     # s: a lesson's collectives wait this long at most (PDIST_TIME
 MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 
 
-def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
+def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, **model):
     """An ArgumentParser with the flags every training lesson accepts: --steps --seed
     --dtype --json, and the model and batch size (--n-layer --n-head --n-embd
     --block-size --batch-size; ``model`` overrides the lesson's defaults). Call
@@ -26,6 +26,10 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=seed, help="seed for weights and batches")
     p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
+    if precision:
+        p.add_argument("--precision", choices=["fp32", "bf16", "fp16"], default="fp32",
+                       help="parameters and gradients in bf16/fp16 with fp32 master weights "
+                            "(docs/mixed_precision.md); --dtype is then the compute dtype")
     p.add_argument("--json", metavar="PATH", default=None, help="write the JSON summary here (rank 0)")
     sizes = dict(MODEL_DEFAULTS, **model)
     for k, v in sizes.items():
@@ -40,6 +44,17 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, **model):
     p.add_argument("--trace", metavar="PATH", default=None,
                    help="write one Chrome/Perfetto trace merged over ranks here (open at https://ui.perfetto.dev)")
     return p
+
+
+def fp32_only(parser, args, what):
+    """A lesson whose parallelism trains in fp32 only: a usage error (every rank, before any
+    collective) for ``--precision bf16/fp16``, saying where mixed precision runs."""
+    if getattr(args, "precision", "fp32") != "fp32":
+        parser.error(f"--precision {args.precision}: {what} trains in fp32 for now; mixed precision runs "
+                     f"with data parallelism, ZeRO and tensor parallelism without sequence parallelism "
+                     f"(lessons 02, 03, and 06 with --pp 1 --no-sp, e.g. mpirun -n 2 python "
+                     f"lessons/06_mesh.py --tp 2 --no-sp --precision {args.precision}; "
+                     f"docs/mixed_precision.md)")
 
 
 def start(args):
@@ -170,19 +185,25 @@ def make_adamw(params):
     return AdamW(params, lr=LR, betas=BETAS, eps=EPS, weight_decay=WEIGHT_DECAY)
 
 
-def train_reference(cfg, seed, steps, batch_size, tokens=None):
+def train_reference(cfg, seed, steps, batch_size, tokens=None, precision="fp32", microbatches=1):
     """Single-process training, the baseline every strategy must equal, through the one
     loop (pdist.training.train): returns (losses per step, final state_dict).
-    Batches: data.get_batch(tokens, B, T, seed, step)."""
+    Batches: data.get_batch(tokens, B, T, seed, step). ``precision`` bf16/fp16: the
+    fp32 masters' state_dict; with ``microbatches`` = N it is what data parallelism over
+    N ranks equals bit for bit (the same rounding points: pdist/precision.py)."""
     from pdist import data, gpt
     from pdist.parallel.base import Local
+    from pdist.parallel.mixed_precision import MixedPrecision
+    from pdist.precision import cast_module
     from pdist.training import train
     if tokens is None:
         tokens, _ = data.char_dataset()
-    model = Local(gpt.GPT(cfg, seed=seed))
+    model = Local(cast_module(gpt.GPT(cfg, seed=seed), precision), microbatches)
+    if precision != "fp32":
+        model = MixedPrecision(model, precision)
     opt = make_adamw(model.parameters())
     losses = train(model, opt, lambda step: data.get_batch(tokens, batch_size, cfg.block_size, seed, step), steps)
-    return losses, model.module.state_dict()
+    return losses, (model.module.state_dict() if precision == "fp32" else model.full_state_dict())
 
 
 POSITIVE_INT_FLAGS = ("steps", "batch_size", "micro_batches", "accum", "microbatches", "n_layer", "n_head",

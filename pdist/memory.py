@@ -83,14 +83,21 @@ def model_state_bytes(model, optimizer=None):
     """{"params_bytes", "grads_bytes", "optim_bytes"} live on this rank.
 
     ``model`` is a Module (its parameters and their .grad) or a wrapper with
-    ``state_arrays() -> (param arrays, grad arrays)`` (pdist.parallel.zero.ZeRO)."""
+    ``state_arrays() -> (param arrays, grad arrays)`` (pdist.parallel.zero.ZeRO).
+    Mixed precision (``master_arrays()``, pdist/parallel/mixed_precision.py): params and
+    grads are the low-precision ones; ``optim_bytes`` holds the fp32 masters with Adam's
+    m and v (the paper's K = 12 bytes per parameter), and ``master_bytes`` the masters alone."""
     if hasattr(model, "state_arrays"):
         params, grads = model.state_arrays()
     else:
         ps = model.parameters()
         params, grads = [p.data for p in ps], [p.grad for p in ps]
-    return {"params_bytes": unique_nbytes(params), "grads_bytes": unique_nbytes(grads),
-            "optim_bytes": unique_nbytes(optimizer_arrays(optimizer))}
+    masters = model.master_arrays() if hasattr(model, "master_arrays") else []
+    row = {"params_bytes": unique_nbytes(params), "grads_bytes": unique_nbytes(grads),
+           "optim_bytes": unique_nbytes(optimizer_arrays(optimizer) + masters)}
+    if masters:
+        row["master_bytes"] = unique_nbytes(masters)
+    return row
 
 
 def start_tracing(restart=False):

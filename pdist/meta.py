@@ -117,15 +117,18 @@ def fill_pieces(pieces, init_rows):
     [a, b) (``pdist.gpt.GPT.init_rows``), CHUNK_ELEMS elements at a time."""
     for pc in pieces:
         dst = pc.view(pc.tensor.data)                      # the piece's place on this rank
+        # a low-precision parameter (pdist.precision.cast_module) is rounded the way its
+        # full-precision init would be: float64 -> its compute dtype -> the low dtype
+        via = getattr(pc.tensor, "compute_dtype", None) or dst.dtype
         if dst.ndim == 0:
-            dst[...] = init_rows(pc.name, 0, 1).reshape(())
+            dst[...] = xp.asarray(init_rows(pc.name, 0, 1).reshape(()), dtype=via)
             continue
         o0, n0 = pc.offsets[0], pc.shape[0]
         rest = tuple(slice(o, o + n) for o, n in zip(pc.offsets[1:], pc.shape[1:]))
         step = max(1, CHUNK_ELEMS // max(1, math.prod(pc.global_shape[1:])))
         for a in range(o0, o0 + n0, step):
             b = min(a + step, o0 + n0)
-            dst[a - o0:b - o0] = xp.asarray(init_rows(pc.name, a, b)[(slice(None),) + rest], dtype=dst.dtype)
+            dst[a - o0:b - o0] = xp.asarray(init_rows(pc.name, a, b)[(slice(None),) + rest], dtype=via)
 
 
 def materialize(pieces, init_rows):

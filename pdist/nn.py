@@ -17,7 +17,7 @@ from collections import OrderedDict
 
 import numpy as np
 
-from pdist import functional
+from pdist import functional, precision
 from pdist.autograd import Tensor, zero_grads
 from pdist.backend import asarray, default_dtype, to_numpy
 
@@ -158,7 +158,7 @@ class Linear(Module):
         self.bias = Parameter(_cast(rng.uniform(-k, k, (out_features,)), dtype)) if bias else None
 
     def forward(self, x):
-        return F.linear(x, self.weight, self.bias)
+        return precision.linear(x, self.weight, self.bias)   # F.linear, or mixed precision's
 
 
 class Embedding(Module):
@@ -170,7 +170,7 @@ class Embedding(Module):
         self.weight = Parameter(_cast(rng.standard_normal((num_embeddings, embedding_dim)), dtype))
 
     def forward(self, idx):
-        return F.embedding(idx, self.weight)
+        return precision.embedding(idx, self.weight)
 
 
 class LayerNorm(Module):
@@ -181,7 +181,7 @@ class LayerNorm(Module):
         self.bias = Parameter(_cast(np.zeros(dim), dtype))
 
     def forward(self, x):
-        return F.layer_norm(x, self.weight, self.bias, self.eps)
+        return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps)
 
 
 class ReLU(Module):

@@ -45,6 +45,7 @@ from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
 from pdist.comm.watchdog import _cur, _step
 from pdist.comm.objects import ObjectCollectives
 from pdist.comm.work import Pending, Work, settle
+from pdist.precision import is_low
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
               "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),
@@ -131,6 +132,8 @@ class ProcessGroup(ObjectCollectives):
              redop="", root=-1, error=None, then=None, keep=()):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
+            if arr is not None and is_low(arr.dtype):
+                algorithm = "mpi"                      # 2-byte floats: MPI's path (low_precision.py) only
         if algorithm not in ALGORITHMS[op]:
             raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
         if self._pending:
@@ -186,8 +189,8 @@ class ProcessGroup(ObjectCollectives):
             return a.reshape(-1), str(e)
 
     def _avg_then(self, op, flat, only_rank=None):
-        if op != "avg" or (only_rank is not None and self.rank != only_rank):
-            return None
+        if op != "avg" or (only_rank is not None and self.rank != only_rank) or is_low(flat.dtype):
+            return None              # 2-byte floats are divided before their one rounding (low_precision.py)
         n = self.size
 
         def then():
@@ -198,7 +201,7 @@ class ProcessGroup(ObjectCollectives):
     def _redop_error(op, dtype):
         if op not in REDUCE_OPS:
             raise ValueError(f"op must be one of {REDUCE_OPS}, got {op!r}")
-        if op == "avg" and dtype.kind != "f":
+        if op == "avg" and dtype.kind != "f" and not is_low(dtype):
             return f"op='avg' needs a floating dtype, got {dtype}"
         return None
 

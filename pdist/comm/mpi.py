@@ -36,7 +36,10 @@ from mpi4py import MPI  # noqa: E402
 
 from pdist import trace  # noqa: E402
 from pdist.comm import watchdog  # noqa: E402
+from pdist.comm import low_precision  # noqa: E402
+from pdist.comm.low_precision import words  # noqa: E402
 from pdist.comm.work import Work  # noqa: E402
+from pdist.precision import is_low  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 
@@ -239,12 +242,22 @@ class MPICollectives:
             wait_all(nonblocking())
         return None
 
+    def _low(self, wait, nb):
+        """A two-phase reduction of 2-byte floats (low_precision.py), as a Work or run now."""
+        if not nb:
+            return wait()
+        return Work(wait=wait, test=lambda: bool(wait.ready()) and (wait() or True))
+
     def all_reduce(self, buf, op, nb=False):
+        if is_low(buf.dtype):
+            return self._low(low_precision.all_reduce(self.comm, buf, op, wait_all), nb)
         c, o = self.comm, REDUCE_OPS[op]
         return self._go(lambda: c.Allreduce(MPI.IN_PLACE, buf, o),
                         lambda: [c.Iallreduce(MPI.IN_PLACE, buf, o)], nb)
 
     def reduce_scatter(self, out, inp, counts, op, nb=False):
+        if is_low(inp.dtype):
+            return self._low(low_precision.reduce_scatter(self.comm, out, inp, counts, op, wait_all), nb)
         c, o = self.comm, REDUCE_OPS[op]
         if len(set(counts)) == 1:
             return self._go(lambda: c.Reduce_scatter_block(inp, out, o),
@@ -253,23 +266,25 @@ class MPICollectives:
                         lambda: [c.Ireduce_scatter(inp, out, counts, o)], nb)
 
     def all_gather(self, out, inp, counts, nb=False):
-        c = self.comm
+        c, out, inp = self.comm, words(out), words(inp)
         if len(set(counts)) == 1:
             return self._go(lambda: c.Allgather(inp, out), lambda: [c.Iallgather(inp, out)], nb)
         spec = _typed(out, list(counts))
         return self._go(lambda: c.Allgatherv(inp, spec), lambda: [c.Iallgatherv(inp, spec)], nb)
 
     def broadcast(self, buf, src, nb=False):
-        c = self.comm
+        c, buf = self.comm, words(buf)
         return self._go(lambda: c.Bcast(buf, src), lambda: [c.Ibcast(buf, src)], nb)
 
     def reduce(self, buf, dst, op, nb=False):
+        if is_low(buf.dtype):
+            raise NotImplementedError(f"reduce to one rank of {buf.dtype}: use all_reduce or reduce_scatter")
         c, o = self.comm, REDUCE_OPS[op]
         send, recv = (MPI.IN_PLACE, buf) if c.Get_rank() == dst else (buf, None)
         return self._go(lambda: c.Reduce(send, recv, o, dst), lambda: [c.Ireduce(send, recv, o, dst)], nb)
 
     def all_to_all(self, out, inp, nb=False):
-        c = self.comm
+        c, out, inp = self.comm, words(out), words(inp)
         return self._go(lambda: c.Alltoall(inp, out), lambda: [c.Ialltoall(inp, out)], nb)
 
     def barrier(self, nb=False):

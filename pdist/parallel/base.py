@@ -32,6 +32,7 @@ from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
 from pdist.meta import materialize
 from pdist.optim import nonfinite_report
+from pdist.precision import GradAccumulator, is_low
 from pdist.parallel.layout import box_slices, shards_of, whole
 
 def default_group(group):
@@ -232,18 +233,30 @@ class Local(Strategy):
     def zero_grad(self):
         self.module.zero_grad()
 
+    loss_scale = 1.0          # fp16's GradScaler sets it: backward runs on loss * loss_scale
+
+    @property
+    def has_late_grads(self):
+        """Mixed precision with micro-batches: the rounded sum is written after the last one."""
+        return self.microbatches > 1 and any(is_low(p.dtype) for _, p in self.named_parameters())
+
     def compute(self, x, y):
         k = self.microbatches
         if len(x) % k:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
                              f"use a global batch divisible by dp * microbatches")
-        b, losses = len(x) // k, []
+        acc = GradAccumulator(self.parameters()) if self.has_late_grads else None   # fp32 sum, rounded once
+        b, losses, s = len(x) // k, [], self.loss_scale / (k if acc is None else 1)   # acc divides by k
         for i in range(k):
             with trace.device_span("forward", cat="compute", mb=i):
                 _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
             with trace.device_span("backward", cat="compute", mb=i):
-                (loss * (1.0 / k)).backward() if k > 1 else loss.backward()
+                (loss * s).backward() if s != 1.0 else loss.backward()
+            if acc is not None:
+                acc.add()
             losses.append(loss.data)
+        if acc is not None:
+            acc.finish(1.0 / k)
         # the micro-batches' losses in one device -> host copy (one sync per step, not per micro-batch)
         return sum(float(v) / k for v in to_numpy(xp.stack(losses)))
 

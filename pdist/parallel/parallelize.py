@@ -18,17 +18,23 @@ and is then averaged over dp. Every bad layout raises on every rank, before any
 collective, with one clear message.
 """
 from pdist.parallel.base import Local
+from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.pipeline_parallel import PipelineParallel, partition_layers
 from pdist.parallel.schedules import make_schedule
 from pdist.parallel.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
+from pdist.precision import cast_module, low_dtype
 
 
 def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
-                 chunks=1, data_parallel="bucketed"):
+                 chunks=1, data_parallel="bucketed", precision="fp32"):
     """Every error a layout can have, raised the same on every rank before any collective."""
     dp, tp, pp = mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size
+    if low_dtype(precision) is not None and (pp > 1 or chunks > 1 or (sequence_parallel and tp > 1)):
+        raise ValueError(f"precision={precision!r} runs with data and tensor parallelism and ZeRO (pp = 1, "
+                         f"no sequence parallelism); pipeline parallelism and sequence parallelism train in "
+                         f"fp32 for now (got pp={pp}, sequence_parallel={bool(sequence_parallel)})")
     if zero_stage not in STAGES:
         raise ValueError(f"zero_stage must be one of {STAGES}, got {zero_stage!r}")
     if data_parallel not in ("bucketed", "naive"):
@@ -52,17 +58,20 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
                 chunks=1, data_parallel="bucketed", bucket_cap_mb=25, first_bucket_cap_mb=1,
-                check_finite=False):
+                check_finite=False, precision="fp32", scaler=None):
     """The GPT ``model`` on this rank of ``mesh`` (a DeviceMesh), as one strategy of the one
     shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
-    used when zero_stage = 0; ZeRO stages 1-3 replace it."""
+    used when zero_stage = 0; ZeRO stages 1-3 replace it. ``precision``: "fp32" (the model's
+    dtype), "bf16" or "fp16" (low-precision params and grads, fp32 masters: MixedPrecision,
+    outermost; ``scaler``: fp16's GradScaler, default ``GradScaler()``)."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
-                 data_parallel)
+                 data_parallel, precision)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     s = Local(model, 1 if pipelined else microbatches)
     s.check_finite = bool(check_finite)
     if mesh.tp_world_size > 1:
         s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)
+    cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
     if zero_stage:                 # ZeRO fills a meta model's shards itself; the rest materialize here
@@ -72,6 +81,8 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     elif mesh.dp_world_size > 1:
         s = DataParallel(s, mesh.dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     s.materialize()                # a meta model (GPT(cfg, seed, device="meta")): this rank's pieces only
+    if low_dtype(precision) is not None:
+        s = MixedPrecision(s, precision, scaler)
     s.mesh = mesh
     return s
 

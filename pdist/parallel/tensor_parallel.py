@@ -31,7 +31,7 @@ meta: the shards get shapes only, and ``materialize()`` (``parallelize`` calls i
 this rank's pieces alone (pdist/meta.py).
 """
 from pdist import functional as F
-from pdist import nn
+from pdist import nn, precision
 from pdist.autograd import Function
 from pdist.backend import array_module, to_numpy, xp
 from pdist.meta import MetaArray, is_meta, zeros_view
@@ -126,7 +126,7 @@ class ParallelLMHead(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, C) -> (B, T, C)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (B, T, C)
-        return F.linear(x, self.weight.T)  # (B, T, V/t)
+        return precision.linear(x, self.weight.T)  # (B, T, V/t)
 
 
 class VocabParallelCrossEntropyLoss(nn.Module):
@@ -217,7 +217,7 @@ class TensorParallel(ParallelModule):
         """Sequence parallelism: all-reduce (sum) the grads of the replicated parameters that
         saw only this rank's tokens, in one flat all-reduce."""
         self.inner.finish_grad_sync()
-        if not self.has_late_grads:
+        if not (self.sequence_parallel and self.tp_world_size > 1):   # (has_late_grads: also the inner's)
             return
         grads = [p.grad for n, p in self.module.named_parameters()   # (ZeRO-3 may have freed p.data)
                  if n.endswith(SEQUENCE_PARTIAL) and p.grad is not None]

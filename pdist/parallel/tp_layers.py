@@ -25,7 +25,7 @@ split the vocabulary so that no rank ever holds the full logits.
 import numpy as np
 
 from pdist import functional as F
-from pdist import nn
+from pdist import nn, precision
 from pdist.autograd import Function, Tensor
 from pdist.backend import asarray, default_dtype, scatter_add, xp
 from pdist.parallel.base import default_group
@@ -86,7 +86,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
-        y = F.linear(x, self.weight, self.bias)  # (..., out/t)
+        y = precision.linear(x, self.weight, self.bias)  # (..., out/t)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -119,12 +119,12 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)  # (..., in) -> (..., in/t)
-        y = F.linear(x, self.weight)  # (..., out) partial sum
+        y = precision.linear(x, self.weight)  # (..., out) partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, out)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)  # (..., out)
-        return y + self.bias if self.bias is not None else y
+        return y + precision.weight(self.bias) if self.bias is not None else y
 
 
 class _VocabParallelEmbedding(Function):
@@ -165,7 +165,8 @@ class VocabParallelEmbedding(nn.Module):
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else xp.asarray(idx)
         F.check_indices(idx, self.num_embeddings, "embedding index")  # same ids, same error on every rank
-        y = _VocabParallelEmbedding.apply(self.weight, idx, self.vocab_start_index)  # (B, T, C) partial
+        w = precision.weight(self.weight)                                 # (V/t, C), upcast under bf16/fp16
+        y = _VocabParallelEmbedding.apply(w, idx, self.vocab_start_index)  # (B, T, C) partial
         if self.sequence_parallel:
             return reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, C)
         return reduce_from_tensor_parallel_region(y, self.group)  # (B, T, C)

@@ -1,0 +1,83 @@
+"""Collectives on 2-byte floats (bfloat16, float16) over MPI.
+
+MPI has no bfloat16 datatype (and MPICH's float16 sum is not everywhere), so the
+bytes travel as raw 16-bit words (a ``uint16`` view: no conversion, 2 bytes per
+element on the wire, the mixed-precision theory), and a reduction is done on
+upcast values by the rank that owns the result, once:
+
+    reduce_scatter(out, inp):  all-to-all of the n chunks of inp (chunk q to rank q),
+                               then out = round(Σ_{q=0}^{n-1} fp32(chunk from q)) (÷ n for avg)
+    all_reduce(buf):           the same on buf padded to a multiple of n, then an
+                               all-gather of the rounded chunks
+
+Rank q's term is added in the order q = 0, 1, ..., n-1, in float32, and the result
+is rounded to the low dtype once: every rank gets the same bits, and they equal one
+process summing n micro-batch gradients in fp32 (pdist.precision.GradAccumulator).
+Bytes per rank: (n-1)/n S for the reduce-scatter (the all-to-all moves exactly the
+chunks a ring reduce-scatter moves) and 2(n-1)/n S for the all-reduce (S = the
+low-precision tensor's bytes), the ring accounting of docs/design.md.
+"""
+import numpy as np
+from mpi4py import MPI
+
+from pdist.precision import is_low
+
+
+def words(a):
+    """The raw 16-bit view of a low-precision array (mpi4py has no type for bf16)."""
+    return a.view(np.uint16) if is_low(a.dtype) else a
+
+
+def _sum_rows(rows, out, op):
+    """out <- round(rows[0] (op) rows[1] (op) ...), in float32, rank order."""
+    acc = rows[0].astype(np.float32)                                      # (chunk,)
+    for r in rows[1:]:
+        if op in ("sum", "avg"):
+            acc += r.astype(np.float32)
+        else:
+            (np.maximum if op == "max" else np.minimum)(acc, r.astype(np.float32), out=acc)
+    if op == "avg":
+        acc /= len(rows)
+    out[...] = acc.astype(out.dtype)
+
+
+def reduce_scatter(comm, out, inp, counts, op, wait_all):
+    """Returns wait(): the all-to-all is in flight; wait() finishes it and reduces
+    (``wait.ready()`` polls the all-to-all without blocking)."""
+    n, r = comm.Get_size(), comm.Get_rank()
+    if len(set(counts)) == 1:
+        recv = np.empty(n * counts[r], dtype=inp.dtype)                     # (n, chunk) flat
+        req = comm.Ialltoall(words(inp), words(recv))
+    else:
+        displs = np.concatenate([[0], np.cumsum(counts)[:-1]]).tolist()
+        recv = np.empty(n * counts[r], dtype=inp.dtype)
+        rd = [q * counts[r] for q in range(n)]
+        req = comm.Ialltoallv([words(inp), (list(counts), displs), MPI.UINT16_T],
+                              [words(recv), ([counts[r]] * n, rd), MPI.UINT16_T])
+
+    def wait():
+        wait_all([req])
+        _sum_rows(recv.reshape(n, counts[r]), out, op)
+    wait.ready = req.Test
+    return wait
+
+
+def all_reduce(comm, buf, op, wait_all):
+    """Returns wait(): the reduce-scatter's all-to-all is in flight; wait() reduces
+    this rank's chunk and all-gathers the rounded chunks into ``buf``."""
+    n = comm.Get_size()
+    m = -(-buf.size // n) * n
+    send = np.zeros(m, dtype=buf.dtype)                                     # (m,) padded copy
+    send[:buf.size] = buf
+    chunk = np.empty(m // n, dtype=buf.dtype)
+    finish_rs = reduce_scatter(comm, chunk, send, [m // n] * n, op, wait_all)
+
+    def wait():
+        finish_rs()
+        wait_all([comm.Iallgather(words(chunk), words(send))])
+        buf[...] = send[:buf.size]
+    wait.ready = finish_rs.ready
+    return wait
+
+
+__all__ = ["words", "reduce_scatter", "all_reduce"]

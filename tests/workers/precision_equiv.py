@@ -1,0 +1,118 @@
+"""Mixed precision under data parallelism and ZeRO equals one process in the same precision.
+
+    mpiexec -n 4 python tests/workers/precision_equiv.py --precision bf16 --zero 2
+
+K AdamW steps through the one loop on a ``parallelize``d GPT (dp = N, ``--tp`` t, ``--zero`` stage,
+bf16 or fp16 parameters, fp32 masters, compute in float64) against one process,
+``MixedPrecision(Local(GPT, microbatches=N))``, on the same global batches.
+
+Why bit-for-bit: rank r's rows are micro-batch r of the single process, so its
+forward and backward are the same BLAS calls on the same arrays, and give the same
+gradient, rounded once to the low dtype; both then sum the N of them in float32, in
+the order r = 0..N-1, divide by N and round once (the comm's two-phase reduction vs
+GradAccumulator). From there the
+fp32 master update is elementwise. So: masters, Adam m and v (every piece) and the
+low-precision weights equal exactly (``array_equal``); the losses (float64, summed in
+other orders) to rtol 1e-12. Also checked: the memory by category is the paper's
+mixed-precision formula, with Ψ = Σ units Ψ_pad, and bytes sent are 2 per element."""
+import argparse
+
+import numpy as np
+
+from pdist import comm, data, lesson, memory, precision
+from pdist.backend import set_default_dtype, to_numpy
+from pdist.gpt import GPT
+from pdist.grad_scaler import GradScaler
+from pdist.optim import AdamW
+from pdist.parallel import Local, MixedPrecision, parallelize
+from pdist.testing import report
+from pdist.training import train
+
+p = argparse.ArgumentParser()
+p.add_argument("--precision", default="bf16")
+p.add_argument("--zero", type=int, default=0)
+p.add_argument("--steps", type=int, default=3)
+p.add_argument("--naive", action="store_true")
+p.add_argument("--tp", type=int, default=1)
+args = p.parse_args()
+set_default_dtype("float64")
+world = comm.init()
+N, B, T, SEED = world.size // args.tp, 8, 8, 3            # N: the data-parallel size
+tokens, tok = data.char_dataset(50_000)
+cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=2, n_head=4, n_embd=32)
+
+
+def batch(step):
+    x, y = data.get_batch(tokens, B, T, SEED, step)
+    return x % cfg.vocab_size, y % cfg.vocab_size
+
+
+def adamw(params):
+    return AdamW(params, lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
+
+
+def scaler():
+    """fp16: a scale at which this small model's gradients do not overflow (at the default 2^16
+    both sides skip the same first steps: rank r and micro-batch r hold the same S g_r)."""
+    return GradScaler(init_scale=2.0 ** 8) if args.precision == "fp16" else None
+
+
+ref = MixedPrecision(Local(precision.cast_module(GPT(cfg, SEED), args.precision), microbatches=N),
+                     args.precision, scaler())
+ref_opt = adamw(ref.parameters())
+ref_losses = train(ref, ref_opt, batch, args.steps)
+ref_sd = ref.full_state_dict()
+ref_pieces = {pc.name: pc for pc in ref.pieces()}
+
+mesh = comm.DeviceMesh(dp=N, tp=args.tp)
+model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, precision=args.precision, scaler=scaler(),
+                    data_parallel="naive" if args.naive else "bucketed")
+opt = adamw(model.parameters())
+world_stats = model.inner.group
+world_stats.reset_stats()
+losses = train(model, opt, batch, args.steps)
+sent = world_stats.bytes_sent() / args.steps
+np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0, err_msg="losses")
+if model.scaler is not None:
+    assert model.scaler.state_dict() == ref.scaler.state_dict() and model.scaler.get_scale() == 2.0 ** 8
+
+# memory by category: the paper's mixed-precision formulas (ZeRO pads Ψ: Σ_units Ψ_pad)
+row = memory.model_state_bytes(model, opt)
+psi = model.inner.numel_padded if args.zero else sum(q.size for q in model.inner.parameters())
+want = {0: (2 * psi, 2 * psi, 12 * psi), 1: (2 * psi, 2 * psi, 12 * psi // N),
+        2: (2 * psi, 2 * psi // N, 12 * psi // N), 3: (2 * psi // N, 2 * psi // N, 12 * psi // N)}[args.zero]
+got = (row["params_bytes"], row["grads_bytes"], row["optim_bytes"])
+assert got == want and row["master_bytes"] * 3 == row["optim_bytes"], (got, want, row)
+
+def same(a, b):
+    """dp / ZeRO: the same bits. tp: the ranks' partial sums (row-parallel outputs, column-parallel
+    input gradients) are float64 sums in another order, and a gradient that is 0 in exact
+    arithmetic (the key bias) keeps that noise through Adam: equal to a few fp32 ulps, not bits."""
+    return np.array_equal(a, b) if args.tp == 1 else np.allclose(a, b, rtol=1e-6, atol=1e-9)
+
+
+checked = 0
+for key, pieces in model.sharded_state_dict(opt).items():
+    if key.startswith("optimizer.step."):
+        continue
+    if key.startswith("optimizer."):
+        _, state, name = key.split(".", 2)
+        full = to_numpy(ref_opt.state[id(ref_pieces[name].tensor)][state])
+    else:
+        full = ref_sd[key]
+    for s in pieces:
+        want = full[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.data.shape))]
+        assert same(to_numpy(s.data), want), (key, s.offsets, np.abs(to_numpy(s.data) - want).max())
+        checked += 1
+full = model.full_state_dict()
+assert all(same(full[k], ref_sd[k]) for k in ref_sd), [k for k in ref_sd if not same(full[k], ref_sd[k])]
+# the low-precision weights the next forward reads: the masters rounded, on both sides
+model.zero_grad(), ref.zero_grad()          # refresh: w <- round(W), then ZeRO-1/2 all-gather
+low = {n: p.data for n, p in ref.module.named_parameters()}
+for n, p in model.module.named_parameters():
+    if p.data.size:
+        want = low[n][tuple(slice(0, d) for d in p.shape)] if args.tp == 1 else None    # (tp: shards)
+        assert p.dtype == precision.low_dtype(args.precision), n
+        assert want is None or np.array_equal(p.data, want), n
+
+report(rank=world.rank, checked_pieces=checked, memory=row, psi=psi, sent_per_step=sent, losses=losses)
