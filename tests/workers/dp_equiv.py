@@ -62,7 +62,7 @@ for kind in ("bucketed", "naive"):
     trace.clear()
     dp.forward_backward(*dp.local_batch(*batch(0)))
     names = [(e["name"], e["args"]) for e in trace.events()]   # in the order they were recorded
-    end_of_backward = names.index(("backward", {}))
+    end_of_backward = names.index(("backward", {"mb": 0}))   # one micro-batch: its backward span
     if kind == "bucketed":
         issued = [i for i, (nm, a) in enumerate(names) if nm == "dp.issue_bucket"]
         assert len(issued) == len(dp.buckets) and names[issued[0]][1]["bucket"] == 0
