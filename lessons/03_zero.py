@@ -50,8 +50,9 @@ The second table is what each process holds (the OS's count, per rank, MiB):
   init peak      the RSS peak while ZeRO(GPT(cfg, seed, device="meta")) is built, above the
                  baseline: each rank draws only its pieces (pdist/meta.py), so stage 3
                  peaks at its shard + about the largest parameter, not the whole model
-  rss            RSS after the last step; malloc free: what malloc holds free inside it
-                 (the small temporaries' pages, reused by the next step)
+  rss            RSS after the last step; malloc held: the resident pages malloc keeps
+                 free for the next step's temporaries (rss - trimmed; glibc's own count of
+                 free heap, mallinfo2, also counts reserved pages never touched: in the JSON)
   trimmed        RSS after malloc_trim(0) returned those free pages: the live memory;
                  base+formula is baseline + the formula's model states, Δ the difference
   rss peak       the peak RSS during the last step; base+peak is baseline + the traced
@@ -131,13 +132,19 @@ def rss_close(rss, pred):
     return all(g is not None and abs(g - w) <= RSS_TOL * w for g, w in zip(got, pred))
 
 
+def _held(m):
+    """Resident pages malloc keeps free: RSS minus RSS after malloc_trim(0) (None without /proc)."""
+    got = (m.get("rss_bytes"), m.get("rss_trimmed_bytes"))
+    return None if None in got else got[0] - got[1]
+
+
 def rss_row(m):
     """One row of the RSS table, in MiB, from a memory_per_rank entry."""
     mib = (lambda v: "n/a" if v is None else f"{v / 2**20:.1f}")
     rel = (lambda g, w: "n/a" if g is None else f"{(g - w) / w:+.1%}")
     base = m["rss_baseline_bytes"] or 0
     return [m["rank"], mib(base), mib(m["rss_init_peak_bytes"] - base), mib(m["rss_bytes"]),
-            mib(m.get("malloc_free_bytes")), mib(m["rss_trimmed_bytes"]), mib(m["rss_prediction_bytes"]),
+            mib(_held(m)), mib(m["rss_trimmed_bytes"]), mib(m["rss_prediction_bytes"]),
             rel(m["rss_trimmed_bytes"], m["rss_prediction_bytes"]), mib(m["rss_peak_bytes"]),
             mib(m["rss_peak_prediction_bytes"]), rel(m["rss_peak_bytes"], m["rss_peak_prediction_bytes"])]
 
@@ -282,7 +289,7 @@ def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
                                   "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
         print(f"\nWhat each process holds (RSS, the OS's count; the last step; "
               f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked here'}):")
-        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc free",
+        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc held",
                                       "trimmed", "base+formula", "Δ", "rss peak", "base+peak", "Δ"]))
         print()
     return runs, ok_all

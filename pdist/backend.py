@@ -206,44 +206,76 @@ def asarray(a, dtype=None):
     return _state["module"].asarray(a, dtype=dtype)
 
 
-MMAP_THRESHOLD = 1 << 20     # arrays >= 1 MiB get their own mapping: freeing one returns it to the OS
-TRIM_THRESHOLD = 16 << 20    # the heap's free top (small temporaries) is kept up to 16 MiB
-TOP_PAD = 4 << 20            # and grown 4 MiB at a time
+MMAP_THRESHOLD = 32 << 20    # glibc's largest: arrays under 32 MiB come from the heap and are reused
+TRIM_THRESHOLD = 256 << 20   # the heap's free top is kept up to 256 MiB (activations, temporaries)
+TOP_PAD = 64 << 20           # and grown 64 MiB at a time
 
 
 def tune_malloc():
-    """glibc malloc's policy for pdist: memory ZeRO frees goes back to the OS at once,
-    and a step's small temporaries are reused without page faults.
+    """glibc malloc's policy for pdist: a step's temporaries are reused without page faults;
+    what malloc keeps free is reported, and what ZeRO frees goes back to the OS at once.
 
-    Two kinds of allocation dominate. Large arrays (ZeRO's gathered units and shards,
-    parameters, Adam states, big activations) are allocated and freed in the step's
-    rhythm; a fixed ``M_MMAP_THRESHOLD`` of 1 MiB gives each its own mapping, so its
-    ``free`` unmaps it and the process's RSS drops by its size, as ZeRO-3's formula
-    says. (A fixed threshold also switches off glibc's dynamic one, which otherwise
-    rises to the largest freed block and keeps later big arrays on the heap.) Small
-    temporaries (< 1 MiB: the lesson model's activations) live on the heap, whose free
-    top is kept up to ``M_TRIM_THRESHOLD`` = 16 MiB, grown 4 MiB (``M_TOP_PAD``) at a
-    time, so a step does not fault them in again. What the heap keeps free is one
-    number, ``malloc_free_bytes()``, reported beside the RSS (pdist.memory).
+    A training step allocates and frees the same activations and temporaries every step.
+    A fixed ``M_MMAP_THRESHOLD`` of 32 MiB (glibc's largest; fixing it also switches off the
+    dynamic threshold) keeps arrays under 32 MiB on the heap, and ``M_TRIM_THRESHOLD`` /
+    ``M_TOP_PAD`` keep the heap's free pages mapped, so the next step reuses them instead of
+    faulting them in again. Measured with bench/step_time.py --sizes large: about 1.45x
+    slower with a 1 MiB mmap threshold, every large temporary faulted in each step
+    (docs/zero.md). What the heap keeps free is one number, ``malloc_free_bytes()``,
+    printed beside the RSS (pdist.memory, lesson 03); ``malloc_trim()`` returns it.
 
-    Measured with bench/step_time.py --sizes lesson (docs/zero.md, "Speed"): within the
-    noise of keeping every freed page mapped (the previous policy: 256 MiB trim, 32 MiB
-    mmap threshold, which held ZeRO-3's freed units in RSS; at most ~2% slower on a shared
-    2-core machine), and faster than glibc's defaults. Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or
-    off/false/no) keeps glibc's defaults, and a value that is not a boolean raises a
-    ValueError. Returns True when the settings were applied."""
+    ZeRO's own frees do not wait for malloc: its gathered units and full gradients come
+    from ``mapped_empty``, each its own mapping, unmapped when it dies, so the RSS drops
+    by a unit at each free, as ZeRO-3's formula says.
+
+    Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or off/false/no) keeps
+    glibc's defaults, and a value that is not a boolean raises a ValueError. Returns True
+    when the settings were applied."""
     if not env_flag("PDIST_MALLOC_TUNE", True) or not sys.platform.startswith("linux"):
         return False
     try:
         import ctypes
         libc = ctypes.CDLL("libc.so.6")
-        M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3
         ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
         ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
         ok &= libc.mallopt(M_TOP_PAD, TOP_PAD)
-        return bool(ok)
     except (OSError, AttributeError):  # not glibc (musl, macOS): leave malloc alone
         return False
+    return bool(ok)
+
+
+M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3     # glibc's mallopt parameters
+
+
+_NUMPY_TRACE_DOMAIN = 389047   # the tracemalloc domain NumPy reports its array data in
+
+
+def mapped_empty(n, dtype, like=None):
+    """An (n,) array in an anonymous memory mapping of its own (zero-filled): when its last
+    view dies the mapping is unmapped, so the pages go back to the OS at once, whatever
+    malloc keeps on its heap. ZeRO's gathered units and full gradients live here: their
+    frees are what its formula counts. (malloc's mmap threshold cannot promise this: a
+    request that fits the heap's free top is served from the heap.) The mapping is
+    reported to tracemalloc in NumPy's domain while tracing, so pdist.memory's traced
+    peak counts it like any array. On a GPU (``like`` a device array, or the active
+    device) it is ``empty`` from CuPy's pool, and small arrays come from malloc."""
+    mod = array_module(like) if like is not None else _state["module"]
+    dt = _np.dtype(dtype)
+    if mod is not _np or n * dt.itemsize < 1 << 16:
+        return mod.empty(n, dtype=dt)
+    import ctypes
+    import mmap
+    import tracemalloc
+    import weakref
+    m = mmap.mmap(-1, n * dt.itemsize)
+    a = _np.frombuffer(m, dtype=dt)                                    # (n,), writable, zeros
+    if tracemalloc.is_tracing():
+        addr, api = a.__array_interface__["data"][0], ctypes.pythonapi
+        api.PyTraceMalloc_Track.argtypes = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t]
+        api.PyTraceMalloc_Untrack.argtypes = [ctypes.c_uint, ctypes.c_size_t]
+        api.PyTraceMalloc_Track(_NUMPY_TRACE_DOMAIN, addr, n * dt.itemsize)
+        weakref.finalize(m, api.PyTraceMalloc_Untrack, _NUMPY_TRACE_DOMAIN, addr)
+    return a
 
 
 def malloc_trim():
@@ -262,8 +294,9 @@ def malloc_trim():
 
 def malloc_free_bytes():
     """Bytes glibc malloc holds free inside the process (freed, not returned to the OS):
-    ``mallinfo2().fordblks``, summed over arenas. The gap between RSS and the live
-    arrays is this number (plus the interpreter and libraries). None where there is
+    ``mallinfo2().fordblks``, summed over arenas: free chunks and the heap's reserved top,
+    resident or not (with tune_malloc's 64 MiB top pad, more than the RSS gap; the resident
+    part is RSS minus RSS after ``malloc_trim``, as lesson 03 prints it). None where there is
     no glibc ``mallinfo2`` (macOS, musl, glibc < 2.33)."""
     if not sys.platform.startswith("linux"):
         return None

@@ -53,7 +53,7 @@ from pdist.backend import is_gpu, malloc_free_bytes
 
 def _root(a):
     """The array that owns ``a``'s memory (follows ``.base`` through views)."""
-    while getattr(a, "base", None) is not None:
+    while hasattr(getattr(a, "base", None), "nbytes"):   # (a mapped_empty array's base is its mmap)
         a = a.base
     return a
 

@@ -26,7 +26,7 @@ import weakref
 
 from pdist import memory_timeline
 from pdist.autograd import Tensor
-from pdist.backend import xp
+from pdist.backend import mapped_empty, xp
 from pdist.meta import is_meta
 
 
@@ -109,7 +109,7 @@ class FlatParamUnit:
         freed, and gathering into it again avoids a second copy)."""
         old = self._stale() if self._stale is not None else None
         self._stale = None
-        return old if old is not None else xp.empty(self.padded, dtype=self.dtype)
+        return old if old is not None else mapped_empty(self.padded, self.dtype)   # its free unmaps it
 
     def finish_gather(self, buf):
         self._attach(buf)
@@ -119,7 +119,8 @@ class FlatParamUnit:
         """Give every parameter a ``.grad`` that is a view into ``grad_flat``,
         allocating it (zeros) if needed, so autograd accumulates in place."""
         if self.grad_flat is None:
-            self.grad_flat = xp.zeros(self.padded, dtype=self.dtype)   # (Ψ_pad,)
+            self.grad_flat = mapped_empty(self.padded, self.dtype)   # (Ψ_pad,) zeros; its free unmaps it
+            self.grad_flat[...] = 0
             for p in self.params:
                 p.grad = None
         for p, o, s in zip(self.params, self.offsets, self.shapes):
