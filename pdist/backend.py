@@ -219,9 +219,8 @@ def tune_malloc():
     A fixed ``M_MMAP_THRESHOLD`` of 32 MiB (glibc's largest; fixing it also switches off the
     dynamic threshold) keeps arrays under 32 MiB on the heap, and ``M_TRIM_THRESHOLD`` /
     ``M_TOP_PAD`` keep the heap's free pages mapped, so the next step reuses them instead of
-    faulting them in again. Measured with bench/step_time.py --sizes large: about 1.45x
-    slower with a 1 MiB mmap threshold, every large temporary faulted in each step
-    (docs/zero.md). What the heap keeps free is one number, ``malloc_free_bytes()``,
+    faulting them in again. Measured with bench/step_time.py --sizes large: 1.5x slower
+    with a 1 MiB mmap threshold, every large temporary faulted in each step (docs/zero.md). What the heap keeps free is one number, ``malloc_free_bytes()``,
     printed beside the RSS (pdist.memory, lesson 03); ``malloc_trim()`` returns it.
 
     ZeRO's own frees do not wait for malloc: its gathered units and full gradients come
