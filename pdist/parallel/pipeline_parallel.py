@@ -31,6 +31,7 @@ from pdist import nn, trace
 from pdist.autograd import Tensor
 from pdist.backend import default_dtype, to_device, to_numpy, xp
 from pdist.parallel.base import ParallelModule
+from pdist.precision import GradAccumulator, is_low
 from pdist.parallel.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
 
@@ -156,8 +157,9 @@ class PipelineParallel(ParallelModule):
             self.loss_fn = loss_fn or (self.module.loss_fn if self.pp_is_last_stage else None)
             shards = self.inner.seq_shards
             self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, cfg.n_embd))
-        params = self.inner.parameters()
-        self.dtype = params[0].dtype if params else default_dtype()
+        params = self.inner.parameters()             # activations travel in the compute dtype
+        self.dtype = getattr(params[0], "compute_dtype", params[0].dtype) if params else default_dtype()
+        self.low = any(is_low(q.dtype) for q in params)
         self.embedding_group = None
         if g.size > 1:                                # split is collective: every stage calls it
             ends = self.pp_is_first_stage or self.pp_is_last_stage
@@ -193,6 +195,13 @@ class PipelineParallel(ParallelModule):
         self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
         self.losses, self.timeline, self.peak_stash = [], [], 0
+        if self.low:                                 # mixed precision: as Local.compute (precision.py)
+            local = self.inner
+            while local.inner is not None:
+                local = local.inner
+            self._scale, self._tied_parts = local.loss_scale, []
+            self._acc = GradAccumulator([q for q in self.inner.parameters()
+                                         if not any(q is t for t in self.tied)])
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
@@ -200,6 +209,8 @@ class PipelineParallel(ParallelModule):
             if j in self._plan:
                 self._post(self._plan[j])
             self._dispatch[ins.op](ins)
+        if self.low:
+            self._acc.finish(1.0 / m)                # round(Σ_mb fp32(g_mb) / m): one rounding
         # the last stage's micro-batch losses in one device -> host copy per step
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
@@ -207,10 +218,32 @@ class PipelineParallel(ParallelModule):
         """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dwte =
         embedding part + head part on the first and last stage."""
         self.inner.finish_grad_sync()
-        if self.embedding_group is not None:
+        if self.embedding_group is not None and self.low:
+            self._tied_sync()
+        elif self.embedding_group is not None:
             for prm in self.tied:
                 prm.grad = xp.zeros_like(prm.data) if prm.grad is None else xp.ascontiguousarray(prm.grad)
                 self.embedding_group.all_reduce(prm.grad, op="sum")
+
+    def _tied_sync(self):
+        """Mixed precision: one process rounds wte's gradient of micro-batch j as
+        round(e_j + h_j) (the embedding's and the head's rounded parts, summed in the
+        low dtype), then accumulates. The first stage holds the e_j, the last the h_j: one
+        low-precision all-reduce of all m of them gives the round(e_j + h_j) (fp32 sum of
+        two terms, one rounding: comm/low_precision.py), then the fp32 mean over j and one
+        rounding, as GradAccumulator. Costs m copies of wte's gradient (2 bytes each)."""
+        for prm, parts in zip(self.tied, zip(*self._tied_parts) if self._tied_parts else []):
+            both = xp.stack(parts)                   # (m, V, C) low precision
+            self.embedding_group.all_reduce(both, op="sum")
+            acc = both[0].astype(np.float32)
+            for j in range(1, len(parts)):
+                acc += both[j].astype(np.float32)
+            acc *= 1.0 / len(parts)
+            if prm.grad is None:
+                prm.grad = acc.astype(prm.dtype)
+            else:
+                prm.grad[...] = acc.astype(prm.dtype)
+        self._tied_parts = []
 
     def _stage(self, ins):
         return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank)
@@ -267,8 +300,12 @@ class PipelineParallel(ParallelModule):
         t0, e0 = trace.now(), trace.device_mark()
         out = self.chunks[c](x)                              # (b, T, C), or logits on the last stage
         if k == self.num_virtual_stages - 1:
-            out = self.loss_fn(out, self._micro(self._y, mb)) * (1.0 / self.num_microbatches)
-            self.losses.append(out.data)
+            out = self.loss_fn(out, self._micro(self._y, mb))
+            self.losses.append(out.data * (1.0 / self.num_microbatches))
+            if not self.low:                         # (mixed precision: the mean is GradAccumulator's)
+                out = out * (1.0 / self.num_microbatches)
+            elif self._scale != 1.0:
+                out = out * self._scale              # fp16: backward on S l (S a power of two)
         self._stash[(mb, c)] = (x, out)
         self.peak_stash = max(self.peak_stash, len(self._stash))
         self._done(ins, t0, e0)
@@ -281,7 +318,18 @@ class PipelineParallel(ParallelModule):
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
+        if self.low:
+            self._accumulate(k)
         self._done(ins, t0, e0)
+
+    def _accumulate(self, k):
+        """Mixed precision, after each backward: this micro-batch's rounded grads into the fp32
+        sums (the tied copy's part kept apart for _tied_sync)."""
+        if self.tied and k in (0, self.num_virtual_stages - 1):
+            self._tied_parts.append([prm.grad.copy() for prm in self.tied])
+            for prm in self.tied:
+                prm.grad[...] = 0
+        self._acc.add()
 
     def _done(self, ins, t0, e0):
         t1, name = trace.now(), f"{ins.op[0]}{ins.mb}.{ins.chunk}"
