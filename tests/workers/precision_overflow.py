@@ -30,8 +30,8 @@ world = comm.init()
 tokens, tok = data.char_dataset(50_000)
 cfg = lesson.gpt_config(96, block_size=8, n_layer=2, n_head=4, n_embd=32)
 mesh = comm.DeviceMesh(dp=world.size // args.pp, pp=args.pp)
-model = parallelize(GPT(cfg, 3), mesh, zero_stage=args.zero, precision="fp16", microbatches=2 if args.pp > 1 else 1,
-                    scaler=GradScaler(init_scale=2.0 ** 10, growth_interval=2))
+model = parallelize(GPT(cfg, 3), mesh, zero_stage=args.zero, precision="fp16",
+                    microbatches=2 if args.pp > 1 else 1, scaler=GradScaler(init_scale=2.0 ** 10, growth_interval=2))
 opt = AdamW(model.parameters(), lr=lesson.LR)
 poison = [False]
 bias = dict(model.module.named_parameters()).get("transformer.ln_f.bias")
