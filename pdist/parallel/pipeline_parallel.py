@@ -24,6 +24,14 @@ all-reduce (sum) the two copies' gradients, so both get the full gradient
 dL/dwte = (embedding part) + (head part) and the same update -- the copies stay equal.
 An ``nn.Sequential`` pipelines too: its children are the layers, with ``loss_fn``
 and ``act_shape``.
+
+Mixed precision (a model cast to bf16/fp16, ``parallelize(..., precision=...)``): the
+last stage runs backward on S·loss(micro-batch) (S: fp16's loss scale from its
+``Local``; no 1/m), activations travel in the compute dtype, and each stage sums its
+micro-batches' rounded gradients in fp32 and rounds the mean once; the tied wte's
+parts are combined per micro-batch (pipeline_grads.py): one process's rounding points,
+bit for bit. An fp16 overflow on any stage reaches every rank through the
+[loss, #non-finite] all-reduce, and every rank skips the step (mixed_precision.py).
 """
 import numpy as np
 
@@ -31,7 +39,8 @@ from pdist import nn, trace
 from pdist.autograd import Tensor
 from pdist.backend import default_dtype, to_device, to_numpy, xp
 from pdist.parallel.base import ParallelModule
-from pdist.precision import GradAccumulator, is_low
+from pdist.parallel.pipeline_grads import PipelineGrads
+from pdist.precision import is_low
 from pdist.parallel.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
 
@@ -199,9 +208,9 @@ class PipelineParallel(ParallelModule):
             local = self.inner
             while local.inner is not None:
                 local = local.inner
-            self._scale, self._tied_parts = local.loss_scale, []
-            self._acc = GradAccumulator([q for q in self.inner.parameters()
-                                         if not any(q is t for t in self.tied)])
+            self._scale = local.loss_scale
+            self._low_grads = PipelineGrads(self.inner.parameters(), self.tied,
+                                            (0, self.num_virtual_stages - 1))
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
@@ -210,7 +219,7 @@ class PipelineParallel(ParallelModule):
                 self._post(self._plan[j])
             self._dispatch[ins.op](ins)
         if self.low:
-            self._acc.finish(1.0 / m)                # round(Σ_mb fp32(g_mb) / m): one rounding
+            self._low_grads.finish(m)                # round(Σ_mb fp32(g_mb) / m): one rounding
         # the last stage's micro-batch losses in one device -> host copy per step
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
@@ -219,31 +228,11 @@ class PipelineParallel(ParallelModule):
         embedding part + head part on the first and last stage."""
         self.inner.finish_grad_sync()
         if self.embedding_group is not None and self.low:
-            self._tied_sync()
+            self._low_grads.sync_tied(self.embedding_group)   # per micro-batch, as one process
         elif self.embedding_group is not None:
             for prm in self.tied:
                 prm.grad = xp.zeros_like(prm.data) if prm.grad is None else xp.ascontiguousarray(prm.grad)
                 self.embedding_group.all_reduce(prm.grad, op="sum")
-
-    def _tied_sync(self):
-        """Mixed precision: one process rounds wte's gradient of micro-batch j as
-        round(e_j + h_j) (the embedding's and the head's rounded parts, summed in the
-        low dtype), then accumulates. The first stage holds the e_j, the last the h_j: one
-        low-precision all-reduce of all m of them gives the round(e_j + h_j) (fp32 sum of
-        two terms, one rounding: comm/low_precision.py), then the fp32 mean over j and one
-        rounding, as GradAccumulator. Costs m copies of wte's gradient (2 bytes each)."""
-        for prm, parts in zip(self.tied, zip(*self._tied_parts) if self._tied_parts else []):
-            both = xp.stack(parts)                   # (m, V, C) low precision
-            self.embedding_group.all_reduce(both, op="sum")
-            acc = both[0].astype(np.float32)
-            for j in range(1, len(parts)):
-                acc += both[j].astype(np.float32)
-            acc *= 1.0 / len(parts)
-            if prm.grad is None:
-                prm.grad = acc.astype(prm.dtype)
-            else:
-                prm.grad[...] = acc.astype(prm.dtype)
-        self._tied_parts = []
 
     def _stage(self, ins):
         return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank)
@@ -319,17 +308,8 @@ class PipelineParallel(ParallelModule):
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
         if self.low:
-            self._accumulate(k)
+            self._low_grads.after_backward(k)
         self._done(ins, t0, e0)
-
-    def _accumulate(self, k):
-        """Mixed precision, after each backward: this micro-batch's rounded grads into the fp32
-        sums (the tied copy's part kept apart for _tied_sync)."""
-        if self.tied and k in (0, self.num_virtual_stages - 1):
-            self._tied_parts.append([prm.grad.copy() for prm in self.tied])
-            for prm in self.tied:
-                prm.grad[...] = 0
-        self._acc.add()
 
     def _done(self, ins, t0, e0):
         t1, name = trace.now(), f"{ins.op[0]}{ins.mb}.{ins.chunk}"
