@@ -3,6 +3,9 @@
     mpiexec -n 2 python tests/workers/precision_pipeline.py "pp2 gpipe bf16 m4" "tp2 sp bf16"
     mpiexec -n 4 python tests/workers/precision_pipeline.py "dp2 pp2 1f1b bf16 m2" "tp2 pp2 sp 1f1b bf16 m2"
 
+A case names its sizes (dp2 tp2 pp2, m4 micro-batches, v2 chunks, z2 for ZeRO-2), schedule,
+precision and "sp".
+
 Each case: K = 3 AdamW steps of ``parallelize(GPT, DeviceMesh(dp, tp, pp), precision=...)``
 (compute in float64) against ``MixedPrecision(Local(GPT, microbatches=dp·m))`` on the same
 global batches, then every piece of the masters and of Adam's m and v compared.
@@ -60,23 +63,23 @@ def scaler(prec):
 
 def parse(case):
     w = case.split()
-    size = {k: int(t[len(k):]) for t in w for k in ("dp", "tp", "pp", "m", "v") if t.startswith(k)
+    size = {k: int(t[len(k):]) for t in w for k in ("dp", "tp", "pp", "m", "v", "z") if t.startswith(k)
             and t[len(k):].isdigit()}
     sched = next((s for s in ("gpipe", "1f1b", "interleaved") if s in w), "1f1b")
     prec = next(p for p in ("bf16", "fp16") if p in w)
     return (size.get("dp", 1), size.get("tp", 1), size.get("pp", 1), size.get("m", 1), size.get("v", 1),
-            sched, prec, "sp" in w)
+            sched, prec, "sp" in w, size.get("z", 0))
 
 
 def run(case):
-    dp, tp, pp, m, v, sched, prec, sp = parse(case)
+    dp, tp, pp, m, v, sched, prec, sp, zero = parse(case)
     ref = MixedPrecision(Local(precision.cast_module(GPT(cfg, SEED), prec), microbatches=dp * m), prec,
                          scaler(prec))
     w0 = {k: a.copy() for k, a in ref.full_state_dict().items()}
     ref_opt = adamw(ref.parameters())
     ref_losses = train(ref, ref_opt, batch, K)
     ref_sd, ref_pieces = ref.full_state_dict(), {pc.name: pc for pc in ref.pieces()}
-    model = parallelize(GPT(cfg, SEED), comm.DeviceMesh(dp=dp, tp=tp, pp=pp), sequence_parallel=sp,
+    model = parallelize(GPT(cfg, SEED), comm.DeviceMesh(dp=dp, tp=tp, pp=pp), sequence_parallel=sp, zero_stage=zero,
                         schedule=sched, microbatches=m, chunks=v, precision=prec, scaler=scaler(prec))
     opt = adamw(model.parameters())
     losses = train(model, opt, batch, K)
