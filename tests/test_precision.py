@@ -191,7 +191,7 @@ def test_layout_equals_one_process_in_the_same_precision(n, layout):
 PIPELINE_CASES = [(2, ["pp2 gpipe bf16 m4", "pp2 1f1b fp16 m4", "pp2 interleaved v2 bf16 m2", "tp2 sp bf16",
                        "tp2 sp fp16 m2"]),
                   (4, ["dp2 pp2 1f1b bf16 m2", "dp2 pp2 gpipe fp16 m2 z1", "dp2 pp2 1f1b bf16 z2",
-                       "tp2 pp2 sp 1f1b bf16 m2", "dp2 tp2 sp fp16"])]
+                       "tp2 pp2 sp 1f1b bf16 m2", "dp2 tp2 sp fp16 z3"])]
 
 
 @pytest.mark.parametrize("n,cases", PIPELINE_CASES, ids=[f"n{n}" for n, _ in PIPELINE_CASES])

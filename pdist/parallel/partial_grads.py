@@ -36,8 +36,8 @@ class PartialGrads:
 
     def _keeper(self, p):
         def keep(g):                                   # g: this backward's partial, compute dtype
-            self.parts.setdefault(id(p), []).append(xp.array(g, copy=True).reshape(p.shape))
-            return xp.zeros(p.shape, dtype=p.dtype)    # .grad gets 0: the value comes in finish
+            self.parts.setdefault(id(p), []).append(xp.array(g, copy=True))   # (ZeRO-3 may have freed p.data)
+            return xp.zeros(g.shape, dtype=p.dtype)    # .grad gets 0: the value comes in finish
         return keep
 
     def reset(self):
@@ -57,20 +57,21 @@ class PartialGrads:
         sums = {}
         for j in range(k):
             for p in have:
-                g = flat[lo:lo + p.size].astype(p.dtype).astype(np.float32)   # fp32(round(G^(j)))
-                lo += p.size
+                n = self.parts[id(p)][j].size
+                g = flat[lo:lo + n].astype(p.dtype).astype(np.float32)   # fp32(round(G^(j))), flat
+                lo += n
                 if j == 0:
-                    sums[id(p)] = g.reshape(p.shape)
+                    sums[id(p)] = g
                 else:
-                    sums[id(p)] += g.reshape(p.shape)
+                    sums[id(p)] += g
         for p in have:
             s = sums[id(p)]
             if k > 1:
                 s *= 1.0 / k                           # GradAccumulator.finish: ÷ k, then one rounding
             if p.grad is None:
-                p.grad = s.astype(p.dtype)
+                p.grad = s.astype(p.dtype).reshape(self.parts[id(p)][0].shape)
             else:
-                p.grad[...] = s.astype(p.dtype)
+                p.grad[...] = s.astype(p.dtype).reshape(p.grad.shape)
         self.parts = {}
 
 
