@@ -29,6 +29,10 @@ How the arithmetic runs (on CPU; the rounding points, all deterministic):
   (pdist/comm/low_precision.py: sum in fp32 in rank order, ÷ N, one rounding). So
   DP(N) and ZeRO over N ranks equal one process with N micro-batches bit for bit:
   rank r and micro-batch r compute the same rounded gradient from the same rows.
+* a pipeline stage does the same per micro-batch (pdist/parallel/pipeline_grads.py);
+  sequence parallelism's partial gradients (LayerNorms, row biases, wpe) leave backward
+  unrounded (``unrounded``) and are rounded after their tp all-reduce
+  (pdist/parallel/partial_grads.py), where one process rounds the whole sum.
 * the optimizer updates the fp32 masters with the upcast (fp16: unscaled) gradient;
   the low-precision weights are the masters rounded, refreshed before the next forward
   (pdist/parallel/mixed_precision.py).

@@ -40,9 +40,9 @@ from pdist.autograd import Tensor
 from pdist.backend import default_dtype, to_device, to_numpy, xp
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.pipeline_grads import PipelineGrads
-from pdist.precision import is_low
 from pdist.parallel.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
+from pdist.precision import is_low
 
 
 def partition_layers(n_layers, n_stages, partition=None):
