@@ -51,10 +51,8 @@ def fp32_only(parser, args, what):
     collective) for ``--precision bf16/fp16``, saying where mixed precision runs."""
     if getattr(args, "precision", "fp32") != "fp32":
         parser.error(f"--precision {args.precision}: {what} trains in fp32 for now; mixed precision runs "
-                     f"with data parallelism, ZeRO and tensor parallelism without sequence parallelism "
-                     f"(lessons 02, 03, and 06 with --pp 1 --no-sp, e.g. mpirun -n 2 python "
-                     f"lessons/06_mesh.py --tp 2 --no-sp --precision {args.precision}; "
-                     f"docs/mixed_precision.md)")
+                     f"with every parallelism of lessons 02-06 (e.g. mpirun -n 4 python lessons/06_mesh.py "
+                     f"--tp 2 --pp 2 --precision {args.precision}; docs/mixed_precision.md)")
 
 
 def start(args):

@@ -29,6 +29,10 @@ How the arithmetic runs (on CPU; the rounding points, all deterministic):
   (pdist/comm/low_precision.py: sum in fp32 in rank order, ÷ N, one rounding). So
   DP(N) and ZeRO over N ranks equal one process with N micro-batches bit for bit:
   rank r and micro-batch r compute the same rounded gradient from the same rows.
+* a pipeline stage does the same per micro-batch (pdist/parallel/pipeline_grads.py);
+  sequence parallelism's partial gradients (LayerNorms, row biases, wpe) leave backward
+  unrounded (``unrounded``) and are rounded after their tp all-reduce
+  (pdist/parallel/partial_grads.py), where one process rounds the whole sum.
 * the optimizer updates the fp32 masters with the upcast (fp16: unscaled) gradient;
   the low-precision weights are the masters rounded, refreshed before the next forward
   (pdist/parallel/mixed_precision.py).
@@ -84,18 +88,26 @@ def _compute_dtype(p):
 
 class Cast(Function):
     """y = x in ``dtype``; dx = g in x's dtype (a low-precision parameter's gradient
-    is rounded to it here)."""
-    def forward(self, x, dtype):
-        self.src = x.dtype
+    is rounded to it here), or in g's own dtype with ``keep`` (``unrounded``)."""
+    def forward(self, x, dtype, keep=False):
+        self.src, self.keep = x.dtype, keep
         return x.astype(dtype)
 
     def backward(self, g):
-        return g.astype(self.src)
+        return g if self.keep else g.astype(self.src)
+
+
+def unrounded(p):
+    """True when ``p``'s gradient leaves backward in the compute dtype, unrounded: a
+    sequence-parallel partial sum that is rounded after its tp all-reduce (partial_grads.py)."""
+    return bool(getattr(p, "unrounded_grad", False))
 
 
 def weight(p):
     """Parameter ``p`` in its compute dtype (differentiably), or ``p`` itself."""
-    return Cast.apply(p, dtype=_compute_dtype(p)) if p is not None and is_low(p.dtype) else p
+    if p is None or not is_low(p.dtype):
+        return p
+    return Cast.apply(p, dtype=_compute_dtype(p), keep=unrounded(p))
 
 
 def _round(a, low):
@@ -128,15 +140,15 @@ class LowLinear(Function):
 
 class LowEmbedding(Function):
     """y = upcast(W)[idx]; dW = round(scatter-add of g at idx), summed in the compute dtype."""
-    def forward(self, w, idx, dtype):
+    def forward(self, w, idx, dtype, keep=False):
         F.check_indices(idx, w.shape[0], "embedding index")
-        self.idx, self.wshape, self.wdtype = idx, w.shape, w.dtype
+        self.idx, self.wshape, self.wdtype, self.keep = idx, w.shape, w.dtype, keep
         return w[idx].astype(dtype)
 
     def backward(self, g):
         gw = xp.zeros(self.wshape, dtype=g.dtype)                                          # (V, C)
         scatter_add(gw, self.idx.reshape(-1), g.reshape(-1, self.wshape[1]))
-        return gw.astype(self.wdtype), None
+        return (gw if self.keep else gw.astype(self.wdtype)), None
 
 
 def linear(x, w, b=None):
@@ -151,7 +163,7 @@ def embedding(idx, w):
     if not is_low(w.dtype):
         return F.embedding(idx, w)
     idx = idx.data if isinstance(idx, Tensor) else idx
-    return LowEmbedding.apply(w, xp.asarray(idx), dtype=_compute_dtype(w))
+    return LowEmbedding.apply(w, xp.asarray(idx), dtype=_compute_dtype(w), keep=unrounded(w))
 
 
 class GradAccumulator:
@@ -190,5 +202,5 @@ def any_nonfinite(arrays):
     return bool(checks) and not bool(to_numpy(xp.stack(checks).all()))
 
 
-__all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "linear", "embedding",
-           "GradAccumulator", "any_nonfinite"]
+__all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "unrounded", "linear",
+           "embedding", "GradAccumulator", "any_nonfinite"]

@@ -29,7 +29,8 @@ def test_lesson_06_at_8_ranks_json(tmp_path):
 
 
 @pytest.mark.parametrize("layout", ["--dp 2 --tp 2", "--tp 2 --pp 2", "--dp 2 --pp 2 --schedule gpipe",
-                                    "--dp 2 --tp 2 --zero 1 --no-sp", "--dp 4 --zero 3"])
+                                    "--dp 2 --tp 2 --zero 1 --no-sp", "--dp 4 --zero 3",
+                                    "--tp 2 --pp 2 --precision bf16"])
 def test_lesson_06_pairs_at_4_ranks(layout):
     out = mpirun(4, L06, "--steps", "3", *layout.split(), timeout=300)
     assert "PASS: 06_mesh" in out, out

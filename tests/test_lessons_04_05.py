@@ -93,3 +93,24 @@ def test_lesson_05_json(tmp_path):
             assert r["bubble"]["planned"] == pytest.approx(r["bubble"]["theory"])
         assert len(r["bubble"]["measured_per_stage"]) == p
         assert all(0 <= b < 1 for b in r["bubble"]["measured_per_stage"])
+
+
+def test_lesson_04_mixed_precision(tmp_path):
+    """fp16 (with its loss scale) for TP and TP + SP against one process in fp16: losses and shards."""
+    path = tmp_path / "tp16.json"
+    out = mpirun(2, "lessons/04_tensor_parallel.py", "--steps", "3", "--precision", "fp16", "--json", str(path),
+                 timeout=300)
+    assert "PASS: 04_tensor_parallel" in out, out
+    s = json.loads(path.read_text())
+    assert [r["precision"] for r in s["runs"]] == ["fp16", "fp16"] and s["check"] == "PASS"
+
+
+def test_lesson_05_mixed_precision(tmp_path):
+    """bf16 pipelines (gpipe, 1f1b, interleaved) equal one process with m micro-batches bit for bit."""
+    path = tmp_path / "pp16.json"
+    out = mpirun(2, "lessons/05_pipeline_parallel.py", "--steps", "2", "--precision", "bf16", "--json", str(path),
+                 timeout=300)
+    assert "PASS: 05_pipeline_parallel" in out and "bf16: bit for bit" in out, out
+    s = json.loads(path.read_text())
+    assert s["check"] == "PASS" and {r["precision"] for r in s["runs"]} == {"bf16"}
+    assert all(r["loss"] == pytest.approx(r["baseline_loss"], rel=1e-12) for r in s["runs"])

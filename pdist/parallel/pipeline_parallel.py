@@ -24,6 +24,14 @@ all-reduce (sum) the two copies' gradients, so both get the full gradient
 dL/dwte = (embedding part) + (head part) and the same update -- the copies stay equal.
 An ``nn.Sequential`` pipelines too: its children are the layers, with ``loss_fn``
 and ``act_shape``.
+
+Mixed precision (a model cast to bf16/fp16, ``parallelize(..., precision=...)``): the
+last stage runs backward on S·loss(micro-batch) (S: fp16's loss scale from its
+``Local``; no 1/m), activations travel in the compute dtype, and each stage sums its
+micro-batches' rounded gradients in fp32 and rounds the mean once; the tied wte's
+parts are combined per micro-batch (pipeline_grads.py): one process's rounding points,
+bit for bit. An fp16 overflow on any stage reaches every rank through the
+[loss, #non-finite] all-reduce, and every rank skips the step (mixed_precision.py).
 """
 import numpy as np
 
@@ -31,8 +39,10 @@ from pdist import nn, trace
 from pdist.autograd import Tensor
 from pdist.backend import default_dtype, to_device, to_numpy, xp
 from pdist.parallel.base import ParallelModule
+from pdist.parallel.pipeline_grads import PipelineGrads
 from pdist.parallel.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
+from pdist.precision import is_low
 
 
 def partition_layers(n_layers, n_stages, partition=None):
@@ -156,8 +166,9 @@ class PipelineParallel(ParallelModule):
             self.loss_fn = loss_fn or (self.module.loss_fn if self.pp_is_last_stage else None)
             shards = self.inner.seq_shards
             self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, cfg.n_embd))
-        params = self.inner.parameters()
-        self.dtype = params[0].dtype if params else default_dtype()
+        params = self.inner.parameters()             # activations travel in the compute dtype
+        self.dtype = getattr(params[0], "compute_dtype", params[0].dtype) if params else default_dtype()
+        self.low = any(is_low(q.dtype) for q in params)
         self.embedding_group = None
         if g.size > 1:                                # split is collective: every stage calls it
             ends = self.pp_is_first_stage or self.pp_is_last_stage
@@ -193,6 +204,13 @@ class PipelineParallel(ParallelModule):
         self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
         self.losses, self.timeline, self.peak_stash = [], [], 0
+        if self.low:                                 # mixed precision: as Local.compute (precision.py)
+            local = self.inner
+            while local.inner is not None:
+                local = local.inner
+            self._scale = local.loss_scale
+            self._low_grads = PipelineGrads(self.inner.parameters(), self.tied,
+                                            (0, self.num_virtual_stages - 1))
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
@@ -200,6 +218,8 @@ class PipelineParallel(ParallelModule):
             if j in self._plan:
                 self._post(self._plan[j])
             self._dispatch[ins.op](ins)
+        if self.low:
+            self._low_grads.finish(m)                # round(Σ_mb fp32(g_mb) / m): one rounding
         # the last stage's micro-batch losses in one device -> host copy per step
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
@@ -207,7 +227,9 @@ class PipelineParallel(ParallelModule):
         """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dwte =
         embedding part + head part on the first and last stage."""
         self.inner.finish_grad_sync()
-        if self.embedding_group is not None:
+        if self.embedding_group is not None and self.low:
+            self._low_grads.sync_tied(self.embedding_group)   # per micro-batch, as one process
+        elif self.embedding_group is not None:
             for prm in self.tied:
                 prm.grad = xp.zeros_like(prm.data) if prm.grad is None else xp.ascontiguousarray(prm.grad)
                 self.embedding_group.all_reduce(prm.grad, op="sum")
@@ -267,8 +289,12 @@ class PipelineParallel(ParallelModule):
         t0, e0 = trace.now(), trace.device_mark()
         out = self.chunks[c](x)                              # (b, T, C), or logits on the last stage
         if k == self.num_virtual_stages - 1:
-            out = self.loss_fn(out, self._micro(self._y, mb)) * (1.0 / self.num_microbatches)
-            self.losses.append(out.data)
+            out = self.loss_fn(out, self._micro(self._y, mb))
+            self.losses.append(out.data * (1.0 / self.num_microbatches))
+            if not self.low:                         # (mixed precision: the mean is GradAccumulator's)
+                out = out * (1.0 / self.num_microbatches)
+            elif self._scale != 1.0:
+                out = out * self._scale              # fp16: backward on S l (S a power of two)
         self._stash[(mb, c)] = (x, out)
         self.peak_stash = max(self.peak_stash, len(self._stash))
         self._done(ins, t0, e0)
@@ -281,6 +307,8 @@ class PipelineParallel(ParallelModule):
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
+        if self.low:
+            self._low_grads.after_backward(k)
         self._done(ins, t0, e0)
 
     def _done(self, ins, t0, e0):

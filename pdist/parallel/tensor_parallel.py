@@ -30,12 +30,12 @@ changes the initial values; each parameter records where it sits in the full ten
 meta: the shards get shapes only, and ``materialize()`` (``parallelize`` calls it) draws
 this rank's pieces alone (pdist/meta.py).
 """
-from pdist import functional as F
 from pdist import nn, precision
 from pdist.autograd import Function
 from pdist.backend import array_module, to_numpy, xp
 from pdist.meta import MetaArray, is_meta, zeros_view
 from pdist.parallel.base import ParallelModule
+from pdist.parallel.partial_grads import PartialGrads
 from pdist.parallel.tp_layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region, divide,
     gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -111,7 +111,7 @@ class SequenceShardPositions(nn.Module):
     def forward(self, pos):
         Ts = divide(len(pos), self.group.size, "the sequence length T (sequence parallelism)")
         r = self.group.rank
-        return F.embedding(pos[r * Ts:(r + 1) * Ts], self.weight)  # (T/t, C)
+        return precision.embedding(pos[r * Ts:(r + 1) * Ts], self.weight)  # (T/t, C)
 
 
 class ParallelLMHead(nn.Module):
@@ -213,12 +213,27 @@ class TensorParallel(ParallelModule):
                              f"divisible by {self.tp_world_size}, got T = {x.shape[-1]}")
         return self.inner.local_batch(x, y)
 
+    _partials = None      # mixed precision: PartialGrads of the sequence-partial parameters
+
+    def zero_grad(self):
+        """(Sequence parallelism in bf16/fp16, once: the partial grads' keeper, partial_grads.py.)"""
+        self.inner.zero_grad()
+        if self.sequence_parallel and self.tp_world_size > 1 and self._partials is None:
+            low = [p for n, p in self.module.named_parameters() if n.endswith(SEQUENCE_PARTIAL)
+                   and precision.is_low(p.dtype)]
+            self._partials = PartialGrads(low) if low else False
+        if self._partials:
+            self._partials.reset()
+
     def finish_grad_sync(self):
         """Sequence parallelism: all-reduce (sum) the grads of the replicated parameters that
-        saw only this rank's tokens, in one flat all-reduce."""
+        saw only this rank's tokens, in one flat all-reduce (bf16/fp16: their unrounded
+        partials, then one rounding, PartialGrads)."""
         self.inner.finish_grad_sync()
         if not (self.sequence_parallel and self.tp_world_size > 1):   # (has_late_grads: also the inner's)
             return
+        if self._partials:
+            return self._partials.finish(self.group)
         grads = [p.grad for n, p in self.module.named_parameters()   # (ZeRO-3 may have freed p.data)
                  if n.endswith(SEQUENCE_PARTIAL) and p.grad is not None]
         flat = xp.concatenate([g.reshape(-1) for g in grads])

@@ -1,13 +1,16 @@
 """fp16 under data parallelism / ZeRO: an overflow on ONE rank skips the step on EVERY rank.
 
     mpiexec -n 4 python tests/workers/precision_overflow.py --zero 2
+    mpiexec -n 4 python tests/workers/precision_overflow.py --pp 2      # dp 2 x pp 2, 1F1B, m = 2
 
 At step 1 the last rank's gradient of one small parameter (the last LayerNorm's bias,
 which lies in one rank's shard at stages 2, 3) becomes inf before the reduction. The
 found-inf verdict is the [loss, #non-finite] all-reduce of every wrapper, so every rank
 must skip the step (masters and Adam's state unchanged), halve the scale (2^10 -> 2^9)
 and go on training at step 2; with growth_interval 2 the scale doubles again after
-steps 2 and 3; nothing raises. Reported per rank for the test to compare."""
+steps 2 and 3; nothing raises. With ``--pp`` the last rank is the pipeline's last stage
+(the only one holding ln_f): the stages before it see finite gradients and must skip too.
+Reported per rank for the test to compare."""
 import argparse
 
 import numpy as np
@@ -21,15 +24,17 @@ from pdist.testing import report
 
 p = argparse.ArgumentParser()
 p.add_argument("--zero", type=int, default=0)
+p.add_argument("--pp", type=int, default=1)
 args = p.parse_args()
 world = comm.init()
 tokens, tok = data.char_dataset(50_000)
 cfg = lesson.gpt_config(96, block_size=8, n_layer=2, n_head=4, n_embd=32)
-model = parallelize(GPT(cfg, 3), comm.DeviceMesh(dp=world.size), zero_stage=args.zero, precision="fp16",
-                    scaler=GradScaler(init_scale=2.0 ** 10, growth_interval=2))
+mesh = comm.DeviceMesh(dp=world.size // args.pp, pp=args.pp)
+model = parallelize(GPT(cfg, 3), mesh, zero_stage=args.zero, precision="fp16",
+                    microbatches=2 if args.pp > 1 else 1, scaler=GradScaler(init_scale=2.0 ** 10, growth_interval=2))
 opt = AdamW(model.parameters(), lr=lesson.LR)
 poison = [False]
-bias = dict(model.module.named_parameters())["transformer.ln_f.bias"]
+bias = dict(model.module.named_parameters()).get("transformer.ln_f.bias")
 if world.rank == world.size - 1:
     bias.register_hook(lambda g: g * np.inf if poison[0] else None)
 
