@@ -31,6 +31,8 @@ import numpy as np
 from pdist import checkpoint, comm, data, lesson
 from pdist.gpt import GPT
 from pdist.parallel import Local, ZeRO, parallelize
+from pdist.parallel.mixed_precision import MixedPrecision
+from pdist.precision import cast_module
 from pdist.training import train
 
 
@@ -39,7 +41,6 @@ def parse():
     p.add_argument("--save-at", type=int, default=4, help="step after which to save (default %(default)s)")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
     args = lesson.validate(p, p.parse_args())
-    lesson.fp32_only(p, args, "this lesson's resharding checkpoint")
     if not 1 <= args.save_at < args.steps:
         p.error(f"--save-at must be in [1, --steps), got {args.save_at} with --steps {args.steps}")
     return p, args
@@ -78,7 +79,37 @@ def naive_dump_then_load(model, world, where):
     return None
 
 
-def continue_from(name, model, ckpt, args, batch, ref_sd):
+def mixed(strategy, gpt, precision, *a):
+    """``strategy(gpt, *a)`` in ``precision``: fp32 as is, else bf16/fp16 weights under fp32 masters."""
+    if precision == "fp32":
+        return strategy(gpt, *a)
+    return MixedPrecision(strategy(cast_module(gpt, precision), *a), precision)
+
+
+def reference(cfg, args, batch, k_after):
+    """One process in --precision through the same rounding points as the layouts: dp·m = 4
+    micro-batches up to --save-at (ZeRO-3 on 4 ranks), then ``k_after`` (the loading layout's
+    dp·m). fp32: one micro-batch throughout. Returns (losses, full state dict)."""
+    low = args.precision != "fp32"
+    model = mixed(Local, GPT(cfg, args.seed), args.precision, 4 if low else 1)
+    opt = lesson.make_adamw(model.parameters())
+    losses = train(model, opt, batch, args.save_at)
+    if low:
+        model._local().microbatches = k_after
+    losses += train(model, opt, batch, args.steps - args.save_at, start=args.save_at)
+    return losses, model.full_state_dict()
+
+
+def tolerance(args, name):
+    """fp32 (float64): rtol 1e-9, the reduction order differs. bf16/fp16: bit for bit where the
+    loading layout rounds as its reference does (tp = 1), else rtol 1e-6: tensor parallelism's
+    partial sums round at other points (one unit roundoff of fp32 compute, far below bf16's)."""
+    if args.precision == "fp32":
+        return dict(rtol=1e-9, atol=1e-12)
+    return dict(rtol=1e-6, atol=1e-9) if "tp 2" in name else dict(rtol=0, atol=0)
+
+
+def continue_from(name, model, ckpt, args, batch, ref):
     """Load the checkpoint into ``model``, train to --steps, compare with the reference."""
     opt = lesson.make_adamw(model.parameters())
     t0 = time.perf_counter()
@@ -86,11 +117,12 @@ def continue_from(name, model, ckpt, args, batch, ref_sd):
     secs = time.perf_counter() - t0
     assert step == args.save_at and extra["next_step"] == args.save_at, (step, extra)
     losses = train(model, opt, batch, args.steps - step, start=extra["next_step"])
-    full = model.full_state_dict()
+    full, (ref_losses, ref_sd) = model.full_state_dict(), ref
     num = sum(float(np.sum((full[k] - ref_sd[k]) ** 2)) for k in ref_sd)
     den = sum(float(np.sum(ref_sd[k] ** 2)) for k in ref_sd)
-    ok = all(np.allclose(full[k], ref_sd[k], rtol=1e-9, atol=1e-12) for k in ref_sd)
-    return {"name": name, "load_seconds": secs, "loss": losses[-1], "rel_err": float(np.sqrt(num / den)), "ok": ok}
+    ok = all(np.allclose(full[k], ref_sd[k], **tolerance(args, name)) for k in ref_sd)
+    return {"name": name, "load_seconds": secs, "loss": losses[-1], "rel_err": float(np.sqrt(num / den)),
+            "ok": ok, "baseline_loss": ref_losses[-1]}
 
 
 def main():
@@ -107,13 +139,14 @@ def main():
     def batch(step):
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
 
-    ref_losses, ref_sd = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens)
+    refs = {k: reference(cfg, args, batch, k) for k in (2, 1)}     # by the loading layout's dp·m
+    ref_losses = refs[1][0]
     root = args.dir or (tempfile.mkdtemp(prefix="pdist-lesson07-") if world.rank == 0 else None)
     root = world.broadcast_object(root)
     ckpt = os.path.join(root, f"step-{args.save_at:06d}")
 
     # 1. ZeRO-3 on 4 ranks, then save
-    z3 = ZeRO(GPT(cfg, args.seed), 3, world)
+    z3 = mixed(ZeRO, GPT(cfg, args.seed), args.precision, 3, world)
     opt = lesson.make_adamw(z3.parameters())
     train(z3, opt, batch, args.save_at)
     t0 = time.perf_counter()
@@ -121,20 +154,22 @@ def main():
                                                                "batch_size": args.batch_size})
     save_s = time.perf_counter() - t0
     mine = payload_bytes(os.path.join(ckpt, f"rank-{world.rank:05d}.safetensors"))
-    b = np.dtype(args.dtype).itemsize
+    b = np.dtype(args.dtype if args.precision == "fp32" else np.float32).itemsize   # mixed: fp32 masters
     share = 3 * b * sum(int(np.prod(p.shape)) for p in z3.pieces())    # params + m + v, no padding
     sizes = world.all_gather_object((mine, share))
 
     # 2. the naive dump, loaded into 2 ranks
     naive_dir = world.broadcast_object(tempfile.mkdtemp(prefix="pdist-naive-") if world.rank == 0 else None)
-    naive_error = naive_dump_then_load(z3, world, naive_dir)
+    naive_error = naive_dump_then_load(z3 if args.precision == "fp32" else z3.inner, world, naive_dir)
 
     # 3. the real checkpoint, into three other layouts
-    runs = [continue_from("dp 2 x tp 2", parallelize(GPT(cfg, 99), comm.DeviceMesh(dp=2, tp=2)), ckpt, args,
-                          batch, ref_sd)]
+    prec = args.precision
+    dp2tp2 = parallelize(GPT(cfg, 99), comm.DeviceMesh(dp=2, tp=2), precision=prec)
+    runs = [continue_from("dp 2 x tp 2", dp2tp2, ckpt, args, batch, refs[2])]
     pair = world.split(0 if world.rank < 2 else 1, name="pair")
-    runs.append(continue_from("ZeRO-1, dp 2", ZeRO(GPT(cfg, 99), 1, pair), ckpt, args, batch, ref_sd))
-    runs.append(continue_from("1 process", Local(GPT(cfg, 99)), ckpt, args, batch, ref_sd))
+    runs.append(continue_from("ZeRO-1, dp 2", mixed(ZeRO, GPT(cfg, 99), prec, 1, pair), ckpt, args, batch,
+                              refs[2]))
+    runs.append(continue_from("1 process", mixed(Local, GPT(cfg, 99), prec), ckpt, args, batch, refs[1]))
     every = world.all_gather_object(runs)
     ok = all(r["ok"] for rs in every for r in rs) and all(m == s for m, s in sizes)
     if world.rank == 0:
@@ -144,16 +179,20 @@ def main():
         shutil.rmtree(naive_dir, ignore_errors=True)
     summary = [{"name": r["name"], "dtype": args.dtype, "params": cfg.num_params(),
                 "load_seconds": max(rs[i]["load_seconds"] for rs in every), "loss": r["loss"],
-                "baseline_loss": ref_losses[-1], "rel_err": max(rs[i]["rel_err"] for rs in every)}
+                "baseline_loss": r["baseline_loss"], "precision": args.precision,
+                "rel_err": max(rs[i]["rel_err"] for rs in every)}
                for i, r in enumerate(every[0])]
+    equal = "each continuation equals the uninterrupted run" if prec == "fp32" else \
+        f"{prec}: each continuation equals its one-process reference"
     lesson.finish("07_checkpoint", ok, summary, args, rank=world.rank, world_size=world.size,
-                  detail="(saved under ZeRO-3 on 4 ranks; loaded into dp 2 x tp 2, ZeRO-1 at dp 2 and one process, "
-                         "each continuation equals the uninterrupted run)" if ok else "(see the table)")
+                  detail="(saved under ZeRO-3 on 4 ranks; loaded into dp 2 x tp 2, ZeRO-1 at dp 2 and "
+                         f"one process, {equal})" if ok else "(see the table)")
 
 
 def report(args, cfg, save_s, sizes, naive_error, every, ref_losses):
     fb = lesson.fmt_bytes
-    print(f"GPT Ψ = {cfg.num_params():,} ({args.dtype}); trained {args.save_at} steps under ZeRO-3 on 4 ranks, saved "
+    prec = "" if args.precision == "fp32" else f", {args.precision} weights, fp32 masters"
+    print(f"GPT Ψ = {cfg.num_params():,} ({args.dtype}{prec}); trained {args.save_at} steps under ZeRO-3 on 4 ranks, saved "
           f"in {save_s * 1e3:.0f} ms; uninterrupted run: {args.steps} steps, final loss {ref_losses[-1]:.6f}\n")
     print(lesson.table([(r, fb(m), fb(s), "yes" if m == s else "NO") for r, (m, s) in enumerate(sizes)],
                        ["rank", "file", "3·b·Ψ_r (params, m, v)", "="]))
@@ -162,9 +201,10 @@ def report(args, cfg, save_s, sizes, naive_error, every, ref_losses):
     rows = []
     for i, r in enumerate(every[0]):
         rows.append((r["name"], f"{max(rs[i]['load_seconds'] for rs in every) * 1e3:.0f}",
-                     f"{r['loss']:.6f}", f"{ref_losses[-1]:.6f}", f"{max(rs[i]['rel_err'] for rs in every):.1e}",
+                     f"{r['loss']:.6f}", f"{r['baseline_loss']:.6f}", f"{max(rs[i]['rel_err'] for rs in every):.1e}",
                      "yes" if all(rs[i]["ok"] for rs in every) else "NO"))
-    print(lesson.table(rows, ["loaded into", "load ms", "final loss", "uninterrupted", "|θ-θ_ref|/|θ_ref|",
+    ref = "uninterrupted" if args.precision == "fp32" else "reference (dp·m)"
+    print(lesson.table(rows, ["loaded into", "load ms", "final loss", ref, "|θ-θ_ref|/|θ_ref|",
                               "equal"]))
     print()
 

@@ -20,6 +20,11 @@ file, so a crash leaves the previous checkpoint whole. ``load`` checks the index
 config, the files' sizes and checksums and reads every piece into new arrays; only when
 every rank succeeded does it copy them in, else every rank raises the same
 ``CheckpointError``. Parameters and Adam's m, v and step are restored exactly (bit for bit).
+
+Mixed precision (``parallelize(..., precision="bf16"/"fp16")``): ``MixedPrecision.pieces()``
+are cut out of the fp32 masters, so the files hold the masters W and Adam's m, v (fp32) and
+never the low-precision weights; loading restores W and ``after_load`` re-derives
+w = round(W). fp16's GradScaler state (scale, growth tracker) goes into the index.
 """
 import dataclasses
 import json
@@ -123,8 +128,10 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
             for name, gshape, dtype, s in part[0]:
                 tensors.setdefault(name, {"shape": gshape, "dtype": dtype, "slices": []})["slices"].append(s)
         cfg = getattr(model.module, "config", None)
+        scaler = getattr(model, "scaler", None)          # fp16's GradScaler: S and its growth tracker
         index = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
                  "adam_step": adam[0] if adam else None, "layout": _layout(model),
+                 "scaler": scaler.state_dict() if scaler is not None else None,
                  "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
                  "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
                            for r, part in enumerate(parts)},
@@ -239,6 +246,9 @@ def load(model, optimizer, dir, checksums=True):
         for k in STATES:
             p.view(st[k])[...] = xp.asarray(vals[f"optimizer.{k}.{p.name}"])
         st["step"] = int(index["adam_step"])
+    scaler = getattr(model, "scaler", None)
+    if scaler is not None and index.get("scaler") is not None:    # else it keeps its state (fp32, bf16)
+        scaler.load_state_dict(index["scaler"])
     model.after_load()
     return index["step"], index.get("extra")
 
