@@ -218,3 +218,32 @@ def test_from_pretrained_reads_save_pretrained(tmp_path):
     with torch.no_grad():
         want = hf(torch.tensor(idx)).logits.numpy()
     np.testing.assert_allclose(_logits(ours, idx), want, rtol=0, atol=1e-12 * np.abs(want).max())
+
+
+def test_mixed_precision_checkpoint_loads_under_another_layout(tmp_path):
+    """bf16/fp16 saved under ZeRO-3 at dp 2 (tests/workers/ckpt_precision.py), loaded into
+    tp 2 and one process: the files hold fp32 masters, m and v, which come back bit for bit
+    (saved again, the same numbers); the low-precision weights are round(masters); fp16's
+    scaler comes back. A float64 fp32 checkpoint loads into bf16: masters = fp32(saved)."""
+    got = reports(mpirun(2, "tests/workers/ckpt_precision.py", tmp_path, timeout=120))
+    assert len(got) == 2 * 2 * 2 + 1
+    for r in got:
+        assert r["gap"] == 0.0, r                      # w = round(W) after the load
+        assert r["scaler"] == r["saved_scaler"], r
+        if r["prec"] == "fp16":
+            assert r["scaler"]["_growth_tracker"] == 2, r    # a fresh scaler's is 0
+    for prec in ("bf16", "fp16"):
+        src = read_tensors(tmp_path / prec)
+        index = verify(tmp_path / prec)
+        assert {t["dtype"] for t in index["tensors"].values()} == {"float32"}
+        assert (index["scaler"] is None) == (prec == "bf16")
+        assert len(src) == 3 * 28                       # masters, m, v
+        for layout in ("tp2", "local"):
+            again = read_tensors(tmp_path / f"{prec}-{layout}")
+            assert sorted(again) == sorted(src)
+            for k in src:
+                assert again[k].dtype == np.float32 and np.array_equal(again[k], src[k]), (prec, layout, k)
+    old, bf = read_tensors(tmp_path / "fp32"), read_tensors(tmp_path / "fp32-bf16")
+    assert sorted(old) == sorted(bf) and all(old[k].dtype == np.float64 for k in old)
+    for k in old:
+        assert np.array_equal(bf[k], old[k].astype(np.float32)), k

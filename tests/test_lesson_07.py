@@ -1,8 +1,13 @@
 """lessons/07_checkpoint.py at 4 ranks: saved under ZeRO-3, the naive dump's failure
 shown, loaded into dp 2 x tp 2, ZeRO-1 at dp 2 and one process, each continuation equal
-to the uninterrupted run; the JSON summary; and a bad flag stops every rank."""
+to the uninterrupted run; the JSON summary; and a bad flag stops every rank. Under
+--precision bf16/fp16 each continuation equals a one-process reference in the same
+precision with the saving layout's dp·m = 4 micro-batches, then the loading layout's:
+bit for bit at tp = 1, rtol 1e-6 at tp 2; each file holds 3·4·Ψ_r bytes (fp32 W, m, v)."""
 import json
 import os
+
+import pytest
 
 from pdist.testing import launch, mpirun
 
@@ -28,3 +33,21 @@ def test_lesson_07_needs_4_ranks_and_a_save_step():
     assert r.rc == 2 and r.out.count("run it with mpirun -n 4") == 2, r.out
     r = launch(4, L07, "--steps", "4", "--save-at", "4", timeout=60, wrap=False)
     assert r.rc == 2 and r.out.count("--save-at must be in [1, --steps)") == 4, r.out
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_lesson_07_mixed_precision(tmp_path, precision):
+    path = tmp_path / "ckpt.json"
+    out = mpirun(4, L07, "--steps", "6", "--save-at", "3", "--dir", tmp_path / "ckpt", "--json", path,
+                 "--precision", precision, timeout=300)
+    # PASS includes: every rank's file holds 3·4·Ψ_r bytes, and each continuation is within tolerance
+    assert "PASS: 07_checkpoint" in out and f"{precision}: each continuation equals" in out, out
+    index = json.loads((tmp_path / "ckpt" / "step-000003" / "index.json").read_text())
+    assert {t["dtype"] for t in index["tensors"].values()} == {"float32"}     # masters, m, v
+    assert (index["scaler"] is not None) == (precision == "fp16")
+    runs = json.loads(path.read_text())["runs"]
+    assert [r["name"] for r in runs] == ["dp 2 x tp 2", "ZeRO-1, dp 2", "1 process"]
+    assert all(r["precision"] == precision for r in runs)
+    assert runs[0]["rel_err"] < 1e-6
+    for r in runs[1:]:                                         # tp = 1: the same rounding points
+        assert r["rel_err"] == 0.0 and r["loss"] == r["baseline_loss"], r
