@@ -2,6 +2,7 @@
 
     mpirun -n 4 python lessons/07_checkpoint.py
     mpirun -n 4 python lessons/07_checkpoint.py --steps 10 --save-at 5 --dir ckpt
+    mpirun -n 4 python lessons/07_checkpoint.py --precision bf16     # mixed precision (or fp16)
 
 A sharded checkpoint is easy to write: every rank dumps what it holds. It is just as
 easy to make one that only the same layout can read. Under ZeRO-3 on 4 ranks, rank r
@@ -20,6 +21,15 @@ equal to the uninterrupted single-process run (float64, rtol 1e-9 over all tenso
 reduction order differs between layouts), and each rank's checkpoint file holds exactly
 its share, 3·b·Ψ_r bytes of parameters, m and v (ZeRO-3: Ψ_r = the rank's unpadded
 pieces, about Ψ/N).
+
+``--precision bf16`` (or fp16): bf16 weights and gradients under fp32 masters
+(docs/mixed_precision.md). The checkpoint holds the masters W, Adam's m and v (all
+fp32: b = 4, so 3·4·Ψ_r bytes per rank) and, for fp16, the GradScaler's scale and growth
+tracker (in index.json); a load restores them and re-derives w = round(W). The
+reference is then one process in the same precision that rounds where the layouts do:
+dp·m = 4 micro-batches (ZeRO-3 at dp 4) up to --save-at, then the loading layout's dp·m
+(2 for dp 2 x tp 2 and ZeRO-1 at dp 2, 1 for one process). PASS: bit for bit at tp = 1;
+rtol 1e-6 at tp 2 (its partial sums round at other points: lesson 06, docs/checkpoint.md).
 """
 import os
 import shutil

@@ -46,15 +46,6 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision
     return p
 
 
-def fp32_only(parser, args, what):
-    """A lesson whose parallelism trains in fp32 only: a usage error (every rank, before any
-    collective) for ``--precision bf16/fp16``, saying where mixed precision runs."""
-    if getattr(args, "precision", "fp32") != "fp32":
-        parser.error(f"--precision {args.precision}: {what} trains in fp32 for now; mixed precision runs "
-                     f"with every parallelism of lessons 02-06 (e.g. mpirun -n 4 python lessons/06_mesh.py "
-                     f"--tp 2 --pp 2 --precision {args.precision}; docs/mixed_precision.md)")
-
-
 def start(args):
     """After the flags are parsed and validated, what every training lesson does first:
     the default dtype, the world (collectives wait at most TIMEOUT), the corpus.
