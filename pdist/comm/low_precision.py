@@ -9,6 +9,8 @@ upcast values by the rank that owns the result, once:
                                then out = round(Σ_{q=0}^{n-1} fp32(chunk from q)) (÷ n for avg)
     all_reduce(buf):           the same on buf padded to a multiple of n, then an
                                all-gather of the rounded chunks
+    reduce(buf, dst):          a gather of every rank's buf at dst, which sums them the
+                               same way into its buf (the others' buf unchanged)
 
 Rank q's term is added in the order q = 0, 1, ..., n-1, in float32, and the result
 is rounded to the low dtype once: every rank gets the same bits, and they equal one
@@ -80,4 +82,19 @@ def all_reduce(comm, buf, op, wait_all):
     return wait
 
 
-__all__ = ["words", "reduce_scatter", "all_reduce"]
+def reduce(comm, buf, dst, op, wait_all):
+    """Returns wait(): every rank's ``buf`` is being gathered at ``dst``; wait() sums the rows
+    there (float32, rank order, rounded once) into dst's ``buf``. ``buf`` is contiguous, 1-D."""
+    n, root = comm.Get_size(), comm.Get_rank() == dst
+    recv = np.empty(n * buf.size, dtype=buf.dtype) if root else None          # (n, size) flat
+    req = comm.Igather(words(buf), words(recv) if root else None, root=dst)
+
+    def wait():
+        wait_all([req])
+        if root:
+            _sum_rows(recv.reshape(n, buf.size), buf, op)
+    wait.ready = req.Test
+    return wait
+
+
+__all__ = ["words", "reduce_scatter", "all_reduce", "reduce"]

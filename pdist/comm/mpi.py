@@ -278,7 +278,7 @@ class MPICollectives:
 
     def reduce(self, buf, dst, op, nb=False):
         if is_low(buf.dtype):
-            raise NotImplementedError(f"reduce to one rank of {buf.dtype}: use all_reduce or reduce_scatter")
+            return self._low(low_precision.reduce(self.comm, buf, dst, op, wait_all), nb)
         c, o = self.comm, REDUCE_OPS[op]
         send, recv = (MPI.IN_PLACE, buf) if c.Get_rank() == dst else (buf, None)
         return self._go(lambda: c.Reduce(send, recv, o, dst), lambda: [c.Ireduce(send, recv, o, dst)], nb)

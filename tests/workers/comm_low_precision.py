@@ -4,6 +4,7 @@
 
 Every rank knows every rank's input (seeded by rank), so it computes the expected
 result itself: round(Σ_q fp32(x_q)) summed in rank order (÷ n for avg), or the max;
+reduce to one rank gives that rank the all-reduce's bits and leaves the others' buffers;
 all-gather and broadcast move the 16-bit words unchanged. Sizes not divisible by n
 (the all-reduce pads; reduce_scatter's chunks are uneven), sync and async."""
 import numpy as np
@@ -49,7 +50,12 @@ for dt in (bfloat16, np.dtype(np.float16)):
         b = data(r, size)
         world.broadcast(b, src=n - 1)
         assert np.array_equal(b.view(np.uint16), data(n - 1, size).view(np.uint16))
-        checked += 3
+        for op in ("sum", "max"):                  # reduce to the last rank: only it changes
+            red = data(r, size)
+            world.reduce(red, dst=n - 1, op=op)
+            keep = want(size, op) if r == n - 1 else data(r, size)
+            assert np.array_equal(red.view(np.uint16), keep.view(np.uint16)), (dt, size, "reduce", op)
+        checked += 5
 world.reset_stats()
 x = np.ones(1000, dtype=bfloat16)
 world.all_reduce(x)
