@@ -249,8 +249,8 @@ def test_full_state_dict_is_the_masters_and_loads_back():
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_two_byte_collectives_sum_in_fp32_and_round_once(n):
     """bf16 and fp16 all-reduce (sum, avg, max; sync and async; sizes not divisible by n),
-    reduce-scatter, reduce to one rank, all-gather, broadcast: the exact bits of their definition; an all-reduce
-    of S bytes counts 2(n-1)/n S (2 bytes per element)."""
+    reduce-scatter, reduce to one rank, all-gather, broadcast: the exact bits of their
+    definition; an all-reduce of S bytes counts 2(n-1)/n S (2 bytes per element)."""
     got = reports(mpirun(n, "tests/workers/comm_low_precision.py", timeout=120))
     assert len(got) == n and all(r["checked"] == 88 and r["sum"] == n for r in got), got
     assert all(r["all_reduce_bytes"] == 2 * (n - 1) * 2000 // n for r in got), got
