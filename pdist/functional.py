@@ -49,15 +49,19 @@ class Linear(Function):
 
     Leading axes are folded into one, so each product is a single 2-D GEMM
     (N, in) x (in, out) with N = prod(leading axes): NumPy would otherwise run one
-    small GEMM per leading index (measured 2x slower at the lesson size)."""
+    small GEMM per leading index (measured 2x slower at the lesson size).
+
+    Three hooks, identities here, let a mixed-precision subclass (pdist.precision.LowLinear)
+    round the input it keeps, compute with its parameters in the compute dtype, and round
+    the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``."""
     def forward(self, x, w, b=None):
         if x.shape[-1] != w.shape[0]:
             raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
                              f"(in_features={w.shape[0]})")
-        self.x2, self.lead = x.reshape(-1, x.shape[-1]), x.shape[:-1]  # (N, in)
-        y = self.x2 @ w  # (N, out)
+        self.x2, self.lead = self._input(x.reshape(-1, x.shape[-1]), w), x.shape[:-1]  # (N, in)
+        y = self.x2 @ self._param(w, x.dtype)  # (N, out)
         if b is not None:
-            y += b
+            y += self._param(b, x.dtype)
         return y.reshape(*self.lead, w.shape[1])
 
     def backward(self, g):
@@ -65,10 +69,19 @@ class Linear(Function):
         nx, nw = self.needs_input_grad[:2]
         nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        gx = (g2 @ w.T).reshape(*self.lead, w.shape[0]) if nx else None
-        gw = self.x2.T @ g2 if nw else None  # (in, out)
-        gb = col_sums(g2) if nb else None
+        gx = (g2 @ self._param(w, g.dtype).T).reshape(*self.lead, w.shape[0]) if nx else None
+        gw = self._grad(self.x2.T @ g2, w) if nw else None  # (in, out)
+        gb = self._grad(col_sums(g2), w) if nb else None
         return gx, gw, gb
+
+    def _input(self, x2, w):
+        return x2
+
+    def _param(self, p, dtype):
+        return p
+
+    def _grad(self, g, p):
+        return g
 
 
 class Softmax(Function):

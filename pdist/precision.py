@@ -114,28 +114,19 @@ def _round(a, low):
     return a.astype(low).astype(a.dtype)
 
 
-class LowLinear(Function):
+class LowLinear(F.Linear):
     """Y = round(X) W + b, with W, b low-precision and upcast, X rounded to W's dtype;
     dX = G W^T (compute dtype), dW = round(round(X)^T G), db = round(sum G) (rounded to
-    the parameters' dtype). W is read again at backward (ZeRO-3 may have re-gathered it);
-    no upcast copy of W outlives the op."""
-    def forward(self, x, w, b=None):
-        c = x.dtype
-        self.x2, self.lead = _round(x.reshape(-1, x.shape[-1]), w.dtype), x.shape[:-1]  # (N, in)
-        y = self.x2 @ w.astype(c)                                                         # (N, out)
-        if b is not None:
-            y += b.astype(c)
-        return y.reshape(*self.lead, w.shape[1])
+    the parameters' dtype). ``F.Linear`` with its three hooks filled in: W is read again
+    at backward (ZeRO-3 may have re-gathered it); no upcast copy of W outlives the op."""
+    def _input(self, x2, w):
+        return _round(x2, w.dtype)                                                         # (N, in)
 
-    def backward(self, g):
-        w = self.parents[1].data
-        nx, nw = self.needs_input_grad[:2]
-        nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
-        g2 = g.reshape(-1, g.shape[-1])                                                   # (N, out)
-        gx = (g2 @ w.astype(g.dtype).T).reshape(*self.lead, w.shape[0]) if nx else None          # (N, in)
-        gw = (self.x2.T @ g2).astype(w.dtype) if nw else None                             # (in, out)
-        gb = g2.sum(axis=0).astype(w.dtype) if nb else None
-        return gx, gw, gb
+    def _param(self, p, dtype):
+        return p.astype(dtype)
+
+    def _grad(self, g, p):
+        return g.astype(p.dtype)
 
 
 class LowEmbedding(Function):
