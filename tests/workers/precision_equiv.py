@@ -23,7 +23,6 @@ from pdist import comm, data, lesson, memory, precision
 from pdist.backend import set_default_dtype, to_numpy
 from pdist.gpt import GPT
 from pdist.grad_scaler import GradScaler
-from pdist.optim import AdamW
 from pdist.parallel import Local, MixedPrecision, parallelize
 from pdist.testing import report
 from pdist.training import train
@@ -47,10 +46,6 @@ def batch(step):
     return x % cfg.vocab_size, y % cfg.vocab_size
 
 
-def adamw(params):
-    return AdamW(params, lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
-
-
 def scaler():
     """fp16: a scale at which this small model's gradients do not overflow (at the default 2^16
     both sides skip the same first steps: rank r and micro-batch r hold the same S g_r)."""
@@ -59,7 +54,7 @@ def scaler():
 
 ref = MixedPrecision(Local(precision.cast_module(GPT(cfg, SEED), args.precision), microbatches=N),
                      args.precision, scaler())
-ref_opt = adamw(ref.parameters())
+ref_opt = lesson.make_adamw(ref.parameters())
 ref_losses = train(ref, ref_opt, batch, args.steps)
 ref_sd = ref.full_state_dict()
 ref_pieces = {pc.name: pc for pc in ref.pieces()}
@@ -67,7 +62,7 @@ ref_pieces = {pc.name: pc for pc in ref.pieces()}
 mesh = comm.DeviceMesh(dp=N, tp=args.tp)
 model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, precision=args.precision, scaler=scaler(),
                     data_parallel="naive" if args.naive else "bucketed")
-opt = adamw(model.parameters())
+opt = lesson.make_adamw(model.parameters())
 world_stats = model.inner.group
 world_stats.reset_stats()
 losses = train(model, opt, batch, args.steps)

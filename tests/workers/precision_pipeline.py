@@ -35,7 +35,6 @@ from pdist import comm, data, lesson, precision
 from pdist.backend import set_default_dtype, to_numpy
 from pdist.gpt import GPT
 from pdist.grad_scaler import GradScaler
-from pdist.optim import AdamW
 from pdist.parallel import Local, MixedPrecision, parallelize
 from pdist.testing import report
 from pdist.training import train
@@ -51,10 +50,6 @@ cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=4, n_head=4, 
 def batch(step):
     x, y = data.get_batch(tokens, B, T, SEED, step)
     return x % cfg.vocab_size, y % cfg.vocab_size
-
-
-def adamw(params):
-    return AdamW(params, lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
 
 
 def scaler(prec):
@@ -76,12 +71,12 @@ def run(case):
     ref = MixedPrecision(Local(precision.cast_module(GPT(cfg, SEED), prec), microbatches=dp * m), prec,
                          scaler(prec))
     w0 = {k: a.copy() for k, a in ref.full_state_dict().items()}
-    ref_opt = adamw(ref.parameters())
+    ref_opt = lesson.make_adamw(ref.parameters())
     ref_losses = train(ref, ref_opt, batch, K)
     ref_sd, ref_pieces = ref.full_state_dict(), {pc.name: pc for pc in ref.pieces()}
     model = parallelize(GPT(cfg, SEED), comm.DeviceMesh(dp=dp, tp=tp, pp=pp), sequence_parallel=sp, zero_stage=zero,
                         schedule=sched, microbatches=m, chunks=v, precision=prec, scaler=scaler(prec))
-    opt = adamw(model.parameters())
+    opt = lesson.make_adamw(model.parameters())
     losses = train(model, opt, batch, K)
     full = model.full_state_dict()
     if model.scaler is not None:
