@@ -249,16 +249,16 @@ M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3     # glibc's mallopt
 _NUMPY_TRACE_DOMAIN = 389047   # the tracemalloc domain NumPy reports its array data in
 
 
-def mapped_empty(n, dtype, like=None):
+def mapped_empty(n, dtype):
     """An (n,) array in an anonymous memory mapping of its own (zero-filled): when its last
     view dies the mapping is unmapped, so the pages go back to the OS at once, whatever
     malloc keeps on its heap. ZeRO's gathered units and full gradients live here: their
     frees are what its formula counts. (malloc's mmap threshold cannot promise this: a
     request that fits the heap's free top is served from the heap.) The mapping is
     reported to tracemalloc in NumPy's domain while tracing, so pdist.memory's traced
-    peak counts it like any array. On a GPU (``like`` a device array, or the active
-    device) it is ``empty`` from CuPy's pool, and small arrays come from malloc."""
-    mod = array_module(like) if like is not None else _state["module"]
+    peak counts it like any array. On a GPU it is ``empty`` from CuPy's pool, and
+    small arrays come from malloc."""
+    mod = _state["module"]
     dt = _np.dtype(dtype)
     if mod is not _np or n * dt.itemsize < 1 << 16:
         return mod.empty(n, dtype=dt)

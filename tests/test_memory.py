@@ -119,3 +119,29 @@ def test_meta_gpt_holds_no_values_and_materializes_bit_identical(monkeypatch):
         assert p.data.dtype == q.data.dtype and np.array_equal(p.data, q.data), n
     with pytest.raises(ValueError, match="meta"):
         gpt.GPT(CFG, seed=5, device="cuda")
+
+
+def test_mapped_empty_returns_its_pages_at_once_and_is_traced():
+    """ZeRO's buffers (backend.mapped_empty): freeing one lowers the RSS by its size even where
+    malloc keeps a freed heap array of the same size mapped (tune_malloc's policy keeps the
+    heap's free pages), and tracemalloc counts it while it lives, as it counts NumPy's arrays."""
+    import tracemalloc
+    from pdist import backend
+    if memory.rss_bytes() is None:
+        pytest.skip("no /proc/self/status here")
+    n = 3 << 20                                      # 24 MiB of float64: under the 32 MiB mmap threshold
+    tracemalloc.start()
+    try:
+        t0 = tracemalloc.get_traced_memory()[0]
+        a = backend.mapped_empty(n, np.float64)
+        a[...] = 1.0                                 # every page touched
+        view = a[1:]                                 # a view keeps the mapping alive
+        traced = tracemalloc.get_traced_memory()[0] - t0
+        del a
+        held = memory.rss_bytes()
+        del view
+        freed = held - memory.rss_bytes()
+    finally:
+        tracemalloc.stop()
+    assert traced >= 8 * n, traced
+    assert freed >= 8 * n - (1 << 20), (freed, held)
