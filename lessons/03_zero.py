@@ -244,8 +244,8 @@ def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
     name = args.dtype if not mixed else f"{prec} params and grads, fp32 masters, compute in {args.dtype}"
     for stage in stages:
         peak = peak_bytes(cfg, stage, world, args, tokens, prec)
-        model, opt, losses, sent, sps, (shards_ok, err), rss = run(cfg, stage, world, args, tokens, args.steps,
-                                                                    check_at, ref_sd, tol, prec)
+        model, opt, losses, sent, sps, (shards_ok, err), rss = run(cfg, stage, world, args, tokens,
+                                                                    args.steps, check_at, ref_sd, tol, prec)
         mem = memory.memory_row(rank, model, opt, peak, rss)
         z = model.inner if mixed else model
         psi = z.numel if stage == 0 else z.numel_padded

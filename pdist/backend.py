@@ -220,8 +220,9 @@ def tune_malloc():
     dynamic threshold) keeps arrays under 32 MiB on the heap, and ``M_TRIM_THRESHOLD`` /
     ``M_TOP_PAD`` keep the heap's free pages mapped, so the next step reuses them instead of
     faulting them in again. Measured with bench/step_time.py --sizes large: 1.5x slower
-    with a 1 MiB mmap threshold, every large temporary faulted in each step (docs/zero.md). What the heap keeps free is one number, ``malloc_free_bytes()``,
-    printed beside the RSS (pdist.memory, lesson 03); ``malloc_trim()`` returns it.
+    with a 1 MiB mmap threshold, every large temporary faulted in each step (docs/zero.md).
+    What the heap keeps is measured, not hidden: ``malloc_trim()`` returns it, and lesson 03
+    prints the RSS that frees ("malloc held") beside the RSS and the formula.
 
     ZeRO's own frees do not wait for malloc: its gathered units and full gradients come
     from ``mapped_empty``, each its own mapping, unmapped when it dies, so the RSS drops
