@@ -16,26 +16,29 @@ its consumer's node. Per block, counting its input and not its output:
     x (the input)                      N h        held by ln_1 and the residual add
     ln_1: x_hat, output; rstd          2 N h + N
     c_attn output qkv                  3 N h      q, k, v are views of it
-    P = softmax(q k^T / sqrt(d) + M)   a s^2 b    saved by the fused attention (pdist/attention.py)
+    P = softmax(q k^T / sqrt(d) + M)   a s'^2 b   saved by the fused attention (pdist/attention.py)
     the attention's output (B, T, C)   N h        c_proj's parent
     c_proj output; x + attn            2 N h
     ln_2: x_hat, output; rstd          2 N h + N
     c_fc output; gelu's t; gelu output 12 N h
     mlp c_proj output                  N h        (the block's output x + mlp: the next block's)
 
-    none        e (24 sbh + as^2 b + 2 sb)
+    none        e (24 sbh + as'^2 b + 2 sb)
     selective   e (24 sbh + 2 sb)   the core's input qkv and output kept; P recomputed
     full        e sbh               the input only
 
 The paper's 34 (in 2-byte units: 17 elements) against pdist's 24 elements: pdist keeps
 no dropout masks, but keeps both LayerNorm's x_hat and its output and GELU's tanh; its
 fused attention keeps P alone (no scores beside it: the paper's as^2 b terms are P, its
-dropout mask and the dropout's output, 5 bytes; pdist's is P, e bytes).
+dropout mask and the dropout's output, 5 bytes; pdist's is P, e bytes). And pdist keeps only
+the causal blocks of P (``attention.saved_scores``): s'^2 = s^2 up to 64 tokens, about
+s^2 (n + 1) / 2n for n blocks of 64 (5/8 s^2 at s = 256); on a device, s^2.
 
 ``measure_block`` walks the graph from a block's output back to its input and sums the
 unique buffers it holds (arrays saved on nodes and the data of every tensor reached,
 each base buffer once, parameters and their views excluded).
 """
+from pdist.attention import saved_scores
 from pdist.autograd import Tensor
 from pdist.plan_model import layer_activations
 
@@ -49,7 +52,7 @@ def paper_bytes(cfg, batch, mode):
 def formula_bytes(cfg, batch, mode, itemsize, seq=None):
     """pdist's bytes per block for (cfg, batch rows, seq tokens), derived in the docstring."""
     s, b, h, a = seq or cfg.block_size, batch, cfg.n_embd, cfg.n_head
-    elems = {"none": 24 * s * b * h + a * s * s * b + 2 * s * b,
+    elems = {"none": 24 * s * b * h + a * saved_scores(s) * b + 2 * s * b,
              "selective": 24 * s * b * h + 2 * s * b, "full": s * b * h}[mode]
     return elems * itemsize
 

@@ -185,10 +185,13 @@ def _topo_order(root):
 def _run_backward(root, grad):
     order, consumers = _topo_order(root)
     pending = {id(root): grad}
+    owned = set()  # ids of pending arrays nobody else references: summed into in place, adopted as .grad
     for t in order:
         g = pending.pop(id(t), None)
         if g is None:
             continue
+        mine = id(g) in owned
+        owned.discard(id(g))
         if t._hooks:
             for h in t._hooks:
                 r = h(g)
@@ -196,40 +199,71 @@ def _run_backward(root, grad):
                     g = r
         ctx = t._ctx
         if ctx is None:
-            _accumulate_leaf(t, g)
+            _accumulate_leaf(t, g, mine and not t._hooks)
             continue
         grads = ctx.backward(g)
         if not isinstance(grads, tuple):
             grads = (grads,)
+        fresh = ctx.fresh_grads
         for p, need, gp in zip(ctx.parents, ctx.needs_input_grad, grads):
             if not need:
                 continue
             key = id(p)
             if gp is not None:
-                prev = pending.get(key)
-                pending[key] = gp if prev is None else prev + gp
+                _add_pending(pending, owned, key, gp, fresh)
             consumers[key] -= 1
             if consumers[key] == 0 and p._ctx is None and key in pending:
                 # a leaf whose every consumer has contributed: finish it now, so
                 # post-accumulate hooks fire as early as possible (DDP overlap)
                 lg = pending.pop(key)
+                mine = id(lg) in owned and not p._hooks
+                owned.discard(id(lg))
                 if p._hooks:
                     for h in p._hooks:
                         r = h(lg)
                         if r is not None:
                             lg = r
-                _accumulate_leaf(p, lg)
+                _accumulate_leaf(p, lg, mine)
     # no graph is kept after backward (like retain_graph=False)
     for t in order:
         if t._ctx is not None:
             t._ctx = None
 
 
-def _accumulate_leaf(t, g):
+def _add_pending(pending, owned, key, gp, fresh):
+    """pending[key] += gp. The sum is made in place when one side is owned (made by the
+    engine, or by a Function whose ``fresh_grads`` says its gradients are new arrays held
+    nowhere else) and has the sum's shape and dtype; else a new array, owned from then on.
+    a + b and b + a are the same floats, so the order of the operands changes nothing."""
+    prev = pending.get(key)
+    if prev is None:
+        pending[key] = gp
+        if fresh:
+            owned.add(id(gp))
+        return
+    if prev.shape == gp.shape and prev.dtype == gp.dtype:
+        if id(prev) in owned:
+            prev += gp
+            return
+        if fresh:
+            gp += prev
+            pending[key] = gp
+            owned.add(id(gp))
+            return
+    owned.discard(id(prev))
+    s = pending[key] = prev + gp
+    owned.add(id(s))
+
+
+def _accumulate_leaf(t, g, owned=False):
+    """t.grad = g (a copy, or g itself when the engine owns it and it fits), or t.grad += g."""
     if g.shape != t.data.shape:
         g = g.reshape(t.data.shape)
     if t.grad is None:
-        t.grad = g.astype(t.data.dtype, order="C", copy=True)
+        if owned and g.dtype == t.data.dtype and g.flags.c_contiguous and g.base is None:
+            t.grad = g  # nobody else holds this array: no copy
+        else:
+            t.grad = g.astype(t.data.dtype, order="C", copy=True)
     else:
         t.grad += g
     if t._post_acc_hooks:
@@ -250,6 +284,7 @@ class Function:
 
     parents = ()
     needs_input_grad = ()
+    fresh_grads = False  # True: backward's gradients are new arrays, distinct, held nowhere else
 
     @classmethod
     def apply(cls, *inputs, **kw):

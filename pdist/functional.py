@@ -54,6 +54,8 @@ class Linear(Function):
     Three hooks, identities here, let a mixed-precision subclass (pdist.precision.LowLinear)
     round the input it keeps, compute with its parameters in the compute dtype, and round
     the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``."""
+    fresh_grads = True
+
     def forward(self, x, w, b=None):
         if x.shape[-1] != w.shape[0]:
             raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
@@ -183,6 +185,8 @@ class GELU(Function):
     memory), so backward is one product g dy/dx: 16 passes in all where computing dy/dx
     in backward from x and t took 20. On the host the passes run over blocks of ``BLOCK``
     elements that stay in cache (docs/performance.md); on a device, over the whole array."""
+    fresh_grads = True
+
     def forward(self, x):
         y, d = xp.empty_like(x), xp.empty_like(x)
         n = x.size
@@ -205,6 +209,8 @@ class LayerNorm(Function):
     """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (Ba et al., 2016).
     Fused backward with xhat = (x - mean) * rstd, dxhat = g w:
     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw = sum g xhat, db = sum g."""
+    fresh_grads = True
+
     def forward(self, x, w, b, eps=1e-5):
         C = x.shape[-1]
         x2 = x.reshape(-1, C)  # (N, C)
@@ -298,6 +304,8 @@ def deferred_index_checks():
 
 class Embedding(Function):
     """y = W[idx]; dW = scatter-add of g at the rows idx (repeated rows add)."""
+    fresh_grads = True
+
     def forward(self, w, idx):
         check_indices(idx, w.shape[0], "embedding index")
         self.idx, self.wshape = idx, w.shape

@@ -210,6 +210,34 @@ def test_fused_causal_attention(B, T, nh, hs):
         causal_self_attention(Tensor(rnd(1, 2, 7)), 1)
 
 
+def test_causal_blocks_and_batch_chunks_match_one_block(monkeypatch):
+    # T = 150: query blocks of 64, 64 and a partial 22, each seeing only the keys before
+    # its end; batch chunks of one row. Values and gradients must be those of one block
+    # over the whole (T, T) scores (to rounding: dv, dk add the blocks' shares), the
+    # finite-difference gradient must hold across block edges, and P keeps 1/T^2 less
+    import pdist.attention as A
+    from pdist.attention import causal_self_attention
+    B, T, nh, hs = 3, 150, 2, 4
+    x, g = rnd(B, T, 3 * nh * hs, seed=24), rnd(B, T, nh * hs, seed=25)
+
+    def run(qblock, chunk_bytes):
+        monkeypatch.setattr(A, "QBLOCK", qblock)
+        monkeypatch.setattr(A, "CHUNK_BYTES", chunk_bytes)
+        t = Tensor(x, requires_grad=True)
+        y = causal_self_attention(t, nh)
+        saved = sum(p.size for p in y._ctx.P)
+        y.backward(g)
+        return y.data, t.grad, saved
+
+    y1, g1, s1 = run(T, 1 << 40)
+    yb, gb, sb = run(64, 1)
+    assert s1 == B * nh * T * T and sb == B * nh * A.saved_scores(T, 64) == B * nh * (64 * 64 + 64 * 128 + 22 * 150)
+    np.testing.assert_allclose(yb, y1, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(gb, g1, rtol=1e-12, atol=1e-14)
+    monkeypatch.setattr(A, "QBLOCK", 3)
+    grads_match(lambda t: causal_self_attention(t, 1), [rnd(2, 8, 6, seed=26)])
+
+
 def test_gelu_cache_blocks_match_one_pass(monkeypatch):
     # on the host GELU runs over blocks of F.BLOCK elements (last one partial): the values
     # and the gradient must be exactly those of one pass over the whole array
@@ -514,3 +542,46 @@ def test_tensor_methods_present_after_importing_only_autograd():
             "assert float(x.grad.sum()) == 6.0\nprint('ok')\n")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_engine_sums_in_place_and_adopts_only_arrays_nobody_else_holds(monkeypatch):
+    # Functions with fresh_grads hand the engine new arrays: it sums into them in place and
+    # makes them .grad without a copy. Arrays it does not own (Add hands the same g to both
+    # parents; a hook keeps what it saw) are never written, and the values are exactly the
+    # out-of-place ones.
+    x0, w0, b0 = rnd(4, 3, seed=30), rnd(3, 3, seed=31), rnd(3, seed=32)
+    seen, made = [], []
+    orig = F.Linear.backward
+
+    def spy(self, g):
+        out = orig(self, g)
+        made.append(out[1])
+        return out
+    monkeypatch.setattr(F.Linear, "backward", spy)
+
+    def run():
+        x, w, b = (Tensor(a.copy(), requires_grad=True) for a in (x0, w0, b0))
+        h = x * 1.0
+        h.register_hook(lambda g: seen.append((g, g.copy())))
+        y = F.linear(h, w, b) + h      # h's gradient: Linear's (fresh) + Add's (shared)
+        z = F.linear(y, w) + y         # w: two fresh contributions, summed in place
+        (z * z).sum().backward()
+        return x, w, b
+
+    x, w, b = run()
+    assert w.grad is made[0]                             # the second dW added into the first, no copy
+    kept, copy = seen[0]
+    np.testing.assert_array_equal(kept, copy)            # the hook's array was never written
+    # the same graph without the engine's in-place paths (every Function not fresh)
+    grads = x.grad.copy(), w.grad.copy(), b.grad.copy()
+    for cls in (F.Linear,):
+        monkeypatch.setattr(cls, "fresh_grads", False)
+    x2, w2, b2 = run()
+    for got, want in zip(grads, (x2.grad, w2.grad, b2.grad)):
+        np.testing.assert_array_equal(got, want)
+    assert not any(w2.grad is m for m in made)           # not owned: copied
+    # .grad is the caller's from then on: a second backward adds into it
+    w = Tensor(w0.copy(), requires_grad=True)
+    for _ in range(2):
+        F.linear(Tensor(x0), w).sum().backward()
+    np.testing.assert_array_equal(w.grad, 2 * x0.sum(0)[:, None] * np.ones(3))

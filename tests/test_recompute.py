@@ -144,7 +144,8 @@ def _numpy_bytes(fn):
         tracemalloc.stop()
 
 
-@pytest.mark.parametrize("shape", [(16, 4, 32, 3), (8, 2, 48, 5)], ids=["T16a4C32B3", "T8a2C48B5"])
+@pytest.mark.parametrize("shape", [(16, 4, 32, 3), (8, 2, 48, 5), (80, 2, 8, 2)],
+                         ids=["T16a4C32B3", "T8a2C48B5", "T80a2C8B2-causal-blocks"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 @pytest.mark.parametrize("mode", MODES)
 def test_block_activation_bytes_equal_the_formula(mode, dtype, shape):
