@@ -202,7 +202,9 @@ class GELU(Function):
         return y
 
     def backward(self, g):
-        return g * self.dydx
+        d, self.dydx = self.dydx, None  # forward's buffer, needed no more: dx = g dy/dx in place
+        d *= g
+        return d
 
 
 class LayerNorm(Function):
@@ -245,12 +247,13 @@ class LayerNorm(Function):
         if nx:
             a = (g2 @ w)[:, None] / C  # mean(dxhat), (N, 1)
             c = (gxh @ w)[:, None] / C  # mean(dxhat xhat), (N, 1)
-            gx = g2 * w  # dxhat
+            gx = xp.multiply(g2, w, out=gxh)  # dxhat, in g xhat's buffer (summed already)
             gx -= a
-            xp.multiply(xhat, c, out=gxh)
-            gx -= gxh
+            xhat *= c  # forward's x_hat is needed no more: reuse it
+            gx -= xhat
             gx *= rstd
             gx = gx.reshape(self.shape)
+        self.xhat = None
         return gx, gw, gb
 
 
