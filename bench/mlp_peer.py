@@ -15,7 +15,7 @@ Equality: every configuration also trains 5 steps in float64 and compares every 
 with the same 5 steps of serial training (one process, whole batch, no micro-batches);
 "max |diff|" is the largest difference, ``equal`` means below 1e-12.
 
-The peer's figures (ms/step, ShallowSpeed on the machine of issue 18: an Intel Xeon, 2 cores;
+The peer's figures (ms/step, ShallowSpeed on this machine type: an Intel Xeon, 2 cores;
 4-rank rows on 2 cores) are fixed reference numbers printed beside pdist's: ShallowSpeed is not
 installed here. Its GPipe reuses one receive buffer for every micro-batch, so it is not equal to
 serial training; pdist is compared with it anyway.

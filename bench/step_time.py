@@ -15,7 +15,7 @@ torch.set_num_threads(1)), so the numbers compare code, not thread counts.
 The runs are interleaved (pdist, torch, floor, pdist, torch, floor, ...) so that
 load from other processes on a shared machine hits all three alike; the table
 reports medians and the spread (max/min of the pdist repeats) as a noise gauge.
-Goals (issue 18): pdist <= 1.0x PyTorch at both sizes, <= 1.15x the floor at the
+Goals: pdist <= 1.0x PyTorch at both sizes, <= 1.15x the floor at the
 large size. The header line says where it ran (bench/machine.py: CPU, cores, BLAS
 kernel, numpy, load average); the JSON goes to bench/results/step_time.json.
 PyTorch is optional: without it that column says "n/a".
