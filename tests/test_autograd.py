@@ -505,15 +505,17 @@ def test_module_forward_hooks():
 
 @pytest.mark.parametrize("index", [np.array([3, 0, 3, 3, 1, 0]), np.array([2]), np.array([], dtype=np.int64),
                                    np.array([-1, 3, 0, -4])])
-def test_scatter_add_adds_repeated_rows(index):
-    from pdist.backend import scatter_add
+@pytest.mark.parametrize("one_hot_rows", [256, 0], ids=["one-hot GEMM", "sorted runs"])
+def test_scatter_add_adds_repeated_rows(index, one_hot_rows, monkeypatch):
+    import pdist.backend as backend
+    monkeypatch.setattr(backend, "ONE_HOT_ROWS", one_hot_rows)
     rng = np.random.default_rng(40)
     a = rng.standard_normal((4, 3))
     vals = rng.standard_normal((len(index), 3))
     ref = a.copy()
     for i, v in zip(index, vals):  # the definition, one row at a time
         ref[i] += v
-    scatter_add(a, index, vals)
+    backend.scatter_add(a, index, vals)
     np.testing.assert_allclose(a, ref, rtol=1e-14)
 
 
