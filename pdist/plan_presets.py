@@ -68,15 +68,15 @@ GiB = 2 ** 30
 # One core-rank of this machine is a "GPU". Numbers measured by pdist's own benches
 # (README "Measured"; an Intel Xeon, 2 cores, load average about 1, 2026-11-30):
 #  * peak fp32: bench/step_time.py, large GPT (L4 C512 T256 B8, V 96): the BLAS-only floor
-#    (every matmul forward and backward, nothing else) 1217.93 ms per step at 1 BLAS thread;
-#    peak := model FLOPs of that step / 1217.93 ms. pdist's step took 1462.89 ms, so the
-#    efficiency is 1217.93 / 1462.89 = 0.83 (docs/foundation.md).
+#    (every matmul forward and backward, nothing else) 1198.10 ms per step at 1 BLAS thread;
+#    peak := model FLOPs of that step / 1198.10 ms. pdist's step took 1427.92 ms, so the
+#    efficiency is 1198.10 / 1427.92 = 0.84 (docs/foundation.md).
 #  * link: bench/collectives.py, n = 2, pdist "mpi" all-reduce: busbw 5.37 GB/s at 16 MiB
 #    and 16.7 µs per call at 8 B (docs/collectives.md).
 #  * memory: 23 GiB of RAM for both ranks (as `free` reported), 11.5 GiB each.
 _FLOOR_CFG = GPTConfig(vocab_size=96, block_size=256, n_layer=4, n_head=8, n_embd=512)
-_FLOOR_S = 1.21793
-_PDIST_S = 1.46289
+_FLOOR_S = 1.19810
+_PDIST_S = 1.42792
 
 
 def model_flops_per_token(cfg, s=None):
@@ -115,8 +115,8 @@ CLUSTERS = {
         {"fp32": _CPU_PEAK, "fp64": _CPU_PEAK / 2, "mixed": _CPU_PEAK},
         intra=Link(5.37e9, 16.7e-6), inter=Link(5.37e9, 16.7e-6), efficiency=_FLOOR_S / _PDIST_S,
         source="README 'Measured' (Intel Xeon, 2 cores, 2026-11-30): bench/step_time.py large GPT, "
-               "BLAS floor 1217.93 ms vs pdist 1462.89 ms -> peak fp32 %.0f GFLOP/s per core, "
-               "efficiency 0.83; bench/collectives.py n = 2: busbw 5.37 GB/s (16 MiB), 16.7 µs "
+               "BLAS floor 1198.10 ms vs pdist 1427.92 ms -> peak fp32 %.0f GFLOP/s per core, "
+               "efficiency 0.84; bench/collectives.py n = 2: busbw 5.37 GB/s (16 MiB), 16.7 µs "
                "(8 B); fp64 peak taken as half (assumed); RAM 23 GiB shared" % (_CPU_PEAK / 1e9)),
 }
 
