@@ -72,6 +72,15 @@ def get_batch(tokens, batch_size, block_size, seed, step):
     return tokens[offs], tokens[offs + 1]
 
 
+def batch_fn(tokens, batch_size, block_size, seed, vocab_size=None):
+    """``step -> (x, y)``: ``get_batch``'s batch of that step; with ``vocab_size``, the ids folded
+    into [0, vocab_size) (a model with a smaller vocabulary than the corpus, as in the tests)."""
+    def batch(step):
+        x, y = get_batch(tokens, batch_size, block_size, seed, step)
+        return (x, y) if vocab_size is None else (x % vocab_size, y % vocab_size)
+    return batch
+
+
 def shard(batch, rank, world_size):
     """Rows [rank * B/n, (rank + 1) * B/n) of a global batch (a tuple of arrays)."""
     B = len(batch[0])

@@ -191,7 +191,7 @@ def train_reference(cfg, seed, steps, batch_size, tokens=None, precision="fp32",
     if precision != "fp32":
         model = MixedPrecision(model, precision)
     opt = make_adamw(model.parameters())
-    losses = train(model, opt, lambda step: data.get_batch(tokens, batch_size, cfg.block_size, seed, step), steps)
+    losses = train(model, opt, data.batch_fn(tokens, batch_size, cfg.block_size, seed), steps)
     return losses, (model.module.state_dict() if precision == "fp32" else model.full_state_dict())
 
 

@@ -42,6 +42,7 @@ import numpy as np
 from pdist import functional as F
 from pdist.autograd import Function, Tensor
 from pdist.backend import scatter_add, to_numpy, xp
+from pdist.index_checks import check_indices
 
 try:
     import ml_dtypes
@@ -132,7 +133,7 @@ class LowLinear(F.Linear):
 class LowEmbedding(Function):
     """y = upcast(W)[idx]; dW = round(scatter-add of g at idx), summed in the compute dtype."""
     def forward(self, w, idx, dtype, keep=False):
-        F.check_indices(idx, w.shape[0], "embedding index")
+        check_indices(idx, w.shape[0], "embedding index")
         self.idx, self.wshape, self.wdtype, self.keep = idx, w.shape, w.dtype, keep
         return w[idx].astype(dtype)
 

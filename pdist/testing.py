@@ -121,6 +121,31 @@ def failures(out):
 REPORT_PREFIX = "[pdist report] "
 
 
+def check_shards(sharded, ref_sd, ref_state, same, label=()):
+    """Every piece of a ``sharded_state_dict`` against the same box of a single-process run:
+    parameters against ``ref_sd[name]`` (full arrays), optimizer states against
+    ``ref_state(name, state)``; the step counters are skipped. ``same(got, want)`` decides
+    equality. Returns the number of pieces checked; the first mismatch raises AssertionError
+    with ``label``, the key, the piece's offsets and the largest difference."""
+    import numpy as np
+    from pdist.backend import to_numpy
+    checked = 0
+    for key, pieces in sharded.items():
+        if key.startswith("optimizer.step."):
+            continue
+        if key.startswith("optimizer."):
+            _, state, name = key.split(".", 2)
+            whole = to_numpy(ref_state(name, state))
+        else:
+            whole = to_numpy(ref_sd[key])
+        for s in pieces:
+            got = to_numpy(s.data)
+            want = whole[tuple(slice(o, o + n) for o, n in zip(s.offsets, got.shape))]
+            assert same(got, want), (*label, key, s.offsets, np.abs(got - want).max())
+            checked += 1
+    return checked
+
+
 def report(**results):
     """Print one JSON object of a worker's results (a test reads them back with
     ``reports(out)``; every value must be JSON-serialisable). Any rank may call it;

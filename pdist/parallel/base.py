@@ -27,9 +27,9 @@ batch. ``pieces()`` says where each piece of each single-process tensor lives
 import numpy as np
 
 from pdist import comm, debug, inject, trace
-from pdist import functional as F
 from pdist.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
+from pdist.index_checks import deferred_index_checks
 from pdist.meta import materialize
 from pdist.optim import nonfinite_report
 from pdist.precision import GradAccumulator, is_low
@@ -78,7 +78,7 @@ class Strategy:
         t0, w0, l0 = now(), waited[0], debug.LINK[0]       # the straggler detector's clocks (debug.py)
         self.zero_grad()
         t1, w1 = now(), waited[0]
-        with F.deferred_index_checks():     # a GPU's token-id checks: one host read per step
+        with deferred_index_checks():     # a GPU's token-id checks: one host read per step
             local = self.compute(x, y)
         if inj is not None:
             inj.after_compute(self, self.steps, now() - t1)

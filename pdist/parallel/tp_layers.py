@@ -24,10 +24,10 @@ split the vocabulary so that no rank ever holds the full logits.
 """
 import numpy as np
 
-from pdist import functional as F
 from pdist import nn, precision
 from pdist.autograd import Function, Tensor
 from pdist.backend import asarray, default_dtype, scatter_add, xp
+from pdist.index_checks import check_indices
 from pdist.parallel.base import default_group
 from pdist.parallel.tp_regions import (  # noqa: F401  (re-exported: the public API)
     SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
@@ -164,7 +164,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else xp.asarray(idx)
-        F.check_indices(idx, self.num_embeddings, "embedding index")  # same ids, same error on every rank
+        check_indices(idx, self.num_embeddings, "embedding index")  # same ids, same error on every rank
         w = precision.weight(self.weight)                                 # (V/t, C), upcast under bf16/fp16
         y = _VocabParallelEmbedding.apply(w, idx, self.vocab_start_index)  # (B, T, C) partial
         if self.sequence_parallel:
@@ -214,7 +214,7 @@ def vocab_parallel_cross_entropy(logits, targets, group=None, vocab_start=None):
     group = default_group(group)
     targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     Vl = logits.shape[-1]
-    F.check_indices(targets, Vl * group.size, "cross_entropy target")
+    check_indices(targets, Vl * group.size, "cross_entropy target")
     start = group.rank * Vl if vocab_start is None else vocab_start
     return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=start)
 

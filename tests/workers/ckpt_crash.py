@@ -25,10 +25,7 @@ cfg = lesson.gpt_config(96, dtype="float64", block_size=8, n_layer=2, n_head=4, 
 model = parallelize(GPT(cfg, 3), comm.DeviceMesh(dp=world.size), zero_stage=2)
 opt = AdamW(model.parameters())
 
-
-def batch(step):
-    x, y = data.get_batch(tokens, 8, 8, 3, step)
-    return x % cfg.vocab_size, y % cfg.vocab_size
+batch = data.batch_fn(tokens, 8, 8, 3, cfg.vocab_size)
 
 
 train(model, opt, batch, 1)

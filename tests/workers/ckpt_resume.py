@@ -33,10 +33,7 @@ B, T, SEED = 8, 8, 3
 tokens, _ = data.char_dataset(20_000)
 cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=2, n_head=4, n_embd=32)
 
-
-def batch(step):
-    x, y = data.get_batch(tokens, B, T, SEED, step)
-    return x % cfg.vocab_size, y % cfg.vocab_size
+batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 
 
 def build(spec):

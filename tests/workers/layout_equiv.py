@@ -37,10 +37,7 @@ B, T, SEED, TOL = args.batch_size, 8, 3, dict(rtol=1e-9, atol=1e-12)
 tokens, tok = data.char_dataset(50_000)
 cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=args.n_layer, n_head=4, n_embd=32)
 
-
-def batch(step):
-    x, y = data.get_batch(tokens, B, T, SEED, step)
-    return x % cfg.vocab_size, y % cfg.vocab_size
+batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 
 
 def reference(steps):

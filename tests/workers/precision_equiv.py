@@ -20,11 +20,11 @@ import argparse
 import numpy as np
 
 from pdist import comm, data, lesson, memory, precision
-from pdist.backend import set_default_dtype, to_numpy
+from pdist.backend import set_default_dtype
 from pdist.gpt import GPT
 from pdist.grad_scaler import GradScaler
 from pdist.parallel import Local, MixedPrecision, parallelize
-from pdist.testing import report
+from pdist.testing import check_shards, report
 from pdist.training import train
 
 p = argparse.ArgumentParser()
@@ -40,10 +40,7 @@ N, B, T, SEED = world.size // args.tp, 8, 8, 3            # N: the data-parallel
 tokens, tok = data.char_dataset(50_000)
 cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=2, n_head=4, n_embd=32)
 
-
-def batch(step):
-    x, y = data.get_batch(tokens, B, T, SEED, step)
-    return x % cfg.vocab_size, y % cfg.vocab_size
+batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 
 
 def scaler():
@@ -86,19 +83,8 @@ def same(a, b):
     return np.array_equal(a, b) if args.tp == 1 else np.allclose(a, b, rtol=1e-6, atol=1e-9)
 
 
-checked = 0
-for key, pieces in model.sharded_state_dict(opt).items():
-    if key.startswith("optimizer.step."):
-        continue
-    if key.startswith("optimizer."):
-        _, state, name = key.split(".", 2)
-        full = to_numpy(ref_opt.state[id(ref_pieces[name].tensor)][state])
-    else:
-        full = ref_sd[key]
-    for s in pieces:
-        want = full[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.data.shape))]
-        assert same(to_numpy(s.data), want), (key, s.offsets, np.abs(to_numpy(s.data) - want).max())
-        checked += 1
+checked = check_shards(model.sharded_state_dict(opt), ref_sd,
+                       lambda name, state: ref_opt.state[id(ref_pieces[name].tensor)][state], same)
 full = model.full_state_dict()
 assert all(same(full[k], ref_sd[k]) for k in ref_sd), [k for k in ref_sd if not same(full[k], ref_sd[k])]
 # the low-precision weights the next forward reads: the masters rounded, on both sides

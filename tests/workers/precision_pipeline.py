@@ -32,11 +32,11 @@ import sys
 import numpy as np
 
 from pdist import comm, data, lesson, precision
-from pdist.backend import set_default_dtype, to_numpy
+from pdist.backend import set_default_dtype
 from pdist.gpt import GPT
 from pdist.grad_scaler import GradScaler
 from pdist.parallel import Local, MixedPrecision, parallelize
-from pdist.testing import report
+from pdist.testing import check_shards, report
 from pdist.training import train
 
 set_default_dtype("float64")
@@ -46,10 +46,7 @@ UNIT_ROUNDOFF = {"bf16": 2.0 ** -8, "fp16": 2.0 ** -11}
 tokens, _ = data.char_dataset(50_000)
 cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=4, n_head=4, n_embd=32)
 
-
-def batch(step):
-    x, y = data.get_batch(tokens, B, T, SEED, step)
-    return x % cfg.vocab_size, y % cfg.vocab_size
+batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 
 
 def scaler(prec):
@@ -94,19 +91,8 @@ def run(case):
     def same(a, b):
         return np.array_equal(a, b) if exact else np.allclose(a, b, rtol=1e-6, atol=1e-9)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-12, atol=0, err_msg=case)
-    checked = 0
-    for key, pieces in model.sharded_state_dict(opt).items():
-        if key.startswith("optimizer.step."):
-            continue
-        if key.startswith("optimizer."):
-            _, state, name = key.split(".", 2)
-            whole = to_numpy(ref_opt.state[id(ref_pieces[name].tensor)][state])
-        else:
-            whole = ref_sd[key]
-        for s in pieces:
-            want = whole[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.data.shape))]
-            assert same(to_numpy(s.data), want), (case, key, s.offsets, np.abs(to_numpy(s.data) - want).max())
-            checked += 1
+    checked = check_shards(model.sharded_state_dict(opt), ref_sd,
+                           lambda name, state: ref_opt.state[id(ref_pieces[name].tensor)][state], same, (case,))
     bad = [k for k in ref_sd if not same(full[k], ref_sd[k])]
     assert not bad and checked > 0, (case, bad)
     return {"case": case, "checked": checked, "exact": exact}

@@ -38,10 +38,7 @@ base = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=args.n_layer
 mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
 groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
 
-
-def batch(step):
-    x, y = data.get_batch(tokens, B, T, SEED, step)
-    return x % base.vocab_size, y % base.vocab_size
+batch = data.batch_fn(tokens, B, T, SEED, base.vocab_size)
 
 
 def run(mode):
