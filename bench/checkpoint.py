@@ -34,8 +34,9 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import numpy as np  # noqa: E402
 
-from pdist import checkpoint, comm, lesson  # noqa: E402
-from pdist.gpt import GPT  # noqa: E402
+from pdist import checkpoint, comm  # noqa: E402
+from pdist.course import lesson
+from pdist.models.gpt import GPT  # noqa: E402
 from pdist.optim import AdamW  # noqa: E402
 from pdist.parallel import parallelize  # noqa: E402
 

@@ -26,7 +26,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.comm.mpi import MPI, cooperative, cores_available
-from pdist.lesson import table
+from pdist.course.lesson import table
 
 
 def timed(g, fn, iters):

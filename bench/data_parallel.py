@@ -52,8 +52,11 @@ CONFIGS = [  # (model, label, ranks, BLAS threads per rank, kind, bucket MiB)
 def worker(a):
     from threadpoolctl import threadpool_limits
 
-    from pdist import comm, data, gpt, lesson, trace
-    from pdist.backend import synchronize
+    from pdist import comm, data
+    from pdist.models import gpt
+    from pdist.course import lesson
+    from pdist.measure import trace
+    from pdist.engine.backend import synchronize
     from pdist.parallel import DataParallel, DataParallelNaive, Local
     from pdist.training import train
 
@@ -101,7 +104,7 @@ def main():
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    from pdist.lesson import table
+    from pdist.course.lesson import table
     from pdist.testing import mpirun
     res = {c[:2]: [] for c in CONFIGS}
     params = {}

@@ -19,7 +19,7 @@ def main():
         return 0
     import cupy
     from pdist import comm
-    from pdist.backend import to_numpy
+    from pdist.engine.backend import to_numpy
     g = comm.init(device="gpu")
     n, r = g.size, g.rank
     fails = []

@@ -44,8 +44,10 @@ def main():
         return 2
 
     import numpy as np
-    from pdist import backend, gpt, lesson
-    from pdist.backend import synchronize, xp
+    from pdist.engine import backend
+    from pdist.models import gpt
+    from pdist.course import lesson
+    from pdist.engine.backend import synchronize, xp
     backend.use_device("gpu")
     backend.set_default_dtype("float32")
 

@@ -46,7 +46,7 @@ CONFIGS = {
 
 def build(dtype):
     from pdist import nn
-    from pdist.functional import cross_entropy
+    from pdist.engine.functional import cross_entropy
 
     class MLP(nn.Sequential):
         """Linear + ReLU layers; ``model(x, y)`` -> (logits, loss) like the GPT (for Local)."""
@@ -67,7 +67,7 @@ def strategy(name, dtype):
     from pdist.comm import get_world
     from pdist.comm.mesh import DeviceMesh
     from pdist.parallel import DataParallel, Local, PipelineParallel
-    from pdist.parallel.pipeline_parallel import partition_layers
+    from pdist.parallel.pipeline.pipeline_parallel import partition_layers
     _, dp, pp, schedule, _, _ = CONFIGS[name]
     model, ce = build(dtype)
     if pp == 1:
@@ -94,7 +94,7 @@ def batch_fn(dtype):
 def worker(a):
     from threadpoolctl import threadpool_limits
     from pdist import comm, optim
-    from pdist.backend import set_default_dtype
+    from pdist.engine.backend import set_default_dtype
     from pdist.parallel import Local
     from pdist.training import train
     world = comm.init()
@@ -138,7 +138,7 @@ def main():
     if a.worker:
         return worker(a)
     from machine import header, record
-    from pdist.lesson import table
+    from pdist.course.lesson import table
     from pdist.testing import mpirun
     print(header("mlp_peer"))
     names = a.configs.split(",")

@@ -26,7 +26,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.comm import mpi as M
-from pdist.lesson import table
+from pdist.course.lesson import table
 
 WORK = [3, 1, 3, 1]                 # units per rank (cycled for other world sizes)
 

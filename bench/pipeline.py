@@ -27,12 +27,13 @@ if __name__ == "__main__" and "--child" not in sys.argv and not any(
     print(mpirun(n, os.path.abspath(__file__), "--child", *sys.argv[1:], timeout=600), end="")
     sys.exit(0)
 
-from pdist import comm, data, lesson  # noqa: E402
-from pdist.backend import set_default_dtype, synchronize  # noqa: E402
-from pdist.parallel import schedules as S  # noqa: E402
-from pdist.gpt import GPT  # noqa: E402
+from pdist import comm, data  # noqa: E402
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype, synchronize  # noqa: E402
+from pdist.parallel.pipeline import schedules as S  # noqa: E402
+from pdist.models.gpt import GPT  # noqa: E402
 from pdist.parallel import PipelineParallel  # noqa: E402
-from pdist.parallel.pipeline_parallel import gather_timeline  # noqa: E402
+from pdist.parallel.pipeline.pipeline_parallel import gather_timeline  # noqa: E402
 from pdist.training import train  # noqa: E402
 
 

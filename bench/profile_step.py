@@ -11,7 +11,7 @@ cost a few microseconds per op, so the profiled step is a little slower than the
 (the table prints both). Every figure is the median over the profiled steps.
 
 Rows group the ops: matmul (Linear, MatMul: the GEMMs plus the bias add and reshapes),
-attention (pdist.attention's fused Function: two batched GEMMs forward and three backward,
+attention (pdist.engine.attention's fused Function: two batched GEMMs forward and three backward,
 the mask, the softmax), LayerNorm, GELU, reshape/permute, cross-entropy, embedding, residual
 adds, AdamW, the leaf accumulation, and the rest (engine + Python). The share is of the
 profiled step. The BLAS floor (bench/step_time.py: every GEMM of the step, the attention's
@@ -31,7 +31,10 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import step_time  # noqa: E402
 from machine import header, record  # noqa: E402
-from pdist import autograd, gpt, lesson, optim  # noqa: E402
+from pdist.engine import autograd  # noqa: E402
+from pdist.models import gpt
+from pdist.course import lesson
+from pdist import optim
 
 GROUPS = {"Linear": "matmul", "MatMul": "matmul", "LayerNorm": "LayerNorm", "GELU": "GELU",
           "CausalSelfAttention": "attention (fused)", "ScaledCausalSoftmax": "attention (fused)",

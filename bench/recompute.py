@@ -1,5 +1,5 @@
 """What activation recomputation costs and saves: step time and activation memory of
-pdist's GPT with ``recompute="none" | "selective" | "full"`` (pdist/recompute.py).
+pdist's GPT with ``recompute="none" | "selective" | "full"`` (pdist/engine/recompute.py).
 
     python bench/recompute.py                          # both sizes, float32, one BLAS thread
     python bench/recompute.py --sizes large --repeats 5
@@ -13,7 +13,7 @@ Sizes as in bench/step_time.py: ``lesson`` (2 layers, 4 heads, n_embd 64, T 32, 
            machine slows some repeats, rarely all); the fastest forward and backward (+ AdamW)
            apart; spread = max/min of that mode's repeats
   memory   per layer: Korthikanti et al.'s sbh(34 + 5as/h) (16-bit, dropout), pdist's own
-           formula (pdist/activation_memory.py) and the measurement (the unique buffers
+           formula (pdist/measure/activation_memory.py) and the measurement (the unique buffers
            the graph of one block keeps alive); and the peak of a whole step
            (tracemalloc, all Python and NumPy allocations, model state included)
 
@@ -36,12 +36,12 @@ sys.path[:0] = [os.path.join(HERE, ".."), HERE]
 
 from step_time import SIZES, VOCAB  # noqa: E402
 
-from pdist import activation_memory as am  # noqa: E402
-from pdist import lesson  # noqa: E402
-from pdist.autograd import Tensor  # noqa: E402
-from pdist.backend import set_default_dtype  # noqa: E402
-from pdist.gpt import GPT  # noqa: E402
-from pdist.recompute import MODES  # noqa: E402
+from pdist.measure import activation_memory as am  # noqa: E402
+from pdist.course import lesson  # noqa: E402
+from pdist.engine.autograd import Tensor  # noqa: E402
+from pdist.engine.backend import set_default_dtype  # noqa: E402
+from pdist.models.gpt import GPT  # noqa: E402
+from pdist.engine.recompute import MODES  # noqa: E402
 
 
 def phased_step_fn(cfg, x, y):

@@ -7,7 +7,7 @@ every matmul) timed alone, with nothing else around them.
     python bench/step_time.py --sizes large --repeats 5 --dtype float64
     python bench/step_time.py --no-torch      # without the PyTorch column
 
-Sizes: ``lesson`` is the lessons' model (pdist.lesson.gpt_config: 2 layers, 4 heads,
+Sizes: ``lesson`` is the lessons' model (pdist.course.lesson.gpt_config: 2 layers, 4 heads,
 n_embd 64, T 32) at batch 16; ``large`` is matmul-heavy (4 layers, 8 heads, n_embd
 512, T 256, batch 8). Everything runs with one BLAS thread (threadpoolctl, and
 torch.set_num_threads(1)), so the numbers compare code, not thread counts.
@@ -31,8 +31,9 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdist import gpt, lesson  # noqa: E402
-from pdist.backend import synchronize  # noqa: E402
+from pdist.models import gpt  # noqa: E402
+from pdist.course import lesson
+from pdist.engine.backend import synchronize  # noqa: E402
 
 VOCAB = 96  # about the char vocabulary of pdist.data.char_dataset()
 SIZES = {  # model shape, batch size, default repeats

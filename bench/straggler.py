@@ -1,4 +1,4 @@
-"""Cost of the straggler detector (pdist/debug.py) at lesson size.
+"""Cost of the straggler detector (pdist/faults/debug.py) at lesson size.
 
     mpirun -n 4 python bench/straggler.py [--steps 30] [--every 10]
 
@@ -21,9 +21,11 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from pdist import comm, data, debug, lesson  # noqa: E402
-from pdist.backend import set_default_dtype  # noqa: E402
-from pdist.gpt import GPT  # noqa: E402
+from pdist import comm, data  # noqa: E402
+from pdist.faults import debug
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype  # noqa: E402
+from pdist.models.gpt import GPT  # noqa: E402
 from pdist.parallel import DataParallel  # noqa: E402
 from pdist.training import train  # noqa: E402
 

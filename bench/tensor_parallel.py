@@ -12,7 +12,7 @@ one warm-up step and reports its median; the table gives the median over repeats
 (max/min over repeats) as a noise gauge, and for TP the median time per step spent inside
 collectives (trace.comm_seconds: issue to completion, rank 0).
 
-Sizes: ``lesson`` = pdist.lesson.gpt_config (2 layers, 4 heads, n_embd 64, T 32) at batch 8;
+Sizes: ``lesson`` = pdist.course.lesson.gpt_config (2 layers, 4 heads, n_embd 64, T 32) at batch 8;
 ``wide`` = 4 layers, 8 heads, n_embd 256, T 128, batch 8: matmul-heavy enough for the split
 work to show. Ideal TP=2 speed-up over one thread is 2x, minus 4 all-reduces of B*T*C per layer.
 """
@@ -34,8 +34,11 @@ CONFIGS = [("1 process, 1 thread", 1, "single", 1), ("1 process, 2 threads", 1, 
 def worker(a):
     """Runs under mpiexec: time a.steps training steps, print one JSON line on rank 0."""
     from threadpoolctl import threadpool_limits
-    from pdist import comm, data, gpt, lesson, trace
-    from pdist.backend import set_default_dtype, synchronize
+    from pdist import comm, data
+    from pdist.models import gpt
+    from pdist.course import lesson
+    from pdist.measure import trace
+    from pdist.engine.backend import set_default_dtype, synchronize
     from pdist.parallel import Local, TensorParallel
     from pdist.training import train
     world = comm.init()
@@ -89,7 +92,7 @@ def main():
     a = p.parse_args()
     if a.worker:
         return worker(a)
-    from pdist import lesson
+    from pdist.course import lesson
     for size in a.sizes.split(","):
         if size not in SIZES:
             sys.exit(f"unknown size {size!r}; choose from {sorted(SIZES)}")

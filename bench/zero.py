@@ -16,7 +16,7 @@ steps; the configurations are interleaved within each repeat so that load from o
 processes hits all of them alike. The table shows the median over repeats of each
 run's median step time, the spread (max/min over repeats: a noise gauge), the ratio
 to DDP, the bytes each rank sent per step (ring accounting), and per rank (in rank
-order, MiB, the last repeat): the model states (pdist.memory), the process's RSS after
+order, MiB, the last repeat): the model states (pdist.measure.memory), the process's RSS after
 the last timed step and its peak during that step (the interpreter and libraries
 included: lesson 03 puts them beside the formula).
 """
@@ -29,8 +29,12 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdist import backend, comm, data, gpt, lesson, memory  # noqa: E402
-from pdist.backend import synchronize  # noqa: E402
+from pdist.engine import backend  # noqa: E402
+from pdist import comm, data
+from pdist.models import gpt
+from pdist.course import lesson
+from pdist.measure import memory
+from pdist.engine.backend import synchronize  # noqa: E402
 from pdist.parallel import ZeRO  # noqa: E402
 from pdist.training import train  # noqa: E402
 
@@ -41,7 +45,7 @@ CONFIGS = ["DDP", "zero0", "zero1", "zero2", "zero3", "zero3 no prefetch"]
 
 def make_model(name, cfg, world):
     """The strategy of configuration ``name`` and its optimizer."""
-    meta = gpt.GPT(cfg, seed=0, device="meta")     # each rank draws only what it holds (pdist/meta.py)
+    meta = gpt.GPT(cfg, seed=0, device="meta")     # each rank draws only what it holds (pdist/engine/meta.py)
     if name == "DDP":
         from pdist.parallel import DataParallel
         model = DataParallel(meta, world)

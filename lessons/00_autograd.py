@@ -29,10 +29,11 @@ from threadpoolctl import threadpool_limits
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdist import data, lesson  # noqa: E402
-from pdist.gpt import GPT  # noqa: E402
-from pdist.backend import to_numpy  # noqa: E402
-from pdist.gradcheck import central_difference  # noqa: E402
+from pdist import data  # noqa: E402
+from pdist.course import lesson
+from pdist.models.gpt import GPT  # noqa: E402
+from pdist.engine.backend import to_numpy  # noqa: E402
+from pdist.engine.gradcheck import central_difference  # noqa: E402
 
 STEPS = 1000
 # (parameter, index) pairs for the finite-difference check: one from each kind of op

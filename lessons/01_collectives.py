@@ -18,7 +18,8 @@ import time
 
 import numpy as np
 
-from pdist import comm, lesson
+from pdist import comm
+from pdist.course import lesson
 from pdist.comm import chunk_bounds
 
 ALGS = {"all_reduce": ("naive", "ring", "mpi"), "reduce_scatter": ("naive", "ring", "mpi"),

@@ -33,7 +33,7 @@ The lesson trains both for --steps AdamW steps beside single-process training on
 same global batches and prints: the loss per step (1 process vs naive vs bucketed),
 the bytes each rank all-reduces per step next to 2(n-1)/n * Psi * bytes, and the step
 time split into compute and time spent waiting on communication, and each rank's memory:
-model states (pdist.memory) beside params + grads + Adam m, v = 4bΨ, and what the process
+model states (pdist.measure.memory) beside params + grads + Adam m, v = 4bΨ, and what the process
 holds (rss, rss peak; lesson 03 explains them). PASS means: all replicas are bitwise
 identical after every run, and over the first min(--steps, 10) steps every
 rank's parameters and the losses equal single-process training: float64 to rtol
@@ -57,9 +57,12 @@ import statistics
 
 import numpy as np
 
-from pdist import data, lesson, memory, precision, trace
-from pdist.backend import synchronize, to_numpy
-from pdist.gpt import GPT
+from pdist import data
+from pdist.course import lesson
+from pdist.measure import memory, trace
+from pdist.engine import precision
+from pdist.engine.backend import synchronize, to_numpy
+from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, DataParallelNaive, Local, MixedPrecision
 from pdist.parallel.layout import box_slices
 from pdist.training import train
@@ -163,7 +166,7 @@ def report(args, cfg, n, dp, naive, bucketed, t_naive, t_bucketed):
     rows = [(rec["name"], m["rank"], fb(m["params_bytes"] + m["grads_bytes"] + m["optim_bytes"]),
              fb(per * psi), fb(m["rss_bytes"] or 0), fb(m["rss_peak_bytes"] or 0))
             for rec in (naive, bucketed) for m in rec["memory_per_rank"]]
-    print("\nmemory per rank: model states (pdist.memory), the formula (params + grads + Adam m, v = 4bΨ; "
+    print("\nmemory per rank: model states (pdist.measure.memory), the formula (params + grads + Adam m, v = 4bΨ; "
           "mixed\nprecision 16Ψ: 2 + 2 + fp32 master, m, v), and what the process holds (RSS after the last "
           "step,\nand its peak during that step; the interpreter and libraries included, see lesson 03)")
     print(lesson.table(rows, ["run", "rank", "states", "formula", "rss", "rss peak"]))

@@ -1,5 +1,5 @@
 """Lesson 03 -- ZeRO: shard the optimizer states, then the gradients, then the
-parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero.py).
+parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero/zero.py).
 
     mpirun -n 4 python lessons/03_zero.py              # stages 0, 1, 2, 3 side by side
     mpirun -n 4 python lessons/03_zero.py --stage 3    # one stage
@@ -12,7 +12,7 @@ and v (K = 12), so the formulas are the paper's literally: stage 0 16Ψ, 1 4Ψ+1
 the same precision (docs/mixed_precision.md).
 
 Every stage trains the same GPT on the same global batches as single-process
-training (pdist.lesson.train_reference), through the same loop (pdist.training.train):
+training (pdist.course.lesson.train_reference), through the same loop (pdist.training.train):
 
     model = ZeRO(GPT(cfg, seed), stage, world)        # parameters(): this rank's flat shards
     opt = lesson.make_adamw(model.parameters())
@@ -26,7 +26,7 @@ reduce-scatter + all-gather.
 
 The table (per rank; every rank holds the same amounts, see --json for all):
   params / grads / optim   bytes of live parameters, gradients and AdamW states
-                           (m, v), measured (pdist.memory: each buffer once)
+                           (m, v), measured (pdist.measure.memory: each buffer once)
   total, formula           their sum, and the ZeRO paper's formula. Convention:
                            one dtype of b bytes (4 in float32) with Adam, so the
                            paper's 16Ψ reads params 4Ψ + grads 4Ψ + m, v 8Ψ:
@@ -48,7 +48,7 @@ The second table is what each process holds (the OS's count, per rank, MiB):
                  pages): the interpreter, NumPy, MPI, the corpus, and the reference
                  weights the check compares against
   init peak      the RSS peak while ZeRO(GPT(cfg, seed, device="meta")) is built, above the
-                 baseline: each rank draws only its pieces (pdist/meta.py), so stage 3
+                 baseline: each rank draws only its pieces (pdist/engine/meta.py), so stage 3
                  peaks at its shard + about the largest parameter, not the whole model
   rss            RSS after the last step; malloc held: the resident pages malloc keeps
                  free for the next step's temporaries (rss - trimmed; glibc's own count of
@@ -64,7 +64,7 @@ every rank (fp32 only: in bf16/fp16 the fp32 gradients the optimizer read stay a
 until the next step's zero_grad, docs/mixed_precision.md). --timeline PNG plots each
 rank's memory over one step, the states and activations stacked, with every all-gather,
 free and reduce-scatter marked; the same events and a "memory" counter go into --trace
-(pdist/memory_timeline.py).
+(pdist/measure/memory_timeline.py).
 
 PASS means, on every rank: model-state bytes equal the formula exactly, bytes sent
 equal the theory, and (as in lesson 02) after min(--steps, 10) steps every shard
@@ -83,9 +83,12 @@ import time
 
 import numpy as np
 
-from pdist import backend, data, lesson, memory, memory_timeline, precision
-from pdist.backend import synchronize, to_numpy
-from pdist.gpt import GPT
+from pdist.engine import backend, precision
+from pdist import data
+from pdist.course import lesson
+from pdist.measure import memory, memory_timeline
+from pdist.engine.backend import synchronize, to_numpy
+from pdist.models.gpt import GPT
 from pdist.parallel import MixedPrecision, ZeRO
 from pdist.parallel.layout import box_slices
 from pdist.training import train
@@ -163,7 +166,7 @@ def shard_error(z, ref_sd, world, tol):
 
 def build(cfg, stage, world, args, prec):
     """ZeRO-``stage`` over the world from a meta GPT: each rank draws its own pieces only
-    (pdist/meta.py); bf16/fp16: the model cast, fp32 masters outside."""
+    (pdist/engine/meta.py); bf16/fp16: the model cast, fp32 masters outside."""
     model = precision.cast_module(GPT(cfg, seed=args.seed, device="meta"), prec)
     z = ZeRO(model, stage, world, prefetch=not args.no_prefetch)
     return z if prec == "fp32" else MixedPrecision(z, prec)
@@ -177,7 +180,7 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     gc.collect()
     backend.malloc_trim()      # malloc's free pages (earlier runs' temporaries) back to the OS
     rss = {"rss_baseline_bytes": memory.rss_bytes()}   # before the model: interpreter, libraries, data
-    with memory.RSSPeak() as init:     # meta init: each rank draws its own pieces only (pdist/meta.py)
+    with memory.RSSPeak() as init:     # meta init: each rank draws its own pieces only (pdist/engine/meta.py)
         z = build(cfg, stage, world, args, prec)
     rss["rss_init_peak_bytes"] = init.peak_bytes
     opt = lesson.make_adamw(z.parameters())
@@ -209,7 +212,7 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
 def peak_bytes(cfg, stage, world, args, tokens, prec):
     """The peak of one step (step 0's batch) after 2 traced steps from a fresh model
     (tracemalloc slows NumPy's allocations, so the timed run is not traced). The same
-    step's memory timeline (pdist/memory_timeline.py) goes into the trace, and with
+    step's memory timeline (pdist/measure/memory_timeline.py) goes into the trace, and with
     --timeline into a PNG."""
     memory.start_tracing(restart=True)
     zm, om, *_ = run(cfg, stage, world, args, tokens, min(2, args.steps), prec=prec)

@@ -6,7 +6,7 @@
     mpirun -n 2 python lessons/04_tensor_parallel.py --n-layer 4 --n-head 8 --n-embd 128
     mpirun -n 2 python lessons/04_tensor_parallel.py --precision bf16   # mixed precision (or fp16)
 
-The model is the one pdist.gpt.GPT; TensorParallel(GPT(cfg, seed), tp_group) transforms it
+The model is the one pdist.models.gpt.GPT; TensorParallel(GPT(cfg, seed), tp_group) transforms it
 in place (each rank keeps its shards; model.pieces() says where each sits in the full
 tensor). t (the number of ranks) must divide n_head, n_embd and the vocabulary, and T
 (--block-size) for sequence parallelism: otherwise every rank stops with the reason.
@@ -19,12 +19,12 @@ transformer layer costs 2 all-reduces forward (after attn.c_proj and mlp.c_proj,
 and 2 backward (before c_attn and c_fc, "f"). Sequence parallelism (Korthikanti et
 al. 2022) turns each all-reduce into an all-gather + reduce-scatter pair -- the same
 bytes -- so LayerNorm, dropout and the residual stream hold T/t tokens per rank.
-Code: pdist/parallel/tensor_parallel.py (the transform), tp_layers.py (the layers),
+Code: pdist/parallel/tensor/tensor_parallel.py (the transform), tp_layers.py (the layers),
 tp_regions.py (f and g).
 
 The lesson trains both layouts for --steps AdamW steps through the one training loop
 (pdist.training.train) beside single-process training on the same global batches
-(pdist.lesson.train_reference) and prints: the loss per step; the collectives of one
+(pdist.course.lesson.train_reference) and prints: the loss per step; the collectives of one
 transformer layer, measured with hooks around block 0, and of the whole step, next to
 Megatron's count; the bytes each rank sends per step (the strategy's collectives only:
 the loop's loss reduction runs on a private copy of the group); the parameter bytes per
@@ -38,7 +38,7 @@ counts.
 ``--precision bf16`` (or fp16): both layouts train with bf16 parameters and gradients and
 fp32 master weights (MixedPrecision, docs/mixed_precision.md), against one process in the same
 precision; sequence parallelism sums each rank's unrounded LayerNorm / bias / wpe gradients
-before it rounds them once (pdist/parallel/partial_grads.py), as one process does. PASS then
+before it rounds them once (pdist/parallel/tensor/partial_grads.py), as one process does. PASS then
 means: losses and pieces to rtol 1e-6 (float64: the ranks' partial sums in another order,
 far below a bf16 ulp of 2^-8), or the float32 checks below.
 
@@ -54,12 +54,15 @@ import time
 
 import numpy as np
 
-from pdist import data, lesson, memory, precision
-from pdist.backend import synchronize, to_numpy
-from pdist.gpt import GPT
+from pdist import data
+from pdist.course import lesson
+from pdist.measure import memory
+from pdist.engine import precision
+from pdist.engine.backend import synchronize, to_numpy
+from pdist.models.gpt import GPT
 from pdist.parallel import MixedPrecision, TensorParallel
 from pdist.parallel.layout import box_slices
-from pdist.parallel.tensor_parallel import check_tp_config
+from pdist.parallel.tensor.tensor_parallel import check_tp_config
 from pdist.training import train
 
 FORMULA = {(False, "per_step"): "4L+4 AR", (True, "per_step"): "4L+2 AG, 4L+2 RS, 3 AR",

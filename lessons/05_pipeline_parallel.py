@@ -38,14 +38,17 @@ from collections import namedtuple
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory, precision
-from pdist.backend import synchronize, to_numpy
-from pdist.gpt import GPT
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.measure import memory
+from pdist.engine import precision
+from pdist.engine.backend import synchronize, to_numpy
+from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, MixedPrecision, PipelineParallel, check_layout, parallelize
-from pdist.parallel import schedules as S
+from pdist.parallel.pipeline import schedules as S
 from pdist.parallel.layout import box_slices
-from pdist.parallel.pipeline_draw import ascii_timeline, plot_timeline
-from pdist.parallel.pipeline_parallel import gather_timeline
+from pdist.parallel.pipeline.draw import ascii_timeline, plot_timeline
+from pdist.parallel.pipeline.pipeline_parallel import gather_timeline
 from pdist.training import train
 
 Run = namedtuple("Run", "schedule m v pp dp")

@@ -33,7 +33,7 @@ and trains it with the one loop (pdist.training.train) every lesson uses.
 The lesson prints (rank 0, gathered from every rank):
   the mesh       each world rank's (dp, tp, pp) coordinate (the vocabulary is padded to a
                  multiple of tp, as GPT-2 pads 50257 to 50304)
-  memory         per rank, bytes of params / grads / Adam m, v (pdist.memory: each buffer
+  memory         per rank, bytes of params / grads / Adam m, v (pdist.measure.memory: each buffer
                  once) beside the formula for this layout: Ψ_r = the parameters of this
                  rank's stage and tensor shard (counted from the config, lm_head's copy
                  of wte included on the last stage), b bytes each; ZeRO's formula over
@@ -57,13 +57,16 @@ from types import SimpleNamespace
 
 import numpy as np
 
-from pdist import comm, data, lesson, memory, precision
-from pdist.backend import synchronize
-from pdist.gpt import GPT
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.measure import memory
+from pdist.engine import precision
+from pdist.engine.backend import synchronize
+from pdist.models.gpt import GPT
 from pdist.parallel import Local, MixedPrecision, check_layout, parallelize
 from pdist.parallel.layout import box_slices
-from pdist.parallel.pipeline_parallel import partition_layers
-from pdist.parallel.schedules import virtual_stage
+from pdist.parallel.pipeline.pipeline_parallel import partition_layers
+from pdist.parallel.pipeline.schedules import virtual_stage
 from pdist.training import train
 
 CHECK_STEPS = 10
@@ -198,7 +201,7 @@ def main():
     ref_losses, _ = _reference(cfg, batch, args.seed, args.steps, args.precision, ref_m)
     _, ref_sd = _reference(cfg, batch, args.seed, check_at, args.precision, ref_m)
 
-    # meta init: each rank draws only the pieces it holds (pdist/meta.py)
+    # meta init: each rank draws only the pieces it holds (pdist/engine/meta.py)
     model = parallelize(GPT(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero,
                         sequence_parallel=args.sp, schedule=args.schedule, microbatches=args.microbatches,
                         chunks=args.chunks, precision=args.precision)

@@ -1,4 +1,4 @@
-"""Lesson 07 -- checkpoints that load under any layout (pdist/checkpoint.py, docs/checkpoint.md).
+"""Lesson 07 -- checkpoints that load under any layout (pdist/checkpoint/sharded.py, docs/checkpoint.md).
 
     mpirun -n 4 python lessons/07_checkpoint.py
     mpirun -n 4 python lessons/07_checkpoint.py --steps 10 --save-at 5 --dir ckpt
@@ -38,11 +38,12 @@ import time
 
 import numpy as np
 
-from pdist import checkpoint, comm, data, lesson
-from pdist.gpt import GPT
+from pdist import checkpoint, comm, data
+from pdist.course import lesson
+from pdist.models.gpt import GPT
 from pdist.parallel import Local, ZeRO, parallelize
 from pdist.parallel.mixed_precision import MixedPrecision
-from pdist.precision import cast_module
+from pdist.engine.precision import cast_module
 from pdist.training import train
 
 

@@ -11,7 +11,7 @@ before it counts as FAIL.
    (``--inject straggler:rank=2,slowdown=4``: after its compute it sleeps 3x as long; 4 ranks share
    2 cores here, and a sleeping rank lends its core to the others, so the fault is large). Every
    rank's step time rises to rank 2's: the others wait for it in the gradient all-reduce.
-   ``pdist.debug.straggler_report`` names the rank, by how much and the cause (a throttled
+   ``pdist.faults.debug.straggler_report`` names the rank, by how much and the cause (a throttled
    device: slow every step); an uneven shard (slow only on the steps where it holds more
    tokens) is told apart; removing the fault restores the pace.
 2. Communication swamps compute, on a simulated cluster of 2 nodes x 2 ranks whose
@@ -39,10 +39,12 @@ import time
 
 import numpy as np
 
-from pdist import checkpoint, comm, data, debug, inject, lesson
-from pdist.backend import synchronize
+from pdist import checkpoint, comm, data
+from pdist.faults import debug, inject
+from pdist.course import lesson
+from pdist.engine.backend import synchronize
 from pdist.comm import topology, watchdog
-from pdist.gpt import GPT
+from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, ZeRO, parallelize
 from pdist.training import train
 

@@ -4,9 +4,9 @@
     from pdist import nn, optim
     x = pdist.Tensor(array, requires_grad=True); y = (x @ w).sum(); y.backward(); x.grad
 """
-from pdist.autograd import Function, Tensor, is_grad_enabled, no_grad
-from pdist import ops as _ops  # noqa: F401  (attaches the operators and methods of Tensor)
-from pdist.backend import default_dtype, set_default_dtype, to_numpy, use_device, xp
+from pdist.engine.autograd import Function, Tensor, is_grad_enabled, no_grad
+from pdist.engine import ops as _ops  # noqa: F401  (attaches the operators and methods of Tensor)
+from pdist.engine.backend import default_dtype, set_default_dtype, to_numpy, use_device, xp
 
 __version__ = "0.1.0"
 __all__ = ["Tensor", "Function", "no_grad", "is_grad_enabled", "xp", "to_numpy", "use_device",

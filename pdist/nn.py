@@ -17,9 +17,9 @@ from collections import OrderedDict
 
 import numpy as np
 
-from pdist import functional, precision
-from pdist.autograd import Tensor, zero_grads
-from pdist.backend import asarray, default_dtype, to_numpy
+from pdist.engine import functional, precision
+from pdist.engine.autograd import Tensor, zero_grads
+from pdist.engine.backend import asarray, default_dtype, to_numpy
 
 F = functional
 _default_rng = [np.random.default_rng(0)]

@@ -15,8 +15,8 @@ import math
 
 import numpy as np
 
-from pdist.autograd import zero_grads
-from pdist.backend import is_device_array, to_numpy, xp
+from pdist.engine.autograd import zero_grads
+from pdist.engine.backend import is_device_array, to_numpy, xp
 from pdist.errors import NonFiniteError
 
 
@@ -198,7 +198,7 @@ def clip_grad_norm_(params, max_norm, norm_type=2.0, error_if_nonfinite=False, n
 
     Cost: one stacked reduction on the device and one conversion to float (one
     sync), not one per parameter."""
-    from pdist.autograd import Tensor
+    from pdist.engine.autograd import Tensor
     if isinstance(params, Tensor):
         params = [params]
     params = list(params)
@@ -239,7 +239,7 @@ def nonfinite_report(named_grads, loss=None):
     Cost: one ``isfinite().all()`` per gradient, stacked into one array and read
     with one sync; only when something is non-finite is that small array read
     back to find the names (a second sync)."""
-    from pdist.autograd import Tensor
+    from pdist.engine.autograd import Tensor
     items = named_grads.items() if hasattr(named_grads, "items") else named_grads
     names, checks = [], []
     for name, g in items:

@@ -128,7 +128,7 @@ def check_shards(sharded, ref_sd, ref_state, same, label=()):
     equality. Returns the number of pieces checked; the first mismatch raises AssertionError
     with ``label``, the key, the piece's offsets and the largest difference."""
     import numpy as np
-    from pdist.backend import to_numpy
+    from pdist.engine.backend import to_numpy
     checked = 0
     for key, pieces in sharded.items():
         if key.startswith("optimizer.step."):

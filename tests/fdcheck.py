@@ -13,7 +13,7 @@ import numpy as np
 
 import pdist
 from pdist import Tensor
-from pdist.gradcheck import central_difference
+from pdist.engine.gradcheck import central_difference
 
 
 def _loss(out, R):

@@ -5,8 +5,9 @@ import numpy as np
 import pytest
 
 import pdist
-from pdist import Tensor, nn, no_grad, ops
-from pdist import functional as F
+from pdist import Tensor, nn, no_grad
+from pdist.engine import ops
+from pdist.engine import functional as F
 
 from fdcheck import grads_match
 
@@ -195,7 +196,7 @@ def _composed_attention(qkv, n_head):
 
 @pytest.mark.parametrize("B,T,nh,hs", [(2, 5, 3, 4), (1, 1, 1, 2), (3, 4, 2, 3)])
 def test_fused_causal_attention(B, T, nh, hs):
-    from pdist.attention import causal_self_attention
+    from pdist.engine.attention import causal_self_attention
     grads_match(lambda x: causal_self_attention(x, nh), [rnd(B, T, 3 * nh * hs, seed=21)])
     x, g = rnd(B, T, 3 * nh * hs, seed=22), rnd(B, T, nh * hs, seed=23)
     got = []
@@ -215,8 +216,8 @@ def test_causal_blocks_and_batch_chunks_match_one_block(monkeypatch):
     # its end; batch chunks of one row. Values and gradients must be those of one block
     # over the whole (T, T) scores (to rounding: dv, dk add the blocks' shares), the
     # finite-difference gradient must hold across block edges, and P keeps 1/T^2 less
-    import pdist.attention as A
-    from pdist.attention import causal_self_attention
+    import pdist.engine.attention as A
+    from pdist.engine.attention import causal_self_attention
     B, T, nh, hs = 3, 150, 2, 4
     x, g = rnd(B, T, 3 * nh * hs, seed=24), rnd(B, T, nh * hs, seed=25)
 
@@ -507,7 +508,7 @@ def test_module_forward_hooks():
                                    np.array([-1, 3, 0, -4])])
 @pytest.mark.parametrize("one_hot_rows", [256, 0], ids=["one-hot GEMM", "sorted runs"])
 def test_scatter_add_adds_repeated_rows(index, one_hot_rows, monkeypatch):
-    import pdist.backend as backend
+    import pdist.engine.backend as backend
     monkeypatch.setattr(backend, "ONE_HOT_ROWS", one_hot_rows)
     rng = np.random.default_rng(40)
     a = rng.standard_normal((4, 3))
@@ -520,7 +521,7 @@ def test_scatter_add_adds_repeated_rows(index, one_hot_rows, monkeypatch):
 
 
 def test_autograd_does_not_import_ops():
-    """No import cycle pdist.autograd <-> pdist.ops (lazy imports included): ops
+    """No import cycle pdist.engine.autograd <-> pdist.engine.ops (lazy imports included): ops
     attaches Tensor's operators on import, and the package imports both."""
     import ast
     import pathlib
@@ -532,13 +533,13 @@ def test_autograd_does_not_import_ops():
         elif isinstance(node, ast.ImportFrom):
             imported.add(node.module or "")
             imported.update(f"{node.module}.{a.name}" for a in node.names)
-    assert not any(m == "pdist.ops" or m.startswith("pdist.ops.") for m in imported), imported
+    assert not any(m == "pdist.engine.ops" or m.startswith("pdist.engine.ops.") for m in imported), imported
 
 
 def test_tensor_methods_present_after_importing_only_autograd():
     import subprocess
     import sys
-    code = ("import numpy as np\nfrom pdist.autograd import Tensor\n"
+    code = ("import numpy as np\nfrom pdist.engine.autograd import Tensor\n"
             "x = Tensor(np.ones((2, 3)), requires_grad=True)\n"
             "(x @ Tensor(np.ones((3, 1)))).reshape(2).sum().backward()\n"
             "assert float(x.grad.sum()) == 6.0\nprint('ok')\n")

@@ -1,4 +1,4 @@
-"""Checkpoints that load under any layout (issue 12; pdist/checkpoint.py).
+"""Checkpoints that load under any layout (issue 12; pdist/checkpoint/sharded.py).
 
 One training run at dp 2 x tp 2 ZeRO-1 (4 ranks) saves after every step (keep=3); fresh
 models under other layouts and world sizes (4, 2, 1 ranks) load step 2 and train to
@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 
 from pdist.checkpoint import consolidate, from_pretrained, latest
-from pdist.checkpoint_format import CheckpointError, read_tensors, verify
+from pdist.checkpoint.format import CheckpointError, read_tensors, verify
 from pdist.testing import launch, mpirun, reports
 
 W = "tests/workers/ckpt_resume.py"
@@ -188,7 +188,7 @@ def _hf():
 
 
 def _logits(model, idx):
-    from pdist.autograd import no_grad
+    from pdist.engine.autograd import no_grad
     with no_grad():
         return np.asarray(model(idx).data)
 

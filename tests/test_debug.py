@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from pdist import debug, inject, trace
+from pdist.faults import debug, inject
+from pdist.measure import trace
 from pdist.comm import topology
 from pdist.testing import launch, mpirun, reports
 

@@ -194,7 +194,7 @@ def test_user_blas_threads_stand(tmp_path):
 
 
 def test_trace_imports_no_comm():
-    code = "import sys, pdist.trace; assert 'pdist.comm' not in sys.modules"
+    code = "import sys, pdist.measure.trace; assert 'pdist.comm' not in sys.modules"
     subprocess.run([sys.executable, "-c", code], check=True)
 
 

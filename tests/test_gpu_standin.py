@@ -69,7 +69,7 @@ def test_transport_choice():
 
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_executor_order_cannot_deadlock_with_blocking_sends(p):
-    from pdist.parallel import schedules as S
+    from pdist.parallel.pipeline import schedules as S
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2)):
         for m in sorted({1, p, 2 * p}):
             sched = S.make_schedule(name, p, m, v)
@@ -84,8 +84,8 @@ def test_clip_grad_norm_on_device_arrays():
     """clip_grad_norm_ on device gradients: no implicit host transfer (the stand-in would
     refuse one), the same norm and scaled gradients as NumPy, the non-finite report too."""
     code = ("import math, numpy as np, cupy\n"
-            "from pdist.autograd import Tensor\n"
-            "from pdist.backend import to_numpy\n"
+            "from pdist.engine.autograd import Tensor\n"
+            "from pdist.engine.backend import to_numpy\n"
             "from pdist.errors import NonFiniteError\n"
             "from pdist.optim import clip_grad_norm_\n"
             "g = [np.arange(6.0).reshape(2, 3), np.array([-3.0, 4.0])]\n"
@@ -132,8 +132,8 @@ def test_one_step_reads_the_device_twice_and_traces_device_time():
     of each micro-batch are on the trace's "device" track (CUDA events)."""
     code = ("import numpy as np, cupy\n"
             "from pdist import trace\n"
-            "from pdist.backend import set_default_dtype\n"
-            "from pdist.gpt import GPT, GPTConfig\n"
+            "from pdist.engine.backend import set_default_dtype\n"
+            "from pdist.models.gpt import GPT, GPTConfig\n"
             "from pdist.parallel.base import Local\n"
             "set_default_dtype('float64')\n"
             "cfg = GPTConfig(vocab_size=50, block_size=8, n_layer=2, n_head=2, n_embd=16, dtype='float64')\n"

@@ -1,4 +1,4 @@
-"""The course autograder (pdist/grade.py): blank stubs are "not started", the library's
+"""The course autograder (pdist/course/grade.py): blank stubs are "not started", the library's
 own answers get full points, and a typical wrong answer to every exercise is rejected
 with its first failing check (tests/fixtures/wrong/, graded in --class mode)."""
 import csv
@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from pdist import grade
+from pdist.course import grade
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG = ROOT / "tests" / "fixtures" / "wrong"

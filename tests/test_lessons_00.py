@@ -46,7 +46,7 @@ def test_lesson_00_is_deterministic_in_seed(tmp_path):
 def test_lesson_00_fails_when_a_gradient_is_wrong(tmp_path):
     # break GELU's backward in the lesson's process: the finite-difference check must catch it
     shim = tmp_path / "sitecustomize.py"
-    shim.write_text("import pdist.functional as F\n"
+    shim.write_text("import pdist.engine.functional as F\n"
                     "_b = F.GELU.backward\n"
                     "F.GELU.backward = lambda self, g: _b(self, g) * 1.01\n")
     p, s = run(tmp_path, "--steps", "40", env={"PYTHONPATH": str(tmp_path)})

@@ -24,7 +24,7 @@ def test_lesson_04(tmp_path):
     s = json.loads(path.read_text())
     assert s["lesson"] == "04_tensor_parallel" and s["world_size"] == 2 and s["check"] == "PASS"
     assert [r["name"] for r in s["runs"]] == ["tp", "tp_sp"]
-    L = 2  # pdist.lesson.gpt_config's n_layer
+    L = 2  # pdist.course.lesson.gpt_config's n_layer
     for run in s["runs"]:
         assert run["layout"] == {"dp": 1, "tp": 2, "pp": 1, "zero_stage": 0}
         assert run["dtype"] == "float64" and run["params"] > 0

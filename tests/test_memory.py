@@ -1,10 +1,13 @@
-"""pdist.memory: distinct-buffer byte counts, the tracemalloc peak, the process's RSS (single process);
-and the meta-device init of pdist/meta.py."""
+"""pdist.measure.memory: distinct-buffer byte counts, the tracemalloc peak, the process's RSS (single process);
+and the meta-device init of pdist/engine/meta.py."""
 import numpy as np
 import pytest
 
-from pdist import backend, gpt, lesson, memory, meta
-from pdist.autograd import Tensor
+from pdist.engine import backend, meta
+from pdist.models import gpt
+from pdist.course import lesson
+from pdist.measure import memory
+from pdist.engine.autograd import Tensor
 
 
 def test_views_count_their_buffer_once():
@@ -52,7 +55,7 @@ def test_memory_row_fields():
     assert row == {"rank": 3, "params_bytes": 32, "grads_bytes": 0, "optim_bytes": 0, "peak_bytes": 123}
 
 
-# --- what the process holds (RSS) and the allocator policy (pdist.backend.tune_malloc) -----------
+# --- what the process holds (RSS) and the allocator policy (pdist.engine.backend.tune_malloc) -----------
 def test_rss_rises_with_an_array_and_falls_when_it_is_freed():
     """tune_malloc's fixed mmap threshold: a large array is its own mapping, so freeing it
     returns its pages to the OS at once (what ZeRO's frees rely on to show in the RSS)."""
@@ -88,7 +91,7 @@ def test_process_row_and_malloc_free_bytes():
     assert free is None or free >= 0
 
 
-# --- meta init (pdist/meta.py) --------------------------------------------------------------------
+# --- meta init (pdist/engine/meta.py) --------------------------------------------------------------------
 CFG = gpt.GPTConfig(vocab_size=20, block_size=8, n_layer=2, n_head=2, n_embd=8, dtype="float32")
 
 
@@ -126,7 +129,7 @@ def test_mapped_empty_returns_its_pages_at_once_and_is_traced():
     malloc keeps a freed heap array of the same size mapped (tune_malloc's policy keeps the
     heap's free pages), and tracemalloc counts it while it lives, as it counts NumPy's arrays."""
     import tracemalloc
-    from pdist import backend
+    from pdist.engine import backend
     if memory.rss_bytes() is None:
         pytest.skip("no /proc/self/status here")
     n = 3 << 20                                      # 24 MiB of float64: under the 32 MiB mmap threshold

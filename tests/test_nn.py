@@ -6,9 +6,9 @@ import numpy as np
 import pytest
 
 from pdist import Tensor, nn
-from pdist import functional as F
-from pdist.gpt import GPT, GPTConfig, gpt_init
-from pdist.gradcheck import central_difference
+from pdist.engine import functional as F
+from pdist.models.gpt import GPT, GPTConfig, gpt_init
+from pdist.engine.gradcheck import central_difference
 
 CFG = dict(vocab_size=11, block_size=8, n_layer=2, n_head=2, n_embd=8, dtype="float64")
 

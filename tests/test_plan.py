@@ -9,10 +9,10 @@ import sys
 
 import pytest
 
-from pdist.gpt import GPTConfig
+from pdist.models.gpt import GPTConfig
 from pdist.plan import main, plan, search, text_chart
-from pdist.plan_model import Layout, layer_activations
-from pdist.plan_presets import CLUSTERS, MODELS, NARAYANAN_TABLE1, narayanan_flops
+from pdist.plan.model import Layout, layer_activations
+from pdist.plan.presets import CLUSTERS, MODELS, NARAYANAN_TABLE1, narayanan_flops
 from pdist.testing import mpirun
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -5,9 +5,12 @@ import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
 
-from pdist import data, lesson, memory, precision
-from pdist.gpt import GPT
-from pdist.grad_scaler import GradScaler
+from pdist import data
+from pdist.course import lesson
+from pdist.measure import memory
+from pdist.engine import precision
+from pdist.models.gpt import GPT
+from pdist.engine.grad_scaler import GradScaler
 from pdist.optim import AdamW
 from pdist.parallel import Local, MixedPrecision
 from pdist.testing import mpirun, reports
@@ -103,7 +106,7 @@ def test_grad_scaler_alone_pytorch_loop():
     """scale(loss).backward(); step(opt) skips on inf; update() backs off, as torch.amp.GradScaler."""
     model = precision.cast_module(GPT(CFG, 0), "fp16")
     masters = [p.data.astype(np.float32) for p in model.parameters()]
-    from pdist.autograd import Tensor
+    from pdist.engine.autograd import Tensor
     params = [Tensor(a, requires_grad=True) for a in masters]
     opt = AdamW(params)
     scaler = GradScaler(init_scale=8.0)
@@ -260,7 +263,7 @@ def test_grad_scaler_matches_torch_amp_grad_scaler():
     """The same pattern of overflowing steps gives PyTorch's scales, skips and state_dict
     (torch.amp.GradScaler on CPU; skipped when PyTorch is not installed)."""
     torch = pytest.importorskip("torch")
-    from pdist.autograd import Tensor
+    from pdist.engine.autograd import Tensor
     from pdist.optim import SGD
     kw = dict(init_scale=2.0 ** 4, growth_factor=2.0, backoff_factor=0.5, growth_interval=3)
     ours, theirs = GradScaler(**kw), torch.amp.GradScaler("cpu", **kw)

@@ -17,13 +17,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from pdist import activation_memory as am
+from pdist.measure import activation_memory as am
 from pdist import nn
-from pdist.autograd import Tensor
-from pdist.backend import set_default_dtype
-from pdist.gpt import GPT, GPTConfig
+from pdist.engine.autograd import Tensor
+from pdist.engine.backend import set_default_dtype
+from pdist.models.gpt import GPT, GPTConfig
 from pdist.optim import AdamW
-from pdist.recompute import checkpoint
+from pdist.engine.recompute import checkpoint
 from pdist.testing import mpirun, reports
 
 MODES = ("none", "selective", "full")
@@ -72,7 +72,7 @@ def test_gradients_and_steps_are_bit_equal_across_modes():
 
 def test_recompute_off_in_no_grad_and_bad_mode():
     model = GPT(dataclasses.replace(CFG, recompute="full"), seed=1)
-    from pdist.autograd import no_grad
+    from pdist.engine.autograd import no_grad
     with no_grad():
         logits = model(np.zeros((1, 4), dtype=np.int64))
     assert logits._ctx is None
@@ -88,7 +88,7 @@ def test_checkpoint_contract_errors():
 
 def test_lesson_flag_and_checkpoint_files_ignore_the_mode(tmp_path):
     from pdist import checkpoint as ckpt
-    from pdist import lesson
+    from pdist.course import lesson
     from pdist.parallel.base import Local
     p = lesson.parser()
     assert lesson.config_from_args(p.parse_args(["--recompute", "full"]), 96).recompute == "full"

@@ -11,7 +11,7 @@ import sys
 import numpy as np
 import pytest
 
-from pdist import lesson
+from pdist.course import lesson
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -70,7 +70,7 @@ def test_pdist_device_gpu_with_cupy_but_no_gpu(tmp_path, zero):
 
 # --- PDIST_MALLOC_TUNE -----------------------------------------------------------------------
 def test_malloc_tune_flag(monkeypatch):
-    from pdist import backend
+    from pdist.engine import backend
     monkeypatch.setenv("PDIST_MALLOC_TUNE", "off")
     assert backend.tune_malloc() is False
     monkeypatch.setenv("PDIST_MALLOC_TUNE", "maybe")

@@ -1,10 +1,10 @@
-"""Pipeline schedules checked without communication (pdist.parallel.schedules),
+"""Pipeline schedules checked without communication (pdist.parallel.pipeline.schedules),
 the stage partitioning, and the drawings."""
 import pytest
 
-from pdist.parallel import schedules as S
-from pdist.parallel.pipeline_draw import ascii_timeline, label, plot_timeline
-from pdist.parallel.pipeline_parallel import partition_layers
+from pdist.parallel.pipeline import schedules as S
+from pdist.parallel.pipeline.draw import ascii_timeline, label, plot_timeline
+from pdist.parallel.pipeline.pipeline_parallel import partition_layers
 
 CASES = [(name, p, m, v) for p in range(1, 7) for m in range(1, 3 * p + 1)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))

@@ -11,8 +11,8 @@ torch = pytest.importorskip("torch")
 tnn = torch.nn
 tF = torch.nn.functional
 
-from pdist import lesson  # noqa: E402
-from pdist.gpt import GPT, GPTConfig  # noqa: E402
+from pdist.course import lesson  # noqa: E402
+from pdist.models.gpt import GPT, GPTConfig  # noqa: E402
 
 CFG = GPTConfig(vocab_size=13, block_size=8, n_layer=2, n_head=2, n_embd=12, dtype="float64")
 
@@ -112,7 +112,7 @@ def test_shorter_sequence_and_ignore_index_match_pytorch():
     y = rng.integers(0, CFG.vocab_size, (2, 5))
     y[0, :3] = -100
     logits = m(x)
-    from pdist import functional as F
+    from pdist.engine import functional as F
     loss = F.cross_entropy(logits, y, ignore_index=-100)
     loss.backward()
     tloss = tF.cross_entropy(tm(torch.from_numpy(x)).reshape(-1, CFG.vocab_size),

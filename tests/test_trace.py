@@ -10,7 +10,7 @@ W = Path(__file__).parent / "workers"
 
 
 def test_local_recorder():
-    from pdist import trace
+    from pdist.measure import trace
     trace.clear()
     with trace.span("x", cat="compute", k=1):
         pass

@@ -36,7 +36,8 @@ def test_lesson_03_json_contract(tmp_path):
     s = json.loads(path.read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("03_zero", n, "PASS")
     assert [r["name"] for r in s["runs"]] == ["zero0", "zero1", "zero2", "zero3"]
-    from pdist import data, lesson
+    from pdist import data
+    from pdist.course import lesson
     cfg = lesson.gpt_config(data.char_dataset()[1].vocab_size)
     psi = cfg.num_params()
     b = 8

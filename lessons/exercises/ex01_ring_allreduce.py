@@ -30,7 +30,7 @@ Hints.
 Grade: ``python -m pdist.grade 01`` (4 ranks under mpiexec; a deadlock is reported by
 the watchdog's roll-call, which names where each rank waits).
 """
-from pdist.backend import xp  # noqa: F401
+from pdist.engine.backend import xp  # noqa: F401
 from pdist.comm.algorithms import chunk_bounds  # noqa: F401
 
 

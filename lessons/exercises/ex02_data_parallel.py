@@ -28,7 +28,7 @@ Hints.
 Grade: ``python -m pdist.grade 02`` (2 ranks; checks: equal to single-process training
 in float64, bytes = 2(n-1)/n*Psi*b per step, accumulation with k = 2).
 """
-from pdist.backend import xp  # noqa: F401
+from pdist.engine.backend import xp  # noqa: F401
 
 
 def average_gradients(params, group):

@@ -22,7 +22,7 @@ Hints.
 Grade: ``python -m pdist.grade 04`` (3 ranks, so chunks are uneven; equal to
 single-process training; bytes 2(n-1)/n*Psi*b, no all-reduce; Adam state = 2 x shard).
 """
-from pdist.backend import xp  # noqa: F401
+from pdist.engine.backend import xp  # noqa: F401
 from pdist.comm.algorithms import chunk_bounds  # noqa: F401
 
 

@@ -6,7 +6,7 @@ uses. Write the three moves; pdist's ``ZeRO`` (stage 3) calls them from its hook
 right after its forward and after its backward, ``reduce_unit_grads`` once the unit's
 gradients are complete.
 
-The unit (a ``pdist.parallel.flat_param.FlatParamUnit``) has: ``params``, ``offsets``,
+The unit (a ``pdist.parallel.zero.flat_param.FlatParamUnit``) has: ``params``, ``offsets``,
 ``shapes`` (parameter i lives at flat[offsets[i] : offsets[i] + size_i]), ``padded``
 (Psi_pad = ceil(Psi_u / N) * N), ``lo``, ``hi`` (this rank's shard is flat[lo:hi]),
 ``dtype``, ``shard`` (a Tensor: ``shard.data`` (Psi_pad/N,) is what persists; the
@@ -33,7 +33,7 @@ Grade: ``python -m pdist.grade 05`` (3 ranks, so units are padded; equal to
 single-process training; every unit freed after forward; two gathers per unit per
 step; bytes 3(n-1)/n*Psi_pad*b).
 """
-from pdist.backend import xp  # noqa: F401
+from pdist.engine.backend import xp  # noqa: F401
 
 
 def gather_unit(unit, group):

@@ -27,8 +27,8 @@ Hints.
 
 Grade: ``python -m pdist.grade 06`` (2 ranks).
 """
-from pdist.autograd import Function
-from pdist.backend import xp  # noqa: F401
+from pdist.engine.autograd import Function
+from pdist.engine.backend import xp  # noqa: F401
 
 
 class CopyToTP(Function):

@@ -22,7 +22,7 @@ Hints.
 Grade: ``python -m pdist.grade 07`` (2 ranks; compared with the full softmax
 cross-entropy and with pdist's ``vocab_parallel_cross_entropy``).
 """
-from pdist.backend import xp  # noqa: F401
+from pdist.engine.backend import xp  # noqa: F401
 
 
 def vocab_parallel_ce_forward(logits, targets, vocab_start, group):

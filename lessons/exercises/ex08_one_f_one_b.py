@@ -1,7 +1,7 @@
 """Exercise 08 (10 points): the 1F1B pipeline schedule, as data.
 
 Task. Write ``one_f_one_b(p, m)``: for each of the p stages, its program -- a list of
-``Instr`` (pdist/parallel/schedules.py) -- for one step of m micro-batches. pdist's
+``Instr`` (pdist/parallel/pipeline/schedules.py) -- for one step of m micro-batches. pdist's
 schedule checker (``check_schedule``) must accept it and its simulation
 (``simulate``) must show the theoretical bubble.
 
@@ -16,11 +16,11 @@ Hints.
   tuples, and let ``_program(p, s, 1, order)`` add the receives and sends around each
   compute and the final OPTIMIZER_STEP.
 * Try ``check_schedule(one_f_one_b(4, 8), 8)`` (returns the peak stash per stage) and
-  ``pdist.parallel.pipeline_draw`` to look at it.
+  ``pdist.parallel.pipeline.draw`` to look at it.
 
 Grade: ``python -m pdist.grade 08`` (one process).
 """
-from pdist.parallel.schedules import BACKWARD, FORWARD, _program  # noqa: F401
+from pdist.parallel.pipeline.schedules import BACKWARD, FORWARD, _program  # noqa: F401
 
 
 def one_f_one_b(p, m):

@@ -12,7 +12,7 @@ that saved box and ``dst`` a tuple of slices into the target, such that
 Math. Boxes are products of half-open intervals. Per axis the intersection of
 [o, o + s) and [a, a + k) is [max(o, a), min(o + s, a + k)); the boxes overlap iff it
 is non-empty on every axis. Its slices are relative to each box's own origin. This is
-what pdist's checkpoint reader does (``Reader.read_box`` in pdist/checkpoint_format.py)
+what pdist's checkpoint reader does (``Reader.read_box`` in pdist/checkpoint/format.py)
 so that any layout can load what any layout saved.
 
 Hints.

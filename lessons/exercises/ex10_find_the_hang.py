@@ -59,8 +59,8 @@ def fixed_train(model, opt, group, get_batch, steps):
 
 
 if __name__ == "__main__":
-    from pdist import lesson
-    from pdist.backend import set_default_dtype
+    from pdist.course import lesson
+    from pdist.engine.backend import set_default_dtype
     from pdist.data import regression_batch
     set_default_dtype("float64")
     world = comm.init(timeout=lesson.TIMEOUT)

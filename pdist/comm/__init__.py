@@ -31,15 +31,15 @@ def init(device=None, timeout=None):
     """The world ProcessGroup (created on the first call; later calls return it).
 
     ``device`` ("cpu" or "gpu") also selects the array backend
-    (``pdist.backend.use_device``): CuPy arrays then travel over NCCL.
+    (``pdist.engine.backend.use_device``): CuPy arrays then travel over NCCL.
     ``timeout`` (seconds) is the default deadline of every wait; the
     environment variable ``PDIST_TIMEOUT`` wins when set (default 600)."""
     if device is not None:
-        from pdist.backend import use_device
+        from pdist.engine.backend import use_device
         use_device(device)
     from pdist.comm import failures, watchdog
     if _world["group"] is None:
-        from pdist import trace
+        from pdist.measure import trace
         from pdist.comm.mpi import MPI, setup
         setup(MPI.COMM_WORLD)
         watchdog.configure(timeout)

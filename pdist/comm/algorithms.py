@@ -17,7 +17,7 @@ Chunks: the tensor is split as ``chunk_bounds(size, n)`` (numpy.array_split's
 boundaries: the first ``size % n`` chunks hold one extra element), so sizes
 not divisible by n, and sizes smaller than n (empty chunks), work.
 """
-from pdist.backend import array_module
+from pdist.engine.backend import array_module
 
 
 def chunk_bounds(size, n):

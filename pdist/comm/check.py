@@ -42,7 +42,7 @@ class CollectiveMismatchError(ValueError):
 
 
 def default_on():
-    from pdist.backend import env_flag
+    from pdist.engine.backend import env_flag
     return env_flag("PDIST_CHECK_COLLECTIVES", True)
 
 

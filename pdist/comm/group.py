@@ -33,10 +33,10 @@ dropped without ``wait()``.
 """
 import numpy as np
 
-from pdist import trace
+from pdist.measure import trace
 from contextlib import nullcontext
 
-from pdist.backend import array_module, is_device_array, is_gpu
+from pdist.engine.backend import array_module, is_device_array, is_gpu
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm import topology, watchdog
@@ -45,7 +45,7 @@ from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
 from pdist.comm.watchdog import _cur, _step
 from pdist.comm.objects import ObjectCollectives
 from pdist.comm.work import Pending, Work, settle
-from pdist.precision import is_low
+from pdist.engine.precision import is_low
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
               "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),

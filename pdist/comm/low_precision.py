@@ -14,7 +14,7 @@ upcast values by the rank that owns the result, once:
 
 Rank q's term is added in the order q = 0, 1, ..., n-1, in float32, and the result
 is rounded to the low dtype once: every rank gets the same bits, and they equal one
-process summing n micro-batch gradients in fp32 (pdist.precision.GradAccumulator).
+process summing n micro-batch gradients in fp32 (pdist.engine.precision.GradAccumulator).
 Bytes per rank: (n-1)/n S for the reduce-scatter (the all-to-all moves exactly the
 chunks a ring reduce-scatter moves) and 2(n-1)/n S for the all-reduce (S = the
 low-precision tensor's bytes), the ring accounting of docs/design.md.
@@ -22,7 +22,7 @@ low-precision tensor's bytes), the ring accounting of docs/design.md.
 import numpy as np
 from mpi4py import MPI
 
-from pdist.precision import is_low
+from pdist.engine.precision import is_low
 
 
 def words(a):

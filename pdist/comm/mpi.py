@@ -34,12 +34,12 @@ import mpi4py
 mpi4py.rc.initialize = True
 from mpi4py import MPI  # noqa: E402
 
-from pdist import trace  # noqa: E402
+from pdist.measure import trace  # noqa: E402
 from pdist.comm import watchdog  # noqa: E402
 from pdist.comm import low_precision  # noqa: E402
 from pdist.comm.low_precision import words  # noqa: E402
 from pdist.comm.work import Work  # noqa: E402
-from pdist.precision import is_low  # noqa: E402
+from pdist.engine.precision import is_low  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 
@@ -48,7 +48,7 @@ YIELD_SECONDS = float(os.environ.get("PDIST_WAIT_YIELD_US", "1000")) * 1e-6  # T
 SLEEP_MIN, SLEEP_MAX = 20e-6, 250e-6
 WAIT_SPAN_S = 50e-6
 USER_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")
-# seconds this process spent in polled waits that did not finish at once (pdist.debug reads it
+# seconds this process spent in polled waits that did not finish at once (pdist.faults.debug reads it
 # around each phase of a step: the straggler detector's "waiting"); only the slow path adds to it
 WAITED = [0.0]
 
@@ -79,7 +79,7 @@ def setup(comm=None):
     Returns (threads, cooperative); threads is None when the user's setting stands."""
     if _state["cooperative"] is not None:
         return _state["limits_n"], _state["cooperative"]
-    from pdist.backend import env_flag
+    from pdist.engine.backend import env_flag
     cores, local = cores_available(), local_size(comm)
     threads = max(1, cores // local)
     if any(os.environ.get(v, "").strip() for v in USER_THREAD_VARS):

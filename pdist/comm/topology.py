@@ -40,7 +40,7 @@ import os
 import re
 import time
 
-from pdist import trace
+from pdist.measure import trace
 
 LINK = [0.0]              # seconds of simulated link time charged on this process
 DEFAULT_INTRA, DEFAULT_INTER = "300GB/s:2us", "12.5GB/s:10us"
@@ -164,7 +164,7 @@ def set(spec):
 
 
 def set_slow_links(links):
-    """[((a, b), gbps, latency_us)]: links between world ranks a and b (pdist.inject)."""
+    """[((a, b), gbps, latency_us)]: links between world ranks a and b (pdist.faults.inject)."""
     _state["slow"] = [((a, b), Link(f"slow {a}-{b}", g * 1e9 / 8, us * 1e-6)) for (a, b), g, us in links]
     _attach_all()
 

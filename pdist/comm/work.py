@@ -17,7 +17,7 @@ dropped handle cannot free memory MPI still writes to. A dropped handle is
 reported at the group's next collective (every rank raises), and a handle
 never waited on at exit fails the job.
 """
-from pdist import trace
+from pdist.measure import trace
 from pdist.comm import watchdog
 
 

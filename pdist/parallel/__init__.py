@@ -4,8 +4,8 @@ from pdist.parallel.base import Local
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.parallelize import check_layout, parallelize
-from pdist.parallel.pipeline_parallel import PipelineParallel
-from pdist.parallel.tensor_parallel import TensorParallel
+from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
+from pdist.parallel.tensor.tensor_parallel import TensorParallel
 from pdist.parallel.zero import ZeRO
 
 __all__ = ["Local", "DataParallel", "DataParallelNaive", "ZeRO", "TensorParallel", "PipelineParallel",

@@ -26,13 +26,15 @@ batch. ``pieces()`` says where each piece of each single-process tensor lives
 """
 import numpy as np
 
-from pdist import comm, debug, inject, trace
-from pdist.backend import to_numpy, xp
+from pdist import comm
+from pdist.faults import debug, inject
+from pdist.measure import trace
+from pdist.engine.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
-from pdist.index_checks import deferred_index_checks
-from pdist.meta import materialize
+from pdist.engine.index_checks import deferred_index_checks
+from pdist.engine.meta import materialize
 from pdist.optim import nonfinite_report
-from pdist.precision import GradAccumulator, is_low
+from pdist.engine.precision import GradAccumulator, is_low
 from pdist.parallel.layout import box_slices, shards_of, whole
 
 def default_group(group):
@@ -57,7 +59,7 @@ class Strategy:
 
     def materialize(self):
         """Fill this rank's meta parameters (``GPT(cfg, seed, device="meta")``) piece by piece
-        from the model's ``init_rows`` (pdist/meta.py); a no-op when nothing is meta."""
+        from the model's ``init_rows`` (pdist/engine/meta.py); a no-op when nothing is meta."""
         materialize(self.pieces(), getattr(self.module, "init_rows", None))
         return self
 

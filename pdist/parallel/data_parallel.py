@@ -44,8 +44,8 @@ accumulation: k backward passes, and the all-reduce follows the last one.
 """
 import hashlib
 
-from pdist import trace
-from pdist.backend import to_numpy, xp
+from pdist.measure import trace
+from pdist.engine.backend import to_numpy, xp
 from pdist.data import shard
 from pdist.parallel.base import ParallelModule
 

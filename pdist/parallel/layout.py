@@ -25,7 +25,7 @@ mechanism gives ``full_state_dict``, ``load_full_state_dict`` and
 import math
 from collections import namedtuple
 
-from pdist.backend import to_numpy
+from pdist.engine.backend import to_numpy
 
 Shard = namedtuple("Shard", ["data", "global_shape", "offsets"])
 Shard.__doc__ = "One rank's piece of a tensor: a NumPy array, the tensor's full shape, the piece's start per axis."

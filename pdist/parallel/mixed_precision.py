@@ -1,4 +1,4 @@
-"""``MixedPrecision``: the outermost layer of the chain under bf16 or fp16 (pdist/precision.py).
+"""``MixedPrecision``: the outermost layer of the chain under bf16 or fp16 (pdist/engine/precision.py).
 
     model = parallelize(GPT(cfg, seed), mesh, zero_stage=2, precision="bf16")
     opt = AdamW(model.parameters())        # the fp32 masters of this rank's tensors
@@ -20,17 +20,17 @@ weights"), and gives the optimizer the masters, so AdamW's m and v are fp32 too:
 Memory per rank, ZeRO stage s over N ranks (Ψ padded as ZeRO pads it), the paper's
 mixed-precision table: params 2Ψ (2Ψ/N at stage 3), grads 2Ψ (2Ψ/N at stages 2, 3),
 optimizer states = masters + m + v = 12Ψ/N at stages 1-3 (12Ψ at stage 0).
-``pdist.memory.model_state_bytes`` counts the masters in ``optim_bytes`` (and alone in
+``pdist.measure.memory.model_state_bytes`` counts the masters in ``optim_bytes`` (and alone in
 ``master_bytes``). The masters start as the low-precision weights, upcast (exact).
 """
 from contextlib import nullcontext
 
 import numpy as np
 
-from pdist.grad_scaler import GradScaler
+from pdist.engine.grad_scaler import GradScaler
 from pdist.parallel.base import Local, Strategy
 from pdist.parallel.layout import Piece
-from pdist.precision import low_dtype
+from pdist.engine.precision import low_dtype
 
 
 class MixedPrecision(Strategy):
@@ -47,7 +47,7 @@ class MixedPrecision(Strategy):
         bad = [n for n, t in inner.named_parameters() if t.dtype != dt]
         if bad:
             raise ValueError(f"MixedPrecision({precision}): tensors {bad[:3]} are not {dt}; cast the model "
-                             f"with pdist.precision.cast_module(model, {precision!r}) before wrapping it")
+                             f"with pdist.engine.precision.cast_module(model, {precision!r}) before wrapping it")
         self.masters = []
         for t in self.low:                                # a copy of each tensor's facts, fp32 data, no hooks
             m = type(t).__new__(type(t))

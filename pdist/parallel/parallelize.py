@@ -20,11 +20,11 @@ collective, with one clear message.
 from pdist.parallel.base import Local
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
-from pdist.parallel.pipeline_parallel import PipelineParallel, partition_layers
-from pdist.parallel.schedules import make_schedule
-from pdist.parallel.tensor_parallel import TensorParallel, check_tp_config
+from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, partition_layers
+from pdist.parallel.pipeline.schedules import make_schedule
+from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
-from pdist.precision import cast_module, low_dtype
+from pdist.engine.precision import cast_module, low_dtype
 
 
 def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,

@@ -9,9 +9,11 @@ import os
 import signal
 import sys
 
-from pdist import checkpoint, checkpoint_format, comm, data, lesson
-from pdist.backend import set_default_dtype
-from pdist.gpt import GPT
+from pdist import checkpoint, comm, data
+from pdist.checkpoint import format as checkpoint_format
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
+from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.testing import report

@@ -11,9 +11,10 @@ import sys
 
 import numpy as np
 
-from pdist import checkpoint, comm, lesson
-from pdist.backend import set_default_dtype, to_numpy
-from pdist.gpt import GPT
+from pdist import checkpoint, comm
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype, to_numpy
+from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.testing import report

@@ -12,12 +12,13 @@ import sys
 
 import numpy as np
 
-from pdist import checkpoint, comm, data, lesson
-from pdist.backend import set_default_dtype, to_numpy
-from pdist.gpt import GPT
+from pdist import checkpoint, comm, data
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype, to_numpy
+from pdist.models.gpt import GPT
 from pdist.parallel import Local, ZeRO, parallelize
 from pdist.parallel.mixed_precision import MixedPrecision
-from pdist.precision import cast_module, low_dtype
+from pdist.engine.precision import cast_module, low_dtype
 from pdist.testing import report
 from pdist.training import train
 

@@ -12,9 +12,10 @@ or ``local`` (one process, no mesh). Reports JSON per layout."""
 import argparse
 import os
 
-from pdist import checkpoint, comm, data, lesson
-from pdist.backend import set_default_dtype
-from pdist.gpt import GPT
+from pdist import checkpoint, comm, data
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
+from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import Local, parallelize
 from pdist.testing import report

@@ -10,7 +10,8 @@ import sys
 
 import numpy as np
 
-from pdist import comm, trace
+from pdist import comm
+from pdist.measure import trace
 from pdist.comm.mpi import cooperative
 from pdist.testing import report
 

@@ -11,7 +11,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.comm.algorithms import chunk_bounds
-from pdist.precision import bfloat16
+from pdist.engine.precision import bfloat16
 from pdist.testing import report
 
 world = comm.init()

@@ -4,7 +4,8 @@ import time
 
 import numpy as np
 
-from pdist import comm, trace
+from pdist import comm
+from pdist.measure import trace
 from pdist.testing import report
 
 

@@ -8,10 +8,12 @@ import time
 
 import numpy as np
 
-from pdist import comm, data, debug, inject, lesson
-from pdist.backend import set_default_dtype
+from pdist import comm, data
+from pdist.faults import debug, inject
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
 from pdist.comm import topology
-from pdist.gpt import GPT
+from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, parallelize
 from pdist.testing import report
 from pdist.training import train

@@ -4,8 +4,11 @@ bytes and calls per step, overlap, replica sync, and clear errors, on the world 
 Reports JSON (pdist.testing.report) on rank 0; any failed assert fails the mpirun."""
 import numpy as np
 
-from pdist import comm, data, gpt, lesson, trace
-from pdist.backend import set_default_dtype, to_numpy
+from pdist import comm, data
+from pdist.models import gpt
+from pdist.course import lesson
+from pdist.measure import trace
+from pdist.engine.backend import set_default_dtype, to_numpy
 from pdist.parallel import DataParallel, DataParallelNaive, Local
 from pdist.testing import report
 from pdist.training import train

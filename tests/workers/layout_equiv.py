@@ -12,9 +12,11 @@ import argparse
 
 import numpy as np
 
-from pdist import comm, data, lesson, meta
-from pdist.backend import set_default_dtype, to_numpy
-from pdist.gpt import GPT
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.engine import meta
+from pdist.engine.backend import set_default_dtype, to_numpy
+from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.parallel.layout import box_slices

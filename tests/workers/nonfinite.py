@@ -7,10 +7,11 @@
 Each rank reports what it raised (pdist.testing.report)."""
 import numpy as np
 
-from pdist import comm, data, lesson
-from pdist.backend import set_default_dtype
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
 from pdist.errors import NonFiniteError
-from pdist.gpt import GPT
+from pdist.models.gpt import GPT
 from pdist.optim import clip_grad_norm_
 from pdist.parallel import DataParallel, parallelize
 from pdist.testing import report

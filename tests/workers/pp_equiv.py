@@ -10,15 +10,16 @@ the measured peak stash against the schedule's, freed stashes after the step,
 and bad configs raising on every rank before any collective."""
 import numpy as np
 
-from pdist.backend import to_device, to_numpy
+from pdist.engine.backend import to_device, to_numpy
 
-from pdist import comm, data, lesson, nn
-from pdist.backend import set_default_dtype
-from pdist.gpt import GPT
+from pdist import comm, data, nn
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
+from pdist.models.gpt import GPT
 from pdist.parallel import PipelineParallel, parallelize
-from pdist.parallel import schedules as S
+from pdist.parallel.pipeline import schedules as S
 from pdist.parallel.layout import box_slices
-from pdist.parallel.pipeline_parallel import partition_layers
+from pdist.parallel.pipeline.pipeline_parallel import partition_layers
 from pdist.testing import report
 from pdist.training import train
 

@@ -15,9 +15,10 @@ import argparse
 
 import numpy as np
 
-from pdist import comm, data, lesson
-from pdist.grad_scaler import GradScaler
-from pdist.gpt import GPT
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.engine.grad_scaler import GradScaler
+from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.testing import report

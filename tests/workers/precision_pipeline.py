@@ -31,10 +31,12 @@ import sys
 
 import numpy as np
 
-from pdist import comm, data, lesson, precision
-from pdist.backend import set_default_dtype
-from pdist.gpt import GPT
-from pdist.grad_scaler import GradScaler
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.engine import precision
+from pdist.engine.backend import set_default_dtype
+from pdist.models.gpt import GPT
+from pdist.engine.grad_scaler import GradScaler
 from pdist.parallel import Local, MixedPrecision, parallelize
 from pdist.testing import check_shards, report
 from pdist.training import train

@@ -15,9 +15,10 @@ import dataclasses
 
 import numpy as np
 
-from pdist import comm, data, lesson
-from pdist.backend import set_default_dtype, to_numpy
-from pdist.gpt import GPT
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype, to_numpy
+from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.testing import report

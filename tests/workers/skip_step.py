@@ -7,10 +7,11 @@ that differ from correct training). Each rank steps through the data with
 raise CollectiveMismatchError naming the steps, and reports it (pdist.testing.report)."""
 import sys
 
-from pdist import comm, data, lesson
-from pdist.backend import set_default_dtype
+from pdist import comm, data
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
 from pdist.comm import CollectiveMismatchError
-from pdist.gpt import GPT
+from pdist.models.gpt import GPT
 from pdist.parallel import parallelize
 from pdist.testing import report
 

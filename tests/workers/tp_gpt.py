@@ -21,8 +21,10 @@ import sys
 
 import numpy as np
 
-from pdist import comm, data, gpt, lesson
-from pdist.backend import set_default_dtype, to_numpy
+from pdist import comm, data
+from pdist.models import gpt
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype, to_numpy
 from pdist.parallel import TensorParallel
 from pdist.parallel.layout import box_slices
 from pdist.testing import report
@@ -114,7 +116,7 @@ def run(cfg, sp, steps, what):
                 same_on_all_ranks(pc.tensor.grad, f"{what} grad of replicated {pc.name}")
         opt.step()
         opt.zero_grad()
-    from pdist.autograd import no_grad
+    from pdist.engine.autograd import no_grad
     with no_grad():
         logits = model.module(x)
     assert logits.shape == (B, T, cfg.vocab_size // t), f"{what}: rank holds logits {logits.shape}"

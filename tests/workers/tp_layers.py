@@ -9,13 +9,14 @@ F.cross_entropy) on the full arrays; each rank's loss is sum(Y_local * R_local) 
 random R, so the sum of the ranks' losses is the single-process loss sum(Y * R)."""
 import numpy as np
 
-from pdist import Tensor, comm, functional as F
-from pdist.backend import set_default_dtype, to_numpy
-from pdist.gpt import GPTConfig
+from pdist import Tensor, comm
+from pdist.engine import functional as F
+from pdist.engine.backend import set_default_dtype, to_numpy
+from pdist.models.gpt import GPTConfig
 from pdist.testing import report
-from pdist import gpt
+from pdist.models import gpt
 from pdist.parallel import TensorParallel
-from pdist.parallel import tp_layers as tp
+from pdist.parallel.tensor import layers as tp
 
 set_default_dtype("float64")
 world = comm.init()

@@ -23,7 +23,10 @@ import sys
 
 import numpy as np
 
-from pdist import comm, data, gpt, lesson, memory
+from pdist import comm, data
+from pdist.models import gpt
+from pdist.course import lesson
+from pdist.measure import memory
 from pdist.parallel.zero import ZeRO
 from pdist.testing import report
 

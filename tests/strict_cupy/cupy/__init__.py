@@ -103,7 +103,7 @@ class ndarray:
 
     def __array_function__(self, func, types, args, kwargs):
         raise TypeError(f"strict cupy: numpy.{func.__name__} applied to a device array; "
-                        "take the module from the array (pdist.backend.array_module)")
+                        "take the module from the array (pdist.engine.backend.array_module)")
 
     def __float__(self):
         _refuse("float()")

@@ -8,10 +8,10 @@ import numpy as np
 
 import cupy
 from pdist import comm, nn
-from pdist.backend import is_device_array, to_numpy
+from pdist.engine.backend import is_device_array, to_numpy
 from pdist.comm.host_staging import MPIHostBackend
 from pdist.comm.nccl import NCCLBackend
-from pdist.parallel.pipeline_parallel import PipelineParallel
+from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
 
 g = comm.init()
 n, r = g.size, g.rank

@@ -1,0 +1,8 @@
+"""The course: the lessons' helpers and the exercises' autograder (docs/course.md).
+
+    lesson.py       flags, tables, the JSON summary and the references every lesson uses
+    grade.py        the autograder (``python -m pdist.grade``, ``make grade``)
+    checks*.py      each exercise's checks, run under mpiexec
+    common.py       what the checks share
+    solutions.py    the library's own answers (``--reference``)
+"""

@@ -1,0 +1,283 @@
+"""Checks of exercises 01-05: the ring all-reduce, data parallelism by hand, bucketed DDP,
+ZeRO-1 and a ZeRO-3 unit (the grader runs them through pdist/course/checks.py)."""
+from types import SimpleNamespace
+
+import numpy as np
+
+from pdist.course.common import (SEED, STEPS, batches, close, close_dicts, equal_to_one_process, need,
+                                reference_run, ring_bytes, tiny_cfg, train_strategy)
+
+
+def checks_01(S, world):
+    from pdist.engine.backend import xp
+    n, r = world.size, world.rank
+
+    def values(size, q):
+        return np.random.default_rng([size, q]).standard_normal(size)
+
+    def run(size):
+        buf = xp.asarray(values(size, r))
+        S.ring_all_reduce(world, buf)
+        return buf, sum(values(size, q) for q in range(n))
+
+    def small():
+        for size in (n * 4, 1, n - 1 or 1, 7 * n + 3):
+            got, want = run(size)
+            close(got, want, f"the sum of a {size}-element buffer", rtol=1e-12)
+
+    def big():
+        got, want = run(1 << 20)       # 8 MiB: each chunk is past MPI's eager limit
+        close(got, want, "the sum of a 2^20-element buffer", rtol=1e-12)
+
+    def bytes_sent():
+        world.reset_stats()
+        size = 64 * n
+        run(size)
+        sent = world.stats.get("send", {}).get("bytes", 0)
+        want = ring_bytes(size * 8, n, 2)
+        need(sent == want, f"rank {r} sent {sent} bytes for S = {size * 8}; a ring sends 2(n-1)/n*S = {want}")
+        others = [k for k in world.stats if k not in ("send", "recv")]
+        need(not others, f"use only point-to-point calls (found {others})")
+
+    return [("sums small and uneven buffers", small), ("sums an 8 MiB buffer (no deadlock)", big),
+            ("sends 2(n-1)/n*S bytes", bytes_sent)]
+
+
+# ------------------------------------------------------------------ 02 data parallelism by hand
+def checks_02(S, world):
+    from pdist.models import gpt
+    from pdist.parallel.base import Local
+    from pdist.parallel.data_parallel import DataParallelNaive
+    cfg, tokens = tiny_cfg()
+
+    class HandLocal(Local):
+        def compute(self, x, y):
+            return S.accumulate_gradients(self.module, x, y, self.microbatches)
+
+    class HandDP(DataParallelNaive):
+        def finish_grad_sync(self):
+            self.inner.finish_grad_sync()
+            S.average_gradients(self._param_list, self.group)
+
+    def equal(k):
+        equal_to_one_process(HandDP(HandLocal(gpt.GPT(cfg, seed=SEED), microbatches=k), world), cfg, tokens)
+
+    def bytes_sent():
+        model = HandDP(Local(gpt.GPT(cfg, seed=SEED)), world)
+        world.reset_stats()
+        train_strategy(model, cfg, tokens, steps=1)
+        got = world.bytes_sent()
+        want = sum(ring_bytes(p.data.nbytes, world.size, 2) for p in model.parameters())
+        need(got == want, f"one step sent {got} bytes; all-reducing every gradient once is 2(n-1)/n*Psi*b = {want}")
+
+    return [("equals single-process training", lambda: equal(1)), ("sends 2(n-1)/n*Psi*b per step", bytes_sent),
+            ("gradient accumulation (k = 2) equals single-process training", lambda: equal(2))]
+
+
+# ------------------------------------------------------------------ 03 bucketed DDP
+def checks_03(S, world):
+    from pdist.models import gpt
+    from pdist.engine.backend import xp
+    from pdist.parallel.base import Local
+    from pdist.parallel.data_parallel import _DataParallelBase, build_buckets
+    cfg, tokens = tiny_cfg()
+    CAP = 8 * 1024
+
+    class HandDDP(_DataParallelBase):
+        def __init__(self, module, group):
+            super().__init__(module, group)
+            groups = S.make_buckets(self._param_list, CAP)
+            self.buckets = []
+            for i, ps in enumerate(groups):
+                buf = xp.zeros(sum(p.size for p in ps), dtype=ps[0].dtype)
+                views, off = {}, 0
+                for p in ps:
+                    views[id(p)] = buf[off:off + p.size].reshape(p.shape)
+                    off += p.size
+                self.buckets.append(SimpleNamespace(index=i, params=ps, buffer=buf, views=views,
+                                                    ready=set(), work=None))
+            self.bucket_of = {id(p): b for b in self.buckets for p in b.params}
+            self.next, self.issued_in_backward = 0, 0
+            for p in self._param_list:
+                p.register_post_accumulate_grad_hook(self._hook)
+            self.zero_grad()
+
+        def _view(self, p):
+            b = self.bucket_of[id(p)]
+            v = b.views[id(p)]
+            if p.grad is not v:
+                v[...] = 0 if p.grad is None else p.grad
+                p.grad = v
+
+        def _hook(self, p):
+            self._view(p)
+            before = self.next
+            S.on_grad_ready(self, p)
+            self.issued_in_backward += self.next - before
+
+        def finish_grad_sync(self):
+            self.inner.finish_grad_sync()
+            for p in self._param_list:
+                self._view(p)
+            S.finish_grad_sync(self)
+
+        def zero_grad(self):
+            self.inner.zero_grad()
+            for b in self.buckets:
+                b.buffer[...] = 0
+            for p in self._param_list:
+                self._view(p)
+
+    def buckets():
+        model = gpt.GPT(cfg, seed=SEED)
+        params = [p for _, p in model.named_parameters()]
+        got = S.make_buckets(params, CAP)
+        flat = [id(p) for b in got for p in b]
+        need(sorted(flat) == sorted(id(p) for p in params) and len(flat) == len(params),
+             "every parameter must be in exactly one bucket")
+        want = build_buckets(params, CAP, CAP)
+        need([[id(p) for p in b] for b in got] == [[id(p) for p in b] for b in want],
+             f"buckets differ from DDP's ({len(got)} vs {len(want)}; walk the parameters in the order "
+             f"backward produces their gradients, and close a bucket before it passes the cap)")
+
+    def equal():
+        model = equal_to_one_process(HandDDP(Local(gpt.GPT(cfg, seed=SEED)), world), cfg, tokens)
+        need(all(b.work is None and not b.ready for b in model.buckets) and model.next == 0,
+             "after finish_grad_sync every bucket must be waited on and reset for the next step")
+
+    def overlap_and_bytes():
+        model = HandDDP(Local(gpt.GPT(cfg, seed=SEED)), world)
+        world.reset_stats()
+        train_strategy(model, cfg, tokens, steps=1)
+        need(model.issued_in_backward >= len(model.buckets) - 1,
+             f"only {model.issued_in_backward} of {len(model.buckets)} buckets were issued during backward: "
+             f"issue a bucket from the hook as soon as it (and every bucket before it) is complete")
+        got = world.bytes_sent()
+        want = sum(ring_bytes(b.buffer.nbytes, world.size, 2) for b in model.buckets)
+        need(got == want, f"one step sent {got} bytes; one all-reduce per bucket is {want}")
+        ar = world.stats.get("all_reduce", {}).get("calls", 0)
+        need(ar == len(model.buckets), f"{ar} all-reduces for {len(model.buckets)} buckets")
+
+    return [("buckets are DDP's", buckets), ("equals single-process training", equal),
+            ("overlaps backward; one all-reduce per bucket", overlap_and_bytes)]
+
+
+# ------------------------------------------------------------------ 04 ZeRO-1
+def checks_04(S, world):
+    from pdist.models import gpt
+    from pdist.course import lesson
+    from pdist.engine.autograd import Tensor
+    from pdist.engine.backend import xp
+    from pdist.comm.algorithms import chunk_bounds
+    from pdist.data import shard
+    cfg, tokens = tiny_cfg()
+    n, r = world.size, world.rank
+
+    def run():
+        model = gpt.GPT(cfg, seed=SEED)
+        params = [p for _, p in model.named_parameters()]
+        psi = sum(p.size for p in params)
+        flat_p, flat_g = xp.zeros(psi), xp.zeros(psi)
+        off = 0
+        for p in params:
+            flat_p[off:off + p.size] = p.data.reshape(-1)
+            p.data = flat_p[off:off + p.size].reshape(p.shape)
+            off += p.size
+        a, b = chunk_bounds(psi, n)[r]
+        sh = Tensor(flat_p[a:b].copy(), requires_grad=True, name="shard")
+        opt = lesson.make_adamw([sh])
+        get = batches(cfg, tokens)
+        world.reset_stats()
+        for step in range(STEPS):
+            flat_g[...] = 0
+            off = 0
+            for p in params:
+                p.grad = flat_g[off:off + p.size].reshape(p.shape)
+                off += p.size
+            x, y = shard(get(step), r, n)
+            _, loss = model(x, y)
+            loss.backward()
+            S.zero1_step(flat_p, flat_g, sh, opt, world)
+        return model, psi, sh, opt
+
+    def equal():
+        _, ref_sd = reference_run(cfg, tokens)
+        model, _, _, _ = run()
+        close_dicts({k: v for k, v in model.state_dict().items() if k in ref_sd}, ref_sd,
+                    f"after {STEPS} steps the parameters")
+
+    def bytes_and_memory():
+        _, psi, sh, opt = run()
+        want = ring_bytes(psi * 8, n) * STEPS
+        rs = world.stats.get("reduce_scatter", {}).get("bytes", 0)
+        ag = world.stats.get("all_gather", {}).get("bytes", 0)
+        need("all_reduce" not in world.stats,
+             "ZeRO-1 never all-reduces the gradients: reduce-scatter them (each rank needs only its shard)")
+        need(rs == want and ag == want,
+             f"per step: reduce-scatter {rs // STEPS} and all-gather {ag // STEPS} bytes; each should be "
+             f"(n-1)/n*Psi*b = {want // STEPS} (2 Psi in all, like DDP)")
+        need(opt.state_bytes() == 2 * sh.data.nbytes,
+             f"Adam state {opt.state_bytes()} bytes on this rank; it should be 2 x the shard ({2 * sh.data.nbytes})")
+
+    return [("equals single-process training", equal),
+            ("reduce-scatter + all-gather: 2(n-1)/n*Psi*b; Adam state only for the shard", bytes_and_memory)]
+
+
+# ------------------------------------------------------------------ 05 ZeRO-3, one unit
+def checks_05(S, world):
+    from pdist.models import gpt
+    from pdist.parallel.base import Local
+    from pdist.parallel.zero import ZeRO
+    cfg, tokens = tiny_cfg()
+    n = world.size
+
+    class HandZeRO3(ZeRO):
+        def __init__(self, module, group):
+            super().__init__(module, 3, group, prefetch=False)
+            for u in self.units:
+                u.free = (lambda u=u: S.free_unit(u))
+            self.gathers = 0
+
+        def _gather(self, u, order):
+            if not u.materialized():
+                S.gather_unit(u, self.group)
+                self.gathers += 1
+                need(u.materialized() and all(p.data.shape == s for p, s in zip(u.params, u.shapes)),
+                     "after gather_unit every parameter must have its full shape (a view of unit.full)")
+
+        def _reduce(self, u):
+            self._reduced.add(id(u))
+            u.free()
+            S.reduce_unit_grads(u, self.group)
+
+        def _finish_reduction(self):
+            pass
+
+    def equal():
+        equal_to_one_process(HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world), cfg, tokens)
+
+    def freed_and_bytes():
+        model = HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world)
+        seen = []
+        for u, m in zip(model.units[1:], model.module.transformer.h):
+            m.register_forward_hook(lambda mod, args, out, u=u: seen.append(u.materialized()))
+        world.reset_stats()
+        train_strategy(model, cfg, tokens, steps=1)
+        need(seen and not any(seen), "a unit is still materialized after its forward: free it")
+        held = [p for u in model.units for p in u.params if p.data.size]
+        need(not held, f"{len(held)} parameters still hold full data after the step: free every unit")
+        need(model.gathers == 2 * len(model.units),
+             f"{model.gathers} gathers for {len(model.units)} units; each unit is gathered twice a step "
+             f"(forward, then again for backward)")
+        pad = sum(u.padded for u in model.units) * 8
+        ag = world.stats.get("all_gather", {}).get("bytes", 0)
+        rs = world.stats.get("reduce_scatter", {}).get("bytes", 0)
+        need(ag == 2 * ring_bytes(pad, n) and rs == ring_bytes(pad, n),
+             f"all-gather {ag} and reduce-scatter {rs} bytes; ZeRO-3 moves 2(n-1)/n*Psi*b and (n-1)/n*Psi*b "
+             f"({2 * ring_bytes(pad, n)} and {ring_bytes(pad, n)}): 3 Psi in all")
+
+    return [("equals single-process training", equal),
+            ("frees after forward, gathers again for backward: 3(n-1)/n*Psi*b", freed_and_bytes)]
+
+
+# ------------------------------------------------------------------ 06 Megatron column/row parallel

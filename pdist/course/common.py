@@ -1,0 +1,91 @@
+"""What every exercise check uses: the failure type, comparisons, the small GPT and
+its single-process reference run (pdist/course/checks.py runs the checks)."""
+import importlib.util
+import os
+import sys
+
+import numpy as np
+
+RTOL = 1e-9
+SEED, STEPS, BATCH = 0, 3, 12
+
+
+class CheckFailed(AssertionError):
+    pass
+
+
+def need(cond, msg):
+    if not cond:
+        raise CheckFailed(msg)
+
+
+def load(source):
+    if source == "reference":
+        from pdist.course import solutions as exercise_solutions
+        return exercise_solutions
+    spec = importlib.util.spec_from_file_location("student_exercise", source)
+    mod = importlib.util.module_from_spec(spec)
+    sys.path.insert(0, os.path.dirname(os.path.abspath(source)))
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def close(a, b, what, rtol=RTOL, atol=1e-12):
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    need(a.shape == b.shape, f"{what}: shape {a.shape}, expected {b.shape}")
+    if not np.allclose(a, b, rtol=rtol, atol=atol):
+        err = np.max(np.abs(a - b) / (np.abs(b) + 1e-300)) if a.size else 0.0
+        raise CheckFailed(f"{what} differs from pdist's (max relative error {err:.2g})")
+
+
+def close_dicts(got, want, what):
+    need(set(got) == set(want), f"{what}: tensor names differ")
+    for k in want:
+        close(got[k], want[k], f"{what}: {k}")
+
+
+# ------------------------------------------------------------------ shared harness
+def tiny_cfg():
+    from pdist import data
+    from pdist.models.gpt import GPTConfig
+    tokens, tok = data.char_dataset(20_000)
+    return GPTConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16,
+                     dtype="float64"), tokens
+
+
+def batches(cfg, tokens, batch=BATCH):
+    from pdist import data
+    return lambda step: data.get_batch(tokens, batch, cfg.block_size, SEED, step)
+
+
+def reference_run(cfg, tokens, steps=STEPS, batch=BATCH):
+    """(losses, state_dict) of single-process training: pdist's own, through the one loop."""
+    from pdist.models import gpt
+    from pdist.course import lesson
+    from pdist.parallel.base import Local
+    from pdist.training import train
+    model = Local(gpt.GPT(cfg, seed=SEED))
+    losses = train(model, lesson.make_adamw(model.parameters()), batches(cfg, tokens, batch), steps)
+    return losses, model.module.state_dict()
+
+
+def train_strategy(model, cfg, tokens, steps=STEPS, on_step=None):
+    from pdist.course import lesson
+    from pdist.training import train
+    return train(model, lesson.make_adamw(model.parameters()), batches(cfg, tokens), steps, on_step=on_step)
+
+
+def equal_to_one_process(model, cfg, tokens):
+    """Train ``model`` (a strategy of the one shape) STEPS steps and require its losses and
+    its full parameters to equal single-process training on the same batches."""
+    ref_losses, ref_sd = reference_run(cfg, tokens)
+    close(train_strategy(model, cfg, tokens), ref_losses, "the loss per step")
+    close_dicts(model.full_state_dict(), ref_sd, f"after {STEPS} steps the parameters")
+    return model
+
+
+def ring_bytes(nbytes, n, factor=1):
+    return factor * (n - 1) * nbytes // n
+
+
+# ------------------------------------------------------------------ 01 ring all-reduce

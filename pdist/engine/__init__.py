@@ -1,0 +1,14 @@
+"""The engine: arrays, autograd and the ops every model is made of.
+
+    backend.py       xp = NumPy or CuPy (PDIST_DEVICE), to_numpy, dtype facts
+    autograd.py      Tensor, Function, the backward walk, hooks, no_grad
+    ops.py           the operators of Tensor, with hand-derived backwards
+    functional.py    fused LayerNorm, GELU, causal softmax, cross-entropy, Linear, Embedding
+    attention.py     multi-head causal self-attention in causal blocks
+    precision.py     bf16/fp16 casts, mixed-precision matmul and gradient accumulation
+    grad_scaler.py   fp16's dynamic loss scaling
+    recompute.py     activation recomputation: checkpoint(fn, *inputs)
+    meta.py          shape-only parameters, filled piece by piece
+    index_checks.py  token-id bounds, one host read per step on a GPU
+    gradcheck.py     finite differences against backward
+"""

@@ -1,0 +1,306 @@
+"""Reverse-mode automatic differentiation over ``xp`` arrays.
+
+A ``Tensor`` holds an array (``.data``), and, when it was computed from tensors
+that require gradients, the ``Function`` that made it (``._ctx``). Calling
+``loss.backward()`` walks that graph once in reverse topological order and
+applies the chain rule
+
+    dL/dx_i = sum over uses y = f(..., x_i, ...) of  (dy/dx_i)^T dL/dy
+
+so each Function only needs a ``backward(grad_out) -> grads_in``.
+
+Contracts (PyTorch's):
+
+* Gradients **accumulate**: ``backward()`` adds into ``leaf.grad`` (in place when
+  a gradient array already exists, so a ``.grad`` that is a view into a flat
+  buffer stays that view), until ``zero_grad()`` sets it to ``None``. This is
+  what makes gradient accumulation over micro-batches work.
+* ``register_hook(fn)`` on any tensor: ``fn(grad)`` runs when the gradient with
+  respect to that tensor is complete, before it flows further back; it may
+  return a replacement gradient. ``register_post_accumulate_grad_hook(fn)`` on a
+  leaf: ``fn(tensor)`` runs right after ``tensor.grad`` received its last
+  contribution of this backward (DDP/ZeRO start their reductions here).
+* Functions read parameters through their parent tensors at backward time
+  (``self.parents[i].data``), never through arrays captured in forward, so a
+  sharded strategy (ZeRO-3) may free a parameter's full array after forward and
+  gather it again before backward.
+* ``with no_grad():`` builds no graph.
+
+The operators and array methods of ``Tensor`` (``x @ w``, ``.sum()``,
+``.reshape``, ...) are attached by ``pdist.engine.ops`` when it is imported; the
+package (``pdist/__init__``) imports both, so importing any pdist module gives
+the full ``Tensor``. This module imports nothing from ``pdist.engine.ops`` (no cycle).
+"""
+import contextlib
+
+from pdist.engine.backend import xp
+
+_grad_enabled = [True]
+
+
+@contextlib.contextmanager
+def no_grad():
+    """Inside this block, operations record no graph (like torch.no_grad)."""
+    prev = _grad_enabled[0]
+    _grad_enabled[0] = False
+    try:
+        yield
+    finally:
+        _grad_enabled[0] = prev
+
+
+def is_grad_enabled():
+    return _grad_enabled[0]
+
+
+class Tensor:
+    """An array plus what is needed to differentiate through it."""
+
+    __array_priority__ = 1000  # so ndarray <op> Tensor defers to Tensor
+    transient_grad = False     # True: zero_grad drops .grad even with set_to_none=False (precision.py)
+
+    def __init__(self, data, requires_grad=False, dtype=None, name=None):
+        if isinstance(data, Tensor):
+            data = data.data
+        if dtype is None and not hasattr(data, "dtype"):
+            from pdist.engine.backend import default_dtype
+            dtype = default_dtype()
+        self.data = xp.asarray(data, dtype=dtype)
+        self.grad = None
+        self.requires_grad = bool(requires_grad)
+        self._ctx = None
+        self._hooks = None
+        self._post_acc_hooks = None
+        self.name = name
+
+    @classmethod
+    def _make(cls, data, requires_grad):
+        t = cls.__new__(cls)
+        t.data, t.grad, t.requires_grad = data, None, requires_grad
+        t._ctx = t._hooks = t._post_acc_hooks = t.name = None
+        return t
+
+    # --- array-like facts -------------------------------------------------
+    shape = property(lambda self: self.data.shape)
+    dtype = property(lambda self: self.data.dtype)
+    ndim = property(lambda self: self.data.ndim)
+    size = property(lambda self: self.data.size)
+    is_leaf = property(lambda self: self._ctx is None)
+
+    def __len__(self):
+        return len(self.data)
+
+    def __repr__(self):
+        g = ", requires_grad=True" if self.requires_grad else ""
+        return f"Tensor(shape={self.shape}, dtype={self.dtype}{g})"
+
+    def numpy(self):
+        from pdist.engine.backend import to_numpy
+        return to_numpy(self.data)
+
+    def item(self):
+        return self.data.item()
+
+    def detach(self):
+        return Tensor._make(self.data, False)
+
+    # --- hooks --------------------------------------------------------------
+    def register_hook(self, fn):
+        """fn(grad) -> grad or None, run when dL/d(self) is complete."""
+        if self._hooks is None:
+            self._hooks = []
+        self._hooks.append(fn)
+        return _Handle(self._hooks, fn)
+
+    def register_post_accumulate_grad_hook(self, fn):
+        """fn(tensor), run after this leaf's .grad got its last contribution."""
+        if self._ctx is not None:
+            raise RuntimeError("post-accumulate-grad hooks can only be registered on leaf tensors")
+        if self._post_acc_hooks is None:
+            self._post_acc_hooks = []
+        self._post_acc_hooks.append(fn)
+        return _Handle(self._post_acc_hooks, fn)
+
+    # --- backward -------------------------------------------------------------
+    def backward(self, grad=None):
+        """Accumulate d(self)/d(leaf) * grad into every leaf's .grad."""
+        if not self.requires_grad:
+            raise RuntimeError("backward() on a tensor that does not require grad "
+                               "(did you build it under no_grad, or from tensors without requires_grad?)")
+        if grad is None:
+            if self.data.size != 1:
+                raise RuntimeError(f"backward() without a gradient needs a scalar, got shape {self.shape}")
+            grad = xp.ones_like(self.data)
+        elif isinstance(grad, Tensor):
+            grad = grad.data
+        _run_backward(self, grad)
+
+
+def zero_grads(tensors, set_to_none=True):
+    """End gradient accumulation: ``.grad = None`` (PyTorch's default), or zero the
+    existing arrays in place (keeps views, e.g. DDP's bucket views, intact)."""
+    for t in tensors:
+        if set_to_none or t.transient_grad:    # a master weight's fp32 gradient: always dropped
+            t.grad = None
+        elif t.grad is not None:
+            t.grad[...] = 0
+
+
+class _Handle:
+    def __init__(self, lst, fn):
+        self._lst, self._fn = lst, fn
+
+    def remove(self):
+        if self._fn in self._lst:
+            self._lst.remove(self._fn)
+
+
+def _topo_order(root):
+    """Tensors with a grad_fn reachable from root, in reverse topological order,
+    and for every tensor the number of graph edges into it (its consumer count)."""
+    order, consumers = [], {id(root): 0}
+    visited = set()
+    stack = [(root, False)]
+    while stack:
+        t, expanded = stack.pop()
+        if expanded:
+            order.append(t)
+            continue
+        if id(t) in visited:
+            continue
+        visited.add(id(t))
+        stack.append((t, True))
+        ctx = t._ctx
+        if ctx is None:
+            continue
+        for p in ctx.parents:
+            if p is not None and p.requires_grad:
+                consumers[id(p)] = consumers.get(id(p), 0) + 1
+                if id(p) not in visited:
+                    stack.append((p, False))
+    order.reverse()
+    return order, consumers
+
+
+def _run_backward(root, grad):
+    order, consumers = _topo_order(root)
+    pending = {id(root): grad}
+    owned = set()  # ids of pending arrays nobody else references: summed into in place, adopted as .grad
+    for t in order:
+        g = pending.pop(id(t), None)
+        if g is None:
+            continue
+        mine = id(g) in owned
+        owned.discard(id(g))
+        if t._hooks:
+            for h in t._hooks:
+                r = h(g)
+                if r is not None:
+                    g = r
+        ctx = t._ctx
+        if ctx is None:
+            _accumulate_leaf(t, g, mine and not t._hooks)
+            continue
+        grads = ctx.backward(g)
+        if not isinstance(grads, tuple):
+            grads = (grads,)
+        fresh = ctx.fresh_grads
+        for p, need, gp in zip(ctx.parents, ctx.needs_input_grad, grads):
+            if not need:
+                continue
+            key = id(p)
+            if gp is not None:
+                _add_pending(pending, owned, key, gp, fresh)
+            consumers[key] -= 1
+            if consumers[key] == 0 and p._ctx is None and key in pending:
+                # a leaf whose every consumer has contributed: finish it now, so
+                # post-accumulate hooks fire as early as possible (DDP overlap)
+                lg = pending.pop(key)
+                mine = id(lg) in owned and not p._hooks
+                owned.discard(id(lg))
+                if p._hooks:
+                    for h in p._hooks:
+                        r = h(lg)
+                        if r is not None:
+                            lg = r
+                _accumulate_leaf(p, lg, mine)
+    # no graph is kept after backward (like retain_graph=False)
+    for t in order:
+        if t._ctx is not None:
+            t._ctx = None
+
+
+def _add_pending(pending, owned, key, gp, fresh):
+    """pending[key] += gp. The sum is made in place when one side is owned (made by the
+    engine, or by a Function whose ``fresh_grads`` says its gradients are new arrays held
+    nowhere else) and has the sum's shape and dtype; else a new array, owned from then on.
+    a + b and b + a are the same floats, so the order of the operands changes nothing."""
+    prev = pending.get(key)
+    if prev is None:
+        pending[key] = gp
+        if fresh:
+            owned.add(id(gp))
+        return
+    if prev.shape == gp.shape and prev.dtype == gp.dtype:
+        if id(prev) in owned:
+            prev += gp
+            return
+        if fresh:
+            gp += prev
+            pending[key] = gp
+            owned.add(id(gp))
+            return
+    owned.discard(id(prev))
+    s = pending[key] = prev + gp
+    owned.add(id(s))
+
+
+def _accumulate_leaf(t, g, owned=False):
+    """t.grad = g (a copy, or g itself when the engine owns it and it fits), or t.grad += g."""
+    if g.shape != t.data.shape:
+        g = g.reshape(t.data.shape)
+    if t.grad is None:
+        if owned and g.dtype == t.data.dtype and g.flags.c_contiguous and g.base is None:
+            t.grad = g  # nobody else holds this array: no copy
+        else:
+            t.grad = g.astype(t.data.dtype, order="C", copy=True)
+    else:
+        t.grad += g
+    if t._post_acc_hooks:
+        for h in t._post_acc_hooks:
+            h(t)
+
+
+class Function:
+    """One differentiable operation y = f(x_1, ..., x_k).
+
+    Subclasses implement ``forward(self, *arrays, **kw) -> array`` and
+    ``backward(self, grad_y) -> (grad_x_1, ..., grad_x_k)`` (``None`` for inputs
+    without gradient). ``Op.apply(*inputs, **kw)`` runs forward on the arrays of
+    tensor inputs and, when grad mode is on and an input requires grad, records
+    the node: ``self.parents`` (the input tensors, ``None`` for non-tensors) and
+    ``self.needs_input_grad``.
+    """
+
+    parents = ()
+    needs_input_grad = ()
+    fresh_grads = False  # True: backward's gradients are new arrays, distinct, held nowhere else
+
+    @classmethod
+    def apply(cls, *inputs, **kw):
+        fn = cls()
+        arrays = [x.data if isinstance(x, Tensor) else x for x in inputs]
+        out = fn.forward(*arrays, **kw)
+        requires = _grad_enabled[0] and any(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+        t = Tensor._make(out, requires)
+        if requires:
+            fn.parents = tuple(x if isinstance(x, Tensor) else None for x in inputs)
+            fn.needs_input_grad = tuple(isinstance(x, Tensor) and x.requires_grad for x in inputs)
+            t._ctx = fn
+        return t
+
+    def forward(self, *arrays, **kw):  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def backward(self, grad):  # pragma: no cover - abstract
+        raise NotImplementedError

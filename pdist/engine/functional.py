@@ -1,0 +1,366 @@
+"""Fused neural-network ops, each one Function with a hand-derived backward
+that reuses forward's values (no recomputation, no graph of small ops).
+
+Available as ``pdist.nn.functional``: linear, softmax, log_softmax, gelu,
+layer_norm, embedding, dropout, scaled_causal_softmax, cross_entropy, mse_loss.
+"""
+import math
+
+from pdist.engine.autograd import Function, Tensor
+from pdist.engine.backend import array_module, is_device_array, scatter_add, xp
+from pdist.engine.index_checks import check_indices
+
+
+_ones_cache = {}
+
+
+def _ones(n, dtype):
+    """A cached vector of n ones (per dtype and device): the right operand of the sums below."""
+    from pdist.engine.backend import device
+    key = (n, str(dtype), device())
+    o = _ones_cache.get(key)
+    if o is None:
+        if len(_ones_cache) > 64:
+            _ones_cache.clear()
+        o = _ones_cache[key] = xp.ones(n, dtype=dtype)
+    return o
+
+
+def row_sums(a):
+    """sum over the last axis, keepdims: (..., n) -> (..., 1), as one matrix-vector product
+    a @ 1 (BLAS gemv: 2-4x faster here than ``a.sum(axis=-1)`` on float32 rows, docs/performance.md)."""
+    n = a.shape[-1]
+    return (a.reshape(-1, n) @ _ones(n, a.dtype)).reshape(*a.shape[:-1], 1)
+
+
+def col_sums(a2):
+    """sum over the first axis of a 2-D array: (N, n) -> (n,), as 1^T a (BLAS gemv)."""
+    return _ones(a2.shape[0], a2.dtype) @ a2
+
+
+def row_dots(a, b):
+    """sum over the last axis of a * b, keepdims, without the product's temporary (einsum)."""
+    return xp.einsum("...i,...i->...", a, b)[..., None]
+
+
+class Linear(Function):
+    """Y = X W + b with W stored (in, out) (GPT-2's Conv1D layout).
+    dX = G W^T, dW = X^T G (over all leading axes), db = sum G.
+
+    Leading axes are folded into one, so each product is a single 2-D GEMM
+    (N, in) x (in, out) with N = prod(leading axes): NumPy would otherwise run one
+    small GEMM per leading index (measured 2x slower at the lesson size).
+
+    Three hooks, identities here, let a mixed-precision subclass (pdist.engine.precision.LowLinear)
+    round the input it keeps, compute with its parameters in the compute dtype, and round
+    the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``."""
+    fresh_grads = True
+
+    def forward(self, x, w, b=None):
+        if x.shape[-1] != w.shape[0]:
+            raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
+                             f"(in_features={w.shape[0]})")
+        self.x2, self.lead = self._input(x.reshape(-1, x.shape[-1]), w), x.shape[:-1]  # (N, in)
+        y = self.x2 @ self._param(w, x.dtype)  # (N, out)
+        if b is not None:
+            y += self._param(b, x.dtype)
+        return y.reshape(*self.lead, w.shape[1])
+
+    def backward(self, g):
+        w = self.parents[1].data
+        nx, nw = self.needs_input_grad[:2]
+        nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
+        g2 = g.reshape(-1, g.shape[-1])  # (N, out)
+        gx = (g2 @ self._param(w, g.dtype).T).reshape(*self.lead, w.shape[0]) if nx else None
+        gw = self._grad(self.x2.T @ g2, w) if nw else None  # (in, out)
+        gb = self._grad(col_sums(g2), w) if nb else None
+        return gx, gw, gb
+
+    def _input(self, x2, w):
+        return x2
+
+    def _param(self, p, dtype):
+        return p
+
+    def _grad(self, g, p):
+        return g
+
+
+class Softmax(Function):
+    """y = exp(x - max) / sum exp(x - max);  dx = y (g - sum(g y))"""
+    def forward(self, x, axis=-1):
+        self.axis = axis
+        e = xp.exp(x - x.max(axis=axis, keepdims=True))
+        e /= e.sum(axis=axis, keepdims=True)
+        self.y = e
+        return e
+
+    def backward(self, g):
+        y = self.y
+        d = g - (g * y).sum(axis=self.axis, keepdims=True)
+        d *= y
+        return d
+
+
+class LogSoftmax(Function):
+    """y = x - logsumexp(x);  dx = g - softmax(x) sum(g)"""
+    def forward(self, x, axis=-1):
+        self.axis = axis
+        s = x - x.max(axis=axis, keepdims=True)
+        self.y = s - xp.log(xp.exp(s).sum(axis=axis, keepdims=True))
+        return self.y
+
+    def backward(self, g):
+        return g - xp.exp(self.y) * g.sum(axis=self.axis, keepdims=True)
+
+
+_causal_masks = {}
+
+
+def causal_mask(T, S, dtype):
+    """The additive mask M (T, S): 0 where key j <= query i + (S - T), -inf above.
+    Cached per (T, S, dtype, device), so a step builds none."""
+    from pdist.engine.backend import device
+    key = (T, S, str(dtype), device())
+    m = _causal_masks.get(key)
+    if m is None:
+        if len(_causal_masks) > 32:
+            _causal_masks.clear()
+        above = xp.triu(xp.ones((T, S), dtype=bool), k=S - T + 1)  # (T, S) future keys
+        m = _causal_masks[key] = xp.where(above, -xp.inf, 0.0).astype(dtype)
+    return m
+
+
+class ScaledCausalSoftmax(Function):
+    """y = softmax(scale * x + M) over the last axis, M_ij = -inf for j > i (+ the
+    key offset for rectangular blocks). Megatron's fused
+    ``ScaledUpperTriangMaskedSoftmax``: scale, mask and softmax in one pass.
+    dx = scale * y * (g - sum(g y))."""
+    def forward(self, x, scale=1.0):
+        z = x * scale
+        z += causal_mask(x.shape[-2], x.shape[-1], x.dtype)  # M broadcast over (B, nh)
+        z -= z.max(axis=-1, keepdims=True)
+        xp.exp(z, out=z)
+        z /= row_sums(z)
+        self.y, self.scale = z, scale
+        return z
+
+    def backward(self, g):
+        y = self.y
+        d = g - row_dots(g, y)
+        d *= y
+        d *= self.scale
+        return d
+
+
+_GELU_K = math.sqrt(2.0 / math.pi)
+
+
+BLOCK = 1 << 16  # elements per cache block of GELU on the host (256 KiB of float32 per array)
+
+
+def _gelu_into(x, y, d, x2):
+    """y = GELU(x) and d = dy/dx, written into y and d; x2 is scratch (all of x's shape)."""
+    xp.multiply(x, x, out=x2)
+    xp.multiply(x2, _GELU_K * 0.044715, out=d)
+    d += _GELU_K
+    d *= x  # k (x + 0.044715 x^3)
+    xp.tanh(d, out=d)  # t
+    xp.add(d, 1.0, out=y)
+    y *= 0.5  # (1 + t)/2
+    x2 *= 0.5 * _GELU_K * 3 * 0.044715
+    x2 += 0.5 * _GELU_K
+    x2 *= x  # x/2 k (1 + 3 0.044715 x^2)
+    d *= d
+    xp.subtract(1.0, d, out=d)  # 1 - t^2
+    d *= x2
+    d += y  # dy/dx
+    y *= x  # y = x (1 + t)/2
+
+
+class GELU(Function):
+    """Tanh-approximate GELU (GPT-2): y = x/2 (1 + t), t = tanh(k (x + 0.044715 x^3)),
+    k = sqrt(2/pi).  dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 0.044715 x^2).
+    Forward computes y and dy/dx together while x^2 and t are at hand (15 passes over
+    memory), so backward is one product g dy/dx: 16 passes in all where computing dy/dx
+    in backward from x and t took 20. On the host the passes run over blocks of ``BLOCK``
+    elements that stay in cache (docs/performance.md); on a device, over the whole array."""
+    fresh_grads = True
+
+    def forward(self, x):
+        y, d = xp.empty_like(x), xp.empty_like(x)
+        n = x.size
+        if is_device_array(x) or n <= BLOCK or not x.flags.c_contiguous:
+            _gelu_into(x, y, d, xp.empty_like(x))
+        else:
+            xf, yf, df = x.reshape(-1), y.reshape(-1), d.reshape(-1)  # views
+            scratch = xp.empty(BLOCK, dtype=x.dtype)
+            for lo in range(0, n, BLOCK):
+                hi = min(n, lo + BLOCK)
+                _gelu_into(xf[lo:hi], yf[lo:hi], df[lo:hi], scratch[:hi - lo])
+        self.dydx = d
+        return y
+
+    def backward(self, g):
+        d, self.dydx = self.dydx, None  # forward's buffer, needed no more: dx = g dy/dx in place
+        d *= g
+        return d
+
+
+class LayerNorm(Function):
+    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (Ba et al., 2016).
+    Fused backward with xhat = (x - mean) * rstd, dxhat = g w:
+    dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw = sum g xhat, db = sum g."""
+    fresh_grads = True
+
+    def forward(self, x, w, b, eps=1e-5):
+        C = x.shape[-1]
+        x2 = x.reshape(-1, C)  # (N, C)
+        mean = row_sums(x2)
+        mean /= C
+        xc = x2 - mean  # (N, C)
+        var = row_dots(xc, xc)  # (N, 1)
+        var /= C
+        var += eps
+        rstd = 1.0 / xp.sqrt(var, out=var)  # (N, 1)
+        xc *= rstd  # xhat
+        self.xhat, self.rstd, self.shape = xc, rstd, x.shape
+        y = xc * w
+        y += b
+        return y.reshape(x.shape)
+
+    def backward(self, g):
+        # With dxhat = g w (per row):  mean(dxhat) = (g @ w) / C and
+        # mean(dxhat xhat) = ((g xhat) @ w) / C, and g xhat is also what dw sums,
+        # so the row means come from two matrix-vector products.
+        w = self.parents[1].data
+        xhat, rstd = self.xhat, self.rstd  # (N, C), (N, 1)
+        nx, nw, nb = self.needs_input_grad
+        C = xhat.shape[1]
+        g2 = g.reshape(xhat.shape)  # (N, C)
+        gx = gw = gb = None
+        gxh = g2 * xhat  # (N, C)
+        if nw:
+            gw = col_sums(gxh)
+        if nb:
+            gb = col_sums(g2)
+        if nx:
+            a = (g2 @ w)[:, None] / C  # mean(dxhat), (N, 1)
+            c = (gxh @ w)[:, None] / C  # mean(dxhat xhat), (N, 1)
+            gx = xp.multiply(g2, w, out=gxh)  # dxhat, in g xhat's buffer (summed already)
+            gx -= a
+            xhat *= c  # forward's x_hat is needed no more: reuse it
+            gx -= xhat
+            gx *= rstd
+            gx = gx.reshape(self.shape)
+        self.xhat = None
+        return gx, gw, gb
+
+
+class Embedding(Function):
+    """y = W[idx]; dW = scatter-add of g at the rows idx (repeated rows add)."""
+    fresh_grads = True
+
+    def forward(self, w, idx):
+        check_indices(idx, w.shape[0], "embedding index")
+        self.idx, self.wshape = idx, w.shape
+        return w[idx]
+
+    def backward(self, g):
+        gw = xp.zeros(self.wshape, dtype=g.dtype)
+        scatter_add(gw, self.idx.reshape(-1), g.reshape(-1, self.wshape[1]))
+        return gw, None
+
+
+class Dropout(Function):
+    """y = x * m / (1 - p), m ~ Bernoulli(1 - p) from the given generator. The mask is
+    drawn on the host (NumPy's generator) and moved to x's device, so a CPU and a GPU run
+    with the same seed drop the same units (CuPy's generator draws other numbers)."""
+    def forward(self, x, p, rng):
+        self.m = array_module(x).asarray((rng.random(x.shape) >= p).astype(x.dtype) / (1.0 - p))
+        return x * self.m
+
+    def backward(self, g):
+        return g * self.m
+
+
+class CrossEntropy(Function):
+    """loss = mean over counted rows of (logsumexp(z) - z[target]) (numerically
+    stable: z is shifted by its row max). dz = (softmax(z) - onehot(target)) / count,
+    zero on rows whose target == ignore_index."""
+    def forward(self, logits, targets, ignore_index=None):
+        V = logits.shape[-1]
+        z = logits.reshape(-1, V)  # (N, V)
+        t = targets.reshape(-1)  # (N,)
+        if t.shape[0] != z.shape[0]:
+            raise ValueError(f"cross_entropy: {z.shape[0]} rows of logits but {t.shape[0]} targets "
+                             f"(logits {logits.shape}, targets {targets.shape})")
+        keep = None if ignore_index is None else (t != ignore_index)
+        tt = t if keep is None else xp.where(keep, t, 0)
+        check_indices(tt, V, "cross_entropy target")
+        s = z - z.max(axis=1, keepdims=True)
+        e = xp.exp(s)
+        se = row_sums(e)
+        rows = xp.arange(z.shape[0])
+        nll = xp.log(se[:, 0]) - s[rows, tt]  # (N,)
+        count = z.shape[0] if keep is None else int(keep.sum())
+        if keep is not None:
+            nll = nll * keep
+        self.p, self.tt, self.rows, self.keep = e / se, tt, rows, keep
+        self.count, self.shape = max(count, 1), logits.shape
+        return xp.asarray(nll.sum() / self.count, dtype=logits.dtype)
+
+    def backward(self, g):
+        d = self.p  # reuse forward's buffer: softmax -> gradient, in place
+        d[self.rows, self.tt] -= 1.0
+        if self.keep is not None:
+            d *= self.keep[:, None]
+        d *= g / self.count
+        return d.reshape(self.shape), None
+
+
+def linear(x, weight, bias=None):
+    return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+
+
+def softmax(x, axis=-1): return Softmax.apply(x, axis=axis)
+def log_softmax(x, axis=-1): return LogSoftmax.apply(x, axis=axis)
+def gelu(x): return GELU.apply(x)
+def scaled_causal_softmax(x, scale=1.0): return ScaledCausalSoftmax.apply(x, scale=scale)
+def layer_norm(x, weight, bias, eps=1e-5): return LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def embedding(idx, weight):
+    """Rows of weight (V, C) at integer positions idx (...) -> (..., C)."""
+    if isinstance(idx, Tensor):
+        idx = idx.data
+    return Embedding.apply(weight, xp.asarray(idx))
+
+
+def dropout(x, p=0.0, training=True, rng=None):
+    """Inverted dropout; the identity when p == 0 or not training. ``rng`` is an
+    ``xp.random.Generator`` (seeded by the caller, so runs are reproducible)."""
+    if not training or p == 0.0:
+        return x
+    if not 0.0 <= p < 1.0:
+        raise ValueError(f"dropout probability must be in [0, 1), got {p}")
+    if rng is None:
+        raise ValueError("dropout needs an explicit rng (xp.random.default_rng(seed)) to stay reproducible")
+    return Dropout.apply(x, p, rng)
+
+
+def cross_entropy(logits, targets, ignore_index=None):
+    """Mean token cross-entropy. logits (..., V) Tensor, targets (...) int array."""
+    if isinstance(targets, Tensor):
+        targets = targets.data
+    return CrossEntropy.apply(logits, xp.asarray(targets), ignore_index=ignore_index)
+
+
+def mse_loss(pred, target):
+    """mean((pred - target)^2)"""
+    d = pred - target
+    return (d * d).mean()
+
+
+__all__ = ["linear", "softmax", "log_softmax", "gelu", "scaled_causal_softmax", "layer_norm",
+           "embedding", "dropout", "cross_entropy", "mse_loss"]

@@ -1,0 +1,379 @@
+"""Differentiable array operations: elementwise (with broadcasting), matmul,
+reductions, shapes and indexing. Each is a ``Function`` with its derivative;
+the fused neural-network ops (softmax, GELU, LayerNorm, cross-entropy, ...)
+live in ``pdist.engine.functional``.
+
+Broadcasting rule for gradients: if ``x`` of shape ``s`` was broadcast to the
+output's shape, ``dL/dx`` is ``dL/dy`` summed over the broadcast axes
+(``unbroadcast``).
+"""
+import builtins
+
+from pdist.engine.autograd import Function, Tensor
+from pdist.engine.backend import scatter_add, xp
+
+
+def unbroadcast(g, shape):
+    """Sum g (shape of the broadcast result) down to ``shape``."""
+    if g.shape == shape:
+        return g
+    extra = g.ndim - len(shape)
+    if extra:
+        g = g.sum(axis=tuple(range(extra)))
+    axes = tuple(i for i, n in enumerate(shape) if n == 1 and g.shape[i] != 1)
+    if axes:
+        g = g.sum(axis=axes, keepdims=True)
+    return g
+
+
+def _shape(x):
+    return x.shape if hasattr(x, "shape") else ()
+
+
+# --- elementwise -------------------------------------------------------------
+class Add(Function):
+    """y = a + b"""
+    def forward(self, a, b):
+        self.sa, self.sb = _shape(a), _shape(b)
+        return a + b
+
+    def backward(self, g):
+        return unbroadcast(g, self.sa), unbroadcast(g, self.sb)
+
+
+class Sub(Function):
+    """y = a - b"""
+    def forward(self, a, b):
+        self.sa, self.sb = _shape(a), _shape(b)
+        return a - b
+
+    def backward(self, g):
+        return unbroadcast(g, self.sa), unbroadcast(-g, self.sb)
+
+
+class Mul(Function):
+    """y = a * b;  da = g b, db = g a"""
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a * b
+
+    def backward(self, g):
+        na, nb = self.needs_input_grad
+        ga = unbroadcast(g * self.b, _shape(self.a)) if na else None
+        gb = unbroadcast(g * self.a, _shape(self.b)) if nb else None
+        return ga, gb
+
+
+class Div(Function):
+    """y = a / b;  da = g / b, db = -g a / b^2"""
+    def forward(self, a, b):
+        self.a, self.b = a, b
+        return a / b
+
+    def backward(self, g):
+        na, nb = self.needs_input_grad
+        ga = unbroadcast(g / self.b, _shape(self.a)) if na else None
+        gb = unbroadcast(-g * self.a / (self.b * self.b), _shape(self.b)) if nb else None
+        return ga, gb
+
+
+class Neg(Function):
+    def forward(self, a):
+        return -a
+
+    def backward(self, g):
+        return -g
+
+
+class Pow(Function):
+    """y = a^p for a constant exponent p;  da = g p a^(p-1)"""
+    def forward(self, a, p):
+        self.a, self.p = a, p
+        return a ** p
+
+    def backward(self, g):
+        return g * self.p * self.a ** (self.p - 1), None
+
+
+class Exp(Function):
+    def forward(self, a):
+        self.y = xp.exp(a)
+        return self.y
+
+    def backward(self, g):
+        return g * self.y
+
+
+class Log(Function):
+    def forward(self, a):
+        self.a = a
+        return xp.log(a)
+
+    def backward(self, g):
+        return g / self.a
+
+
+class Tanh(Function):
+    def forward(self, a):
+        self.y = xp.tanh(a)
+        return self.y
+
+    def backward(self, g):
+        return g * (1 - self.y * self.y)
+
+
+class ReLU(Function):
+    def forward(self, a):
+        self.mask = a > 0
+        return a * self.mask
+
+    def backward(self, g):
+        return g * self.mask
+
+
+# --- matmul --------------------------------------------------------------------
+class MatMul(Function):
+    """Y = A @ B (batched, broadcasting leading axes);
+    dA = G @ B^T, dB = A^T @ G (summed over broadcast axes).
+
+    Reads A and B from its parents at backward time (see autograd's contract)."""
+    def forward(self, a, b):
+        if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
+            raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not match: the last axis of "
+                             f"the first ({a.shape[-1] if a.ndim else '-'}) must equal the "
+                             f"{'second-to-last' if b.ndim > 1 else 'only'} axis of the second")
+        if b.ndim < 2 or a.ndim < 1:
+            raise ValueError("matmul: both operands need at least 2 dims in pdist (reshape vectors)")
+        self.a, self.b = a, b
+        return a @ b
+
+    def backward(self, g):
+        pa, pb = self.parents
+        a = pa.data if pa is not None else self.a
+        b = pb.data if pb is not None else self.b
+        na, nb = self.needs_input_grad
+        ga = gb = None
+        if na:
+            ga = unbroadcast(g @ xp.swapaxes(b, -1, -2), a.shape)
+        if nb:
+            if b.ndim == 2 and a.ndim > 2:  # (..., K) x (K, N): one big GEMM
+                gb = a.reshape(-1, a.shape[-1]).T @ g.reshape(-1, g.shape[-1])
+            else:
+                gb = unbroadcast(xp.swapaxes(a, -1, -2) @ g, b.shape)
+        return ga, gb
+
+
+# --- reductions -----------------------------------------------------------------
+def _norm_axis(axis, ndim):
+    if axis is None:
+        return tuple(range(ndim))
+    if isinstance(axis, int):
+        axis = (axis,)
+    return tuple(a % ndim for a in axis)
+
+
+class Sum(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.shape, self.axis, self.keep = a.shape, _norm_axis(axis, a.ndim), keepdims
+        return a.sum(axis=self.axis, keepdims=keepdims)
+
+    def backward(self, g):
+        if not self.keep:
+            g = xp.expand_dims(g, self.axis)
+        return xp.broadcast_to(g, self.shape)
+
+
+class Mean(Function):
+    def forward(self, a, axis=None, keepdims=False):
+        self.shape, self.axis, self.keep = a.shape, _norm_axis(axis, a.ndim), keepdims
+        self.n = 1
+        for i in self.axis:
+            self.n *= a.shape[i]
+        return a.mean(axis=self.axis, keepdims=keepdims)
+
+    def backward(self, g):
+        if not self.keep:
+            g = xp.expand_dims(g, self.axis)
+        return xp.broadcast_to(g / self.n, self.shape)
+
+
+class Max(Function):
+    """y = max over axis; the gradient is split evenly among tied maxima."""
+    def forward(self, a, axis=None, keepdims=False):
+        self.axis, self.keep = _norm_axis(axis, a.ndim), keepdims
+        y = a.max(axis=self.axis, keepdims=True)
+        self.mask = a == y
+        return y if keepdims else y.squeeze(self.axis)
+
+    def backward(self, g):
+        if not self.keep:
+            g = xp.expand_dims(g, self.axis)
+        return self.mask * (g / self.mask.sum(axis=self.axis, keepdims=True))
+
+
+# --- shapes and indexing -------------------------------------------------------------
+class Reshape(Function):
+    def forward(self, a, shape):
+        self.shape = a.shape
+        return a.reshape(shape)
+
+    def backward(self, g):
+        return g.reshape(self.shape)
+
+
+class Permute(Function):
+    """y = a.transpose(axes) (a view); dA = g.transpose(inverse permutation)."""
+    def forward(self, a, axes):
+        inv = [0] * len(axes)
+        for i, ax in enumerate(axes):
+            inv[ax] = i
+        self.inv = tuple(inv)  # plain Python: no device round trip on a GPU
+        return a.transpose(axes)
+
+    def backward(self, g):
+        return g.transpose(self.inv)
+
+
+class GetItem(Function):
+    """y = a[index]; da = zeros with g scattered (added, for repeated indices) at index."""
+    def forward(self, a, index):
+        self.shape, self.dtype, self.index = a.shape, a.dtype, index
+        return a[index]
+
+    def backward(self, g):
+        out = xp.zeros(self.shape, dtype=self.dtype)
+        idx = self.index if isinstance(self.index, tuple) else (self.index,)
+        if any(hasattr(i, "shape") or isinstance(i, list) for i in idx):
+            scatter_add(out, self.index, g)
+        else:
+            out[self.index] = g
+        return out
+
+
+class Concat(Function):
+    def forward(self, *arrays, axis=0):
+        self.axis = axis
+        self.bounds = [0]
+        for a in arrays:
+            self.bounds.append(self.bounds[-1] + a.shape[axis])
+        return xp.concatenate(arrays, axis=axis)
+
+    def backward(self, g):
+        ax = self.axis % g.ndim
+        sl = [slice(None)] * g.ndim
+        out = []
+        for lo, hi in zip(self.bounds[:-1], self.bounds[1:]):
+            sl[ax] = slice(lo, hi)
+            out.append(g[tuple(sl)])
+        return tuple(out)
+
+
+# --- the functional API ----------------------------------------------------------------
+def add(a, b): return Add.apply(a, b)
+def sub(a, b): return Sub.apply(a, b)
+def mul(a, b): return Mul.apply(a, b)
+def div(a, b): return Div.apply(a, b)
+def neg(a): return Neg.apply(a)
+def exp(a): return Exp.apply(a)
+def log(a): return Log.apply(a)
+def tanh(a): return Tanh.apply(a)
+def relu(a): return ReLU.apply(a)
+def matmul(a, b): return MatMul.apply(a, b)
+
+
+def pow(a, p):
+    if isinstance(p, Tensor):
+        raise TypeError("pow: the exponent must be a number (use exp(p * log(a)) for tensor exponents)")
+    return Pow.apply(a, p)
+
+
+def sum(a, axis=None, keepdims=False): return Sum.apply(a, axis=axis, keepdims=keepdims)  # noqa: A001
+def mean(a, axis=None, keepdims=False): return Mean.apply(a, axis=axis, keepdims=keepdims)
+def max(a, axis=None, keepdims=False): return Max.apply(a, axis=axis, keepdims=keepdims)  # noqa: A001
+
+
+def reshape(a, *shape):
+    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
+        shape = tuple(shape[0])
+    return Reshape.apply(a, shape=shape)
+
+
+def permute(a, *axes):
+    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
+        axes = tuple(axes[0])
+    nd = a.ndim
+    axes = tuple(i % nd for i in axes)
+    if sorted(axes) != list(range(nd)):
+        raise ValueError(f"permute: {axes} is not a permutation of the {nd} axes")
+    return Permute.apply(a, axes=axes)
+
+
+def transpose(a, dim0=-2, dim1=-1):
+    """Swap two axes (PyTorch's transpose)."""
+    axes = list(range(a.ndim))
+    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
+    return Permute.apply(a, axes=tuple(axes))
+
+
+def concat(tensors, axis=0):
+    return Concat.apply(*tensors, axis=axis)
+
+
+def split(a, sections, axis=0):
+    """Split into pieces of the given sizes (a list) or into n equal pieces (an int)."""
+    n = a.shape[axis]
+    if isinstance(sections, int):
+        if n % sections:
+            raise ValueError(f"split: axis {axis} of size {n} does not divide into {sections} equal parts")
+        sections = [n // sections] * sections
+    if builtins.sum(sections) != n:
+        raise ValueError(f"split: sizes {sections} do not add up to {n}")
+    out, lo = [], 0
+    for s in sections:
+        idx = [slice(None)] * a.ndim
+        idx[axis] = slice(lo, lo + s)
+        out.append(a[tuple(idx)])
+        lo += s
+    return out
+
+
+def _getitem(a, index):
+    if isinstance(index, Tensor):
+        index = index.data
+    if isinstance(index, tuple):
+        index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
+    return GetItem.apply(a, index)
+
+
+def _rev(fn):
+    return lambda self, other: fn(other, self)
+
+
+# Tensor's operators and array methods are registered here, on import (pdist/__init__
+# imports this module), so that pdist.engine.autograd does not import pdist.engine.ops (no cycle).
+Tensor.__add__ = add
+Tensor.__radd__ = _rev(add)
+Tensor.__sub__ = sub
+Tensor.__rsub__ = _rev(sub)
+Tensor.__mul__ = mul
+Tensor.__rmul__ = _rev(mul)
+Tensor.__truediv__ = div
+Tensor.__rtruediv__ = _rev(div)
+Tensor.__neg__ = neg
+Tensor.__pow__ = pow
+Tensor.__matmul__ = matmul
+Tensor.__rmatmul__ = _rev(matmul)
+Tensor.__getitem__ = _getitem
+Tensor.exp = exp
+Tensor.log = log
+Tensor.tanh = tanh
+Tensor.relu = relu
+Tensor.sum = sum
+Tensor.mean = mean
+Tensor.max = max
+Tensor.reshape = reshape
+Tensor.view = reshape
+Tensor.permute = permute
+Tensor.transpose = transpose
+Tensor.T = property(lambda self: transpose(self, -2, -1))
+Tensor.split = split

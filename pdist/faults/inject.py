@@ -1,0 +1,160 @@
+"""Fault injection for teaching: make one rank slow, a shard uneven, a link slow, a
+collective skipped, an exception, an exit or a NaN, on purpose, and watch what pdist
+does about it (lesson 08, docs/failures.md). Never active unless asked for:
+
+    mpirun -n 4 python lessons/02_data_parallel.py --inject straggler:rank=2,slowdown=1.5
+    inject.set("uneven-shard:rank=1,extra=0.3; nan:rank=0,step=3")   # or from code
+    inject.clear()
+
+Faults (``kind:key=value,...``; several joined by ``;`` or given as several --inject):
+
+    straggler:rank=R,slowdown=F        after compute, rank R sleeps (F-1) x its measured
+                                       compute, every step (a throttled device)
+    uneven-shard:rank=R,extra=E[,p=P]  on a random fraction P (default 0.5, seeded by the
+                                       step) of steps, rank R's shard holds (1+E) x the
+                                       tokens: it sleeps E x its compute, and the detector
+                                       sees (1+E) x its tokens (variable-length data)
+    slow-link:ranks=A-B,gbps=G[,us=U]  the link between world ranks A and B carries G Gbit/s
+                                       with U us latency (default 10): every collective whose
+                                       group holds both, and their messages, are charged
+                                       its alpha-beta time (pdist/comm/topology.py)
+    skip-collective:rank=R,step=S      rank R skips the gradient synchronization of step S
+                                       (caught at the next collective: CollectiveMismatchError)
+    exception:rank=R,step=S            rank R raises RuntimeError at the start of step S
+    exit:rank=R,step=S                 rank R calls sys.exit(0) at the start of step S
+                                       (a rank-dependent early exit)
+    nan:rank=R,step=S                  rank R writes NaN into a gradient after the compute
+                                       of step S (``check_finite=True`` names it)
+
+The hooks sit in ``Strategy.forward_backward`` (pdist/parallel/base.py): one check of
+``ACTIVE[0]`` (None) per step when nothing is injected. Each fault, when it fires, prints
+``[inject] rank R step S: ...`` with its wall-clock time (time.time(), so a parent can
+measure the time to detection) and adds an instant event to the trace (cat "fault").
+"""
+import random
+import sys
+import time
+
+from pdist.measure import trace
+
+ACTIVE = [None]      # the Injector, or None (base.py checks this once per step)
+
+KINDS = {"straggler": {"rank": int, "slowdown": float},
+         "uneven-shard": {"rank": int, "extra": float, "p": float},
+         "slow-link": {"ranks": str, "gbps": float, "us": float},
+         "skip-collective": {"rank": int, "step": int},
+         "exception": {"rank": int, "step": int},
+         "exit": {"rank": int, "step": int},
+         "nan": {"rank": int, "step": int}}
+REQUIRED = {"straggler": ("rank", "slowdown"), "uneven-shard": ("rank", "extra"),
+            "slow-link": ("ranks", "gbps"), "skip-collective": ("rank", "step"),
+            "exception": ("rank", "step"), "exit": ("rank", "step"), "nan": ("rank", "step")}
+
+
+def parse(spec):
+    """``"kind:k=v,...; kind:..."`` (or a list of such strings) -> [(kind, {k: v})].
+    Raises ValueError naming what is wrong (an unknown kind or key, a missing key)."""
+    specs = [spec] if isinstance(spec, str) else list(spec or [])
+    out = []
+    for part in (p.strip() for s in specs for p in s.split(";")):
+        if not part:
+            continue
+        kind, _, rest = part.partition(":")
+        kind = kind.strip()
+        if kind not in KINDS:
+            raise ValueError(f"--inject {part!r}: unknown fault {kind!r}; one of {', '.join(KINDS)}")
+        kv = {}
+        for item in (i.strip() for i in rest.split(",") if i.strip()):
+            k, eq, v = item.partition("=")
+            if not eq or k not in KINDS[kind]:
+                raise ValueError(f"--inject {part!r}: {item!r} is not key=value with a key of "
+                                 f"{kind} ({', '.join(KINDS[kind])})")
+            try:
+                kv[k] = KINDS[kind][k](v)
+            except ValueError:
+                raise ValueError(f"--inject {part!r}: {k}={v!r} is not a {KINDS[kind][k].__name__}") from None
+        missing = [k for k in REQUIRED[kind] if k not in kv]
+        if missing:
+            raise ValueError(f"--inject {part!r}: {kind} needs {', '.join(missing)}")
+        if kind == "straggler" and kv["slowdown"] < 1:
+            raise ValueError(f"--inject {part!r}: slowdown must be >= 1")
+        if kind == "slow-link":
+            a, _, b = kv["ranks"].partition("-")
+            if not (a.isdigit() and b.isdigit()) or a == b:
+                raise ValueError(f"--inject {part!r}: ranks must be two world ranks A-B")
+            kv["ranks"] = (int(a), int(b))
+        out.append((kind, kv))
+    return out
+
+
+def _rank():
+    from pdist import comm
+    return comm.get_world().rank
+
+
+class Injector:
+    """The faults this rank takes part in (parsed once; the hooks are plain lookups)."""
+
+    def __init__(self, faults, rank):
+        self.faults, self.rank = faults, rank
+        mine = [(k, kv) for k, kv in faults if kv.get("rank", rank) == rank]
+        self.slow = next((kv["slowdown"] for k, kv in mine if k == "straggler"), 1.0)
+        self.uneven = next((kv for k, kv in mine if k == "uneven-shard"), None)
+        self.at = {(k, kv["step"]) for k, kv in mine if "step" in kv}
+        self.token_scale = 1.0
+        for k, kv in mine:       # the trace marks when each fault was switched on
+            trace.instant(f"inject {k}", cat="fault", **{a: str(v) for a, v in kv.items()})
+
+    def _say(self, step, what, **args):
+        print(f"[inject] rank {self.rank} step {step}: {what} at t={time.time():.6f}", flush=True)
+        trace.instant(what, cat="fault", rank=self.rank, step=step, **args)
+
+    def before_step(self, step):
+        if ("exception", step) in self.at:
+            self._say(step, "exception")
+            raise RuntimeError(f"injected exception on rank {self.rank} at step {step} (--inject exception)")
+        if ("exit", step) in self.at:
+            self._say(step, "exit")
+            sys.exit(0)
+
+    def after_compute(self, model, step, seconds):
+        """Sleep to make this rank a straggler / an uneven shard; poison a gradient."""
+        self.token_scale, extra = 1.0, self.slow - 1.0
+        u = self.uneven
+        if u is not None and random.Random(step).random() < u.get("p", 0.5):
+            extra += u["extra"]
+            self.token_scale = 1.0 + u["extra"]
+        if extra > 0:
+            with trace.span("injected delay", cat="compute", factor=1 + extra):
+                time.sleep(extra * seconds)
+        if ("nan", step) in self.at:
+            p = next(t for t in model.parameters() if t.grad is not None)
+            p.grad.reshape(-1)[0] = float("nan")
+            self._say(step, "nan")
+
+    def skip_sync(self, step):
+        if ("skip-collective", step) in self.at:
+            self._say(step, "skip-collective")
+            return True
+        return False
+
+
+def set(spec):
+    """Activate the faults of ``spec`` (see the module doc) on this rank; ``None`` or ""
+    clears. Collective only through ``comm.get_world()`` (no communication). A slow link
+    is installed in the simulated topology (pdist/comm/topology.py)."""
+    faults = parse(spec)
+    from pdist.comm import topology
+    topology.set_slow_links([(kv["ranks"], kv["gbps"], kv.get("us", 10.0)) for k, kv in faults
+                             if k == "slow-link"])
+    ACTIVE[0] = Injector(faults, _rank()) if any(k != "slow-link" for k, _ in faults) else None
+    return faults
+
+
+def clear():
+    ACTIVE[0] = None
+    from pdist.comm import topology
+    topology.set_slow_links([])
+
+
+__all__ = ["parse", "set", "clear", "ACTIVE", "Injector", "KINDS"]

@@ -1,0 +1,7 @@
+"""What a run measures about itself.
+
+    trace.py              per-rank events merged into one Chrome/Perfetto trace
+    memory.py             bytes of params, grads and optimizer state; RSS and its peak
+    memory_timeline.py    the memory of every rank over a step, marked by collectives
+    activation_memory.py  activation bytes per layer: the formula and the measurement
+"""

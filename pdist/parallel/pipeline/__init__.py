@@ -1,0 +1,7 @@
+"""Pipeline parallelism (GPipe; 1F1B and interleaved, Narayanan et al. 2021).
+
+    pipeline_parallel.py  PipelineParallel: this stage's layers, the executor
+    schedules.py          schedules as data, with a checker
+    grads.py              a stage's gradients in mixed precision
+    draw.py               ASCII and PNG timelines
+"""

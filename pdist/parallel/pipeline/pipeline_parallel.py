@@ -1,0 +1,337 @@
+"""Pipeline parallelism: a model as a sequence of layers, cut into stages, run by a schedule.
+
+    f = f_{V-1} o ... o f_1 o f_0,   virtual stage k = chunk c of rank s, k = c p + s
+    L = (1/m) sum_{i<m} loss(f(x_i), y_i)          (x_i: micro-batch i of this rank's batch)
+
+Rank s computes only its chunks; activations f_k(...)(x_i) travel forward to
+rank (k+1) mod p and their gradients dL/dh travel back, so
+dL/dW_k = sum_i dL_i/dW_k accumulates in W_k.grad over the micro-batches exactly
+as single-process backprop over the whole batch would: K optimizer steps equal
+single-process training (GPipe: Huang et al., 2019; 1F1B and interleaving:
+Narayanan et al., 2021). The order of the work is a schedule (schedules.py);
+``PipelineParallel`` only executes it, one instruction at a time, through a table
+``{op: method}``.
+
+The one GPT as a sequence: [embed (wte, wpe, dropout)] + blocks h.0 .. h.{L-1} +
+[head (ln_f, lm_head)]. The blocks are split over the V virtual stages (evenly, the
+first L mod V stages one more, or by a given ``partition``); the embedding joins the
+first stage, the head and the loss the last. ``PipelineParallel(GPT(cfg, seed),
+pp_group)`` keeps only this rank's part of the model: its blocks (names unchanged,
+``transformer.h.3...``), the embedding on the first stage, ln_f and the head on the
+last. The head is tied to ``wte``: the last stage holds a copy, ``lm_head.weight``
+(Megatron's "embedding group"): in ``finish_grad_sync`` the first and last stage
+all-reduce (sum) the two copies' gradients, so both get the full gradient
+dL/dwte = (embedding part) + (head part) and the same update -- the copies stay equal.
+An ``nn.Sequential`` pipelines too: its children are the layers, with ``loss_fn``
+and ``act_shape``.
+
+Mixed precision (a model cast to bf16/fp16, ``parallelize(..., precision=...)``): the
+last stage runs backward on S·loss(micro-batch) (S: fp16's loss scale from its
+``Local``; no 1/m), activations travel in the compute dtype, and each stage sums its
+micro-batches' rounded gradients in fp32 and rounds the mean once; the tied wte's
+parts are combined per micro-batch (pipeline_grads.py): one process's rounding points,
+bit for bit. An fp16 overflow on any stage reaches every rank through the
+[loss, #non-finite] all-reduce, and every rank skips the step (mixed_precision.py).
+"""
+import numpy as np
+
+from pdist import nn
+from pdist.measure import trace
+from pdist.engine.autograd import Tensor
+from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
+from pdist.parallel.base import ParallelModule
+from pdist.parallel.pipeline.grads import PipelineGrads
+from pdist.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
+                                      SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
+from pdist.engine.precision import is_low
+
+
+def partition_layers(n_layers, n_stages, partition=None):
+    """[(start, end)] for each stage: contiguous runs covering range(n_layers).
+    Default: n_layers // n_stages each, the first n_layers % n_stages one more;
+    ``partition``: explicit layer counts per stage (uneven splits)."""
+    if n_stages > n_layers:
+        raise ValueError(f"pipeline: {n_stages} (virtual) stages but only {n_layers} layers to split; "
+                         f"use at most {n_layers} stages (pp * chunks) or a deeper model")
+    if partition is None:
+        counts = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
+    else:
+        counts = list(partition)
+        if len(counts) != n_stages or any(not isinstance(c, (int, np.integer)) or c < 1 for c in counts) \
+                or sum(counts) != n_layers:
+            raise ValueError(f"pipeline partition {counts} must give {n_stages} positive layer counts "
+                             f"summing to {n_layers} (one per virtual stage)")
+    starts = np.cumsum([0] + counts)
+    return [(int(starts[i]), int(starts[i + 1])) for i in range(n_stages)]
+
+
+def _remove(parent, name):
+    """Drop child module ``name`` (this rank does not hold it)."""
+    parent._modules.pop(name, None)
+    object.__setattr__(parent, name, None)
+
+
+class Chunk:
+    """One virtual stage: its layers applied in order, y = f_b(...f_a(x))."""
+
+    def __init__(self, layers):
+        self.layers = layers
+
+    def __call__(self, x):
+        for f in self.layers:
+            x = f(x)
+        return x
+
+
+def _gpt_chunks(gpt, p, s, v, partition):
+    """This rank's v chunks of the GPT; prunes what it does not hold from ``gpt``."""
+    V, h = p * v, gpt.transformer.h
+    blocks = list(h)
+    spans = partition_layers(len(blocks), V, partition)
+    mine = [virtual_stage(c, p, s) for c in range(v)]
+    chunks = []
+    for k in mine:
+        a, b = spans[k]
+        chunks.append(Chunk(([gpt.embed] if k == 0 else []) + blocks[a:b] + ([gpt.head] if k == V - 1 else [])))
+    keep = {str(i) for k in mine for i in range(*spans[k])}
+    for name in [n for n in h._modules if n not in keep]:
+        _remove(h, name)
+    first, last = 0 in mine, V - 1 in mine
+    tr = gpt.transformer
+    if last and not first:                           # the head's own copy of the tied wte
+        w = tr.wte.weight
+        copy = nn.Parameter(xp.zeros(0, dtype=w.dtype), name="lm_head.weight")
+        copy.data = w.data.copy()                    # a meta wte gives a meta copy
+        copy.global_name = getattr(w, "global_name", w.name)
+        copy.global_shape = getattr(w, "global_shape", tuple(w.shape))
+        copy.local_pieces = getattr(w, "local_pieces", None)
+        gpt.lm_head.weight = copy
+    if not first:
+        _remove(tr, "wte")
+        _remove(tr, "wpe")
+    if not last:
+        _remove(tr, "ln_f")
+        _remove(gpt, "lm_head")
+    tied = [tr.wte.weight] if first and p > 1 else [gpt.lm_head.weight] if last and p > 1 else []
+    return chunks, tied
+
+
+class PipelineParallel(ParallelModule):
+    """``PipelineParallel(model, pp_group, schedule="1f1b", microbatches=4, chunks=1)``.
+
+    ``model``: the GPT (or a strategy that transformed it, e.g. TensorParallel), or an
+    ``nn.Sequential`` with ``loss_fn(out, target)`` and ``act_shape(k, rows, x)`` (shape
+    of the activation entering virtual stage k). ``record_timeline = True`` makes the
+    next step align the pp ranks' clocks at a barrier and keep ``timeline``:
+    [(Instr, start, end)] of every compute and wait."""
+
+    pipeline = True
+    has_late_grads = True    # gradients complete over the whole schedule (and the tied embedding)
+
+    def __init__(self, model, group=None, schedule="1f1b", microbatches=4, chunks=1, partition=None,
+                 loss_fn=None, act_shape=None, check_finite=False):
+        super().__init__(model, group, check_finite)
+        g = self.group
+        self.pp_world_size, self.pp_rank = g.size, g.rank
+        self.pp_is_first_stage, self.pp_is_last_stage = g.rank == 0, g.rank == g.size - 1
+        self.schedule, self.num_microbatches, self.num_chunks = schedule, microbatches, chunks
+        self.num_virtual_stages = g.size * chunks
+        programs = make_schedule(schedule, g.size, microbatches, chunks)   # bad args raise here
+        self.program = programs[g.rank]
+        # messages go out in batches (one NCCL group call each) in an order that can't deadlock
+        # even when every send blocks until its receive is posted (schedules.rendezvous_batches)
+        self._plan = {anchor: batch for anchor, batch in rendezvous_batches(programs)[g.rank]}
+        if 2 * microbatches * self.num_virtual_stages > 32767:
+            raise ValueError(f"pipeline: {microbatches} micro-batches x {self.num_virtual_stages} stages "
+                             f"exceed the MPI tag space")
+        if self.inner.microbatches != 1:
+            raise ValueError("pipeline: give the micro-batches to PipelineParallel, not to the model inside")
+        if isinstance(self.module, nn.Sequential):
+            layers = list(self.module)
+            spans = partition_layers(len(layers), self.num_virtual_stages, partition)
+            ks = [virtual_stage(c, g.size, g.rank) for c in range(chunks)]
+            self.chunks = [Chunk(layers[slice(*spans[k])]) for k in ks]
+            keep = {str(i) for k in ks for i in range(*spans[k])}
+            for name in [n for n in self.module._modules if n not in keep]:
+                _remove(self.module, name)
+            self.tied, self.loss_fn, self.act_shape = [], loss_fn, act_shape
+            if self.num_virtual_stages > 1 and act_shape is None:
+                raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
+        else:
+            cfg = self.module.config
+            if cfg.dropout:
+                raise ValueError("pipeline: dropout must be 0 (the micro-batches' masks would differ from "
+                                 "the single-process run); set GPTConfig(dropout=0.0)")
+            partition_layers(cfg.n_layer, self.num_virtual_stages, partition)   # too many stages: raise now
+            self.chunks, self.tied = _gpt_chunks(self.module, g.size, g.rank, chunks, partition)
+            self.loss_fn = loss_fn or (self.module.loss_fn if self.pp_is_last_stage else None)
+            shards = self.inner.seq_shards
+            self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, cfg.n_embd))
+        params = self.inner.parameters()             # activations travel in the compute dtype
+        self.dtype = getattr(params[0], "compute_dtype", params[0].dtype) if params else default_dtype()
+        self.low = any(is_low(q.dtype) for q in params)
+        self.embedding_group = None
+        if g.size > 1:                                # split is collective: every stage calls it
+            ends = self.pp_is_first_stage or self.pp_is_last_stage
+            e = g.split(0 if ends else 1, name="embedding")
+            self.embedding_group = e if ends and self.tied else None
+        self.loss_weight = 1.0 if self.pp_is_last_stage else 0.0
+        self.record_timeline, self.timeline, self.peak_stash = False, [], 0
+        self._dispatch = {FORWARD: self._forward, BACKWARD: self._backward, SEND_ACT: self._send_act,
+                          RECV_ACT: self._recv_act, SEND_GRAD: self._send_grad, RECV_GRAD: self._recv_grad,
+                          OPTIMIZER_STEP: self._end_of_step}
+
+    microbatches = property(lambda self: self.num_microbatches)
+
+    def __call__(self, *args, **kw):
+        raise TypeError("a pipeline stage holds only part of the model: train with forward_backward(x, y), "
+                        "or load full_state_dict() into a GPT for inference")
+
+    # ------------------------------------------------------------------ step
+    def local_batch(self, x, y):
+        """Every stage takes the whole batch of its pipeline (the first uses x, the last y)."""
+        if len(x) % self.num_microbatches:
+            raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into "
+                             f"{self.num_microbatches} micro-batches; use a batch size divisible by m (x dp)")
+        return self.inner.local_batch(x, y)
+
+    def compute(self, x, y):
+        """Run this rank's program over the m micro-batches of (x, y); returns the sum of
+        the micro-batch losses / m on the last stage (0 elsewhere)."""
+        m = self.num_microbatches
+        if len(x) % m:
+            raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into {m} "
+                             f"micro-batches; use a batch size divisible by m (x dp)")
+        self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
+        self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
+        self.losses, self.timeline, self.peak_stash = [], [], 0
+        if self.low:                                 # mixed precision: as Local.compute (precision.py)
+            local = self.inner
+            while local.inner is not None:
+                local = local.inner
+            self._scale = local.loss_scale
+            self._low_grads = PipelineGrads(self.inner.parameters(), self.tied,
+                                            (0, self.num_virtual_stages - 1))
+        if self.record_timeline:
+            self.group.barrier()
+        self._t0 = trace.now()
+        for j, ins in enumerate(self.program):
+            if j in self._plan:
+                self._post(self._plan[j])
+            self._dispatch[ins.op](ins)
+        if self.low:
+            self._low_grads.finish(m)                # round(Σ_mb fp32(g_mb) / m): one rounding
+        # the last stage's micro-batch losses in one device -> host copy per step
+        return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
+
+    def finish_grad_sync(self):
+        """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dwte =
+        embedding part + head part on the first and last stage."""
+        self.inner.finish_grad_sync()
+        if self.embedding_group is not None and self.low:
+            self._low_grads.sync_tied(self.embedding_group)   # per micro-batch, as one process
+        elif self.embedding_group is not None:
+            for prm in self.tied:
+                prm.grad = xp.zeros_like(prm.data) if prm.grad is None else xp.ascontiguousarray(prm.grad)
+                self.embedding_group.all_reduce(prm.grad, op="sum")
+
+    def _stage(self, ins):
+        return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank)
+
+    def _tag(self, kind, mb, k):
+        return 2 * (mb * self.num_virtual_stages + k) + (kind == "grad")
+
+    def _micro(self, a, mb):
+        return a[mb * self._rows:(mb + 1) * self._rows]
+
+    def _wait(self, key):
+        work, buf = self._recvs.pop(key)
+        t0 = trace.now()
+        work.wait()                                  # cooperative when ranks outnumber cores
+        self.timeline.append((Instr("WAIT", key[1], key[2]), t0 - self._t0, trace.now() - self._t0))
+        return buf
+
+    def _recv(self, kind, ins):
+        k = self._stage(ins)
+        shape = self.act_shape(k if kind == "act" else k + 1, self._rows, self._x)
+        buf = xp.empty(shape, dtype=self.dtype)
+        self._staged[ins] = ("recv", buf, ins.peer, self._tag(kind, ins.mb, k), (kind, ins.mb, ins.chunk))
+
+    def _send(self, kind, ins, buf, k_to):
+        buf = xp.ascontiguousarray(buf)
+        self._staged[ins] = ("send", buf, ins.peer, self._tag(kind, ins.mb, k_to), None)
+
+    def _post(self, batch):
+        """Post the staged messages of one batch together (group.batch_isend_irecv)."""
+        ops = [self._staged.pop(ins) for ins in batch]
+        self._sends = [(w, b) for w, b in self._sends if not w.is_completed()]   # free finished sends
+        works = self.group.batch_isend_irecv([op[:4] for op in ops])
+        for (kind, buf, _, _, key), work in zip(ops, works):
+            if kind == "recv":
+                self._recvs[key] = (work, buf)
+            else:
+                self._sends.append((work, buf))
+
+    def _recv_act(self, ins):
+        self._recv("act", ins)
+
+    def _recv_grad(self, ins):
+        self._recv("grad", ins)
+
+    def _send_act(self, ins):
+        self._send("act", ins, self._stash[(ins.mb, ins.chunk)][1].data, self._stage(ins) + 1)
+
+    def _send_grad(self, ins):
+        self._send("grad", ins, self._grads.pop((ins.mb, ins.chunk)), self._stage(ins) - 1)
+
+    def _forward(self, ins):
+        mb, c, k = ins.mb, ins.chunk, self._stage(ins)
+        x = self._micro(self._x, mb) if k == 0 else Tensor(self._wait(("act", mb, c)), requires_grad=True)
+        t0, e0 = trace.now(), trace.device_mark()
+        out = self.chunks[c](x)                              # (b, T, C), or logits on the last stage
+        if k == self.num_virtual_stages - 1:
+            out = self.loss_fn(out, self._micro(self._y, mb))
+            self.losses.append(out.data * (1.0 / self.num_microbatches))
+            if not self.low:                         # (mixed precision: the mean is GradAccumulator's)
+                out = out * (1.0 / self.num_microbatches)
+            elif self._scale != 1.0:
+                out = out * self._scale              # fp16: backward on S l (S a power of two)
+        self._stash[(mb, c)] = (x, out)
+        self.peak_stash = max(self.peak_stash, len(self._stash))
+        self._done(ins, t0, e0)
+
+    def _backward(self, ins):
+        mb, c, k = ins.mb, ins.chunk, self._stage(ins)
+        g = None if k == self.num_virtual_stages - 1 else self._wait(("grad", mb, c))
+        t0, e0 = trace.now(), trace.device_mark()
+        x, out = self._stash.pop((mb, c))                    # free the stash after its backward
+        out.backward(g)
+        if k > 0:
+            self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
+        if self.low:
+            self._low_grads.after_backward(k)
+        self._done(ins, t0, e0)
+
+    def _done(self, ins, t0, e0):
+        t1, name = trace.now(), f"{ins.op[0]}{ins.mb}.{ins.chunk}"
+        self.timeline.append((ins, t0 - self._t0, t1 - self._t0))
+        trace.record(name, "compute", t0, t1, mb=ins.mb, chunk=ins.chunk)
+        trace.device_record(name, e0, mb=ins.mb, chunk=ins.chunk)
+
+    def _end_of_step(self, ins):
+        """The schedule's last instruction: every send has landed (the optimizer step that
+        follows is the caller's ``opt.step()``)."""
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
+
+
+def gather_timeline(pipe):
+    """Every stage's measured [(Instr, start, end)] of the last step with
+    ``record_timeline = True``, in seconds from the step's aligned start, on pp rank 0
+    (None elsewhere). Collective over the pp group. Feed it to
+    ``schedules.bubble_fraction`` (measured idle per stage) or to pipeline_draw."""
+    return pipe.group.gather_object(pipe.timeline, dst=0)
+
+
+__all__ = ["PipelineParallel", "partition_layers", "gather_timeline", "Chunk"]

@@ -1,0 +1,8 @@
+"""ZeRO stages 0-3 over FSDP-style flat sharded units (Rajbhandari et al., 2020).
+
+    zero.py        the strategy: hooks, reductions, stage-3 gathers
+    flat_param.py  one unit: its parameters in one flat buffer, this rank's shard
+"""
+from pdist.parallel.zero.zero import STAGES, ZeRO, default_units
+
+__all__ = ["ZeRO", "STAGES", "default_units"]

@@ -1,0 +1,323 @@
+"""ZeRO stages 0-3, FSDP-style (Rajbhandari et al., 2020, "ZeRO: Memory Optimizations
+Toward Training Trillion Parameter Models"; flat sharded units as in PyTorch FSDP).
+
+Invariant: after every step, each rank's shard equals the same slice of the
+single-process model trained on the same global batch. Why: each rank's loss is
+the mean over its B/N rows, so the average over ranks of the gradients is the
+gradient of the global mean loss; AdamW is elementwise, so updating one slice
+with the slice of that gradient equals slicing the single-process update.
+
+Memory per rank (Ψ parameters, N ranks, b bytes per element, Adam's m and v).
+The paper's 16Ψ is mixed precision: fp16 params 2Ψ + fp16 grads 2Ψ + fp32 master
+params, m and v 12Ψ (K = 12). pdist trains in one dtype, so here the same 16Ψ
+reads, in fp32 (b = 4): params 4Ψ + grads 4Ψ + Adam m, v 8Ψ:
+
+    stage  params  grads  Adam m, v   total         fp32 (b = 4)
+    0      bΨ      bΨ     2bΨ         4bΨ           16Ψ          (plain data parallel)
+    1      bΨ      bΨ     2bΨ/N       2bΨ + 2bΨ/N   8Ψ + 8Ψ/N    (P_os)
+    2      bΨ      bΨ/N   2bΨ/N       bΨ + 3bΨ/N    4Ψ + 12Ψ/N   (P_os+g)
+    3      bΨ/N    bΨ/N   2bΨ/N       4bΨ/N         16Ψ/N        (P_os+g+p)
+
+Stages 1-3 flatten each unit into a buffer of Ψ_pad = ceil(Ψ_u/N)·N elements
+(flat_param.py), so there Ψ means Σ_units Ψ_pad, and the formula is exact.
+
+Sent per rank per step (ring accounting, S = bΨ bytes; docs/design.md):
+    stage 0    all-reduce(grads)                        2(N-1)/N S   "2Ψ"
+    stage 1, 2 reduce-scatter(grads) + all-gather(params)  2(N-1)/N S   "2Ψ"
+    stage 3    all-gather before forward, again before backward,
+               reduce-scatter(grads)                    3(N-1)/N S   "3Ψ"
+
+Schedule (the hooks below): a parameter hook makes its .grad a view into the
+unit's flat gradient; when the unit's last gradient is complete
+(post-accumulate hook) its reduction starts asynchronously (at most one in
+flight: the previous one is finished first), and stage 2/3 drop the full
+gradient once it is reduced. Stage 3 also gathers a unit in a forward pre-hook,
+frees it in the forward hook, gathers it again in a hook on the unit's output
+(it fires before the unit's backward runs), frees it when its gradients are
+done, and with ``prefetch`` starts the next unit's all-gather asynchronously.
+
+Units: by default each transformer block and ``ln_f`` of a GPT; every parameter
+in no unit (GPT: wte and wpe) forms the *root* unit, hooked on the model itself:
+gathered before the model's forward and freed after it, gathered again when
+backward starts (a hook on the model's outputs), freed when its gradients are
+done. wte is tied to the LM head, so the root stays gathered through the head in
+forward and through the whole backward (the head's backward comes first, the
+embedding's last). The head's ``wte.T`` node keeps a view of the root's buffer
+until its backward, so that buffer is not really freed after forward; the
+backward all-gather lands in that same buffer (FlatParamUnit.gather_buffer) and
+no second copy is made. The all-gather itself is kept, so the count is the
+paper's 3Ψ.
+
+The one shape (base.py): ``ZeRO(model, stage, dp_group)`` wraps a model or another
+strategy; ``parameters()`` are this rank's flat shards (what the optimizer updates);
+``forward_backward`` reduces the gradients and, at stages 1 and 2, the next
+``forward_backward`` first all-gathers the parameters the optimizer updated (as
+FSDP re-gathers at the next forward), so every step sends the paper's 2Ψ.
+With micro-batches (gradient accumulation, or a pipeline inside) a unit's gradient
+is complete after the last micro-batch's backward; its reduction starts then (the full
+gradient is kept across the micro-batches, as FSDP's ``no_sync``; stage 3 gathers each
+unit for every micro-batch's forward and backward: (2m + 1)Ψ per step).
+ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
+interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
+refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
+"""
+import math
+
+from pdist.measure import memory_timeline
+from pdist.engine.autograd import is_grad_enabled
+from pdist.engine.backend import xp
+from pdist.data import shard
+from pdist.engine.meta import fill_pieces
+from pdist.parallel.base import ParallelModule
+from pdist.parallel.zero.flat_param import FlatParamUnit
+from pdist.parallel.layout import reshard_flat
+
+STAGES = (0, 1, 2, 3)
+
+
+def default_units(model):
+    """GPT: [block_0, ..., block_{L-1}, ln_f]; any other model: [] (one root unit)."""
+    tr = getattr(model, "transformer", None)
+    if tr is not None and hasattr(tr, "h") and hasattr(tr, "ln_f"):
+        return [m for m in list(tr.h) + [tr.ln_f] if m is not None]   # (a pipeline stage holds some)
+    return []
+
+
+class ZeRO(ParallelModule):
+    """model = ZeRO(GPT(cfg, seed), stage=3, group=dp_group); opt = AdamW(model.parameters())
+    each step: loss = model.forward_backward(*model.local_batch(x, y)); opt.step(); opt.zero_grad()
+
+    ``parameters()`` are this rank's flat shards, one Tensor per unit: the
+    optimizer is built over them (stage 0: the whole flat buffers)."""
+
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=False):
+        if stage not in STAGES:
+            raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+        super().__init__(module, group, check_finite)
+        if stage == 3 and self.inner.pipeline:
+            raise ValueError("ZeRO-3 does not compose with pipeline parallelism: it gathers each unit around "
+                             "its forward and its backward, and a pipeline's interleaved micro-batches would "
+                             "gather every unit 2m times per step (DeepSpeed refuses this too). Use "
+                             "zero_stage <= 2 with pp > 1, or pp = 1 with ZeRO-3.")
+        self.stage, self.prefetch = stage, bool(prefetch)
+        self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
+        self.loss_weight = 1.0 / self.dp_world_size
+        inner_pieces = self.inner.pieces()
+        unit_modules = default_units(self.module) if units is None else list(units)
+        self.units = self._build_units(self.module, unit_modules)
+        self._check_same_on_all_ranks()
+        self._pieces = self._shard_pieces(inner_pieces)
+        if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
+            fill_pieces(self._pieces if stage == 3 else inner_pieces, self.module.init_rows)
+        self._inflight = None          # (unit, out, Work) of the one reduction in flight
+        self._reduced = set()          # ids of units whose reduction started this step
+        self._overlap = not self.inner.has_late_grads
+        self._stale = stage in (1, 2)  # full params to re-gather before the next forward
+        self._install_hooks(unit_modules)
+
+    # ---------------------------------------------------------------- setup
+    def _build_units(self, module, unit_modules):
+        names = {id(p): n for n, p in self.inner.named_parameters()}
+        owner, groups = {}, []
+        for i, m in enumerate(unit_modules):
+            if m is module:
+                raise ValueError("ZeRO units: do not list the model itself; its leftover parameters "
+                                 "already form the root unit")
+            named = []
+            for _, p in m.named_parameters():
+                if id(p) not in names:
+                    raise ValueError(f"ZeRO unit {i} ({type(m).__name__}) has a parameter that is not "
+                                     f"in the model: pass sub-modules of the wrapped model")
+                if id(p) in owner:
+                    raise ValueError(f"parameter {names[id(p)]} is in ZeRO units {owner[id(p)]} and {i}: "
+                                     f"each parameter must belong to exactly one unit")
+                owner[id(p)] = i
+                named.append((names[id(p)], p))
+            groups.append((f"unit{i}", named))
+        root = [(n, p) for n, p in self.inner.named_parameters() if id(p) not in owner]
+        sharded, keep_full = self.stage >= 1, self.stage <= 2
+        units = [FlatParamUnit(name, named, self.group, sharded, keep_full) for name, named in groups]
+        self.root = FlatParamUnit("root", root, self.group, sharded, keep_full) if root else None
+        return ([self.root] if self.root else []) + units
+
+    def _check_same_on_all_ranks(self):
+        mine = (self.stage, [u.numel for u in self.units], str(self.units[0].dtype))
+        everyone = self.group.all_gather_object(mine)
+        if any(o != mine for o in everyone):
+            raise ValueError("ZeRO: ranks disagree on (stage, unit sizes, dtype): "
+                             + "; ".join(f"rank {r}: {o}" for r, o in enumerate(everyone))
+                             + " -- every rank must wrap the same model with the same stage")
+
+    def _install_hooks(self, unit_modules):
+        for u in self.units:
+            for p in u.params:
+                p.register_hook(lambda g, u=u: u.ensure_grad_views())
+                p.register_post_accumulate_grad_hook(lambda t, u=u: self._grad_ready(u))
+        if self.stage != 3:
+            return
+        # forward order: root, then the units in the order given; backward: root, then reversed
+        body = self.units[1:] if self.root else self.units
+        self._fwd_order = ([self.root] if self.root else []) + body
+        self._bwd_order = ([self.root] if self.root else []) + body[::-1]
+        hooked = ([(self.module, self.root)] if self.root else []) + list(zip(unit_modules, body))
+        for m, u in hooked:
+            m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
+            m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
+
+    def _shard_pieces(self, inner_pieces):
+        """Where each unit's shard sits in the single-process tensors (layout.py): the
+        shard's flat range cut into boxes of each parameter it overlaps; no padding."""
+        by_tensor = {}
+        for pc in inner_pieces:
+            by_tensor.setdefault(id(pc.tensor), []).append(pc)
+        out = []
+        for u in self.units:
+            for p, o, shape in zip(u.params, u.offsets, u.shapes):
+                a, b = max(u.lo, o), min(u.hi, o + math.prod(shape))
+                if a < b:
+                    out += reshard_flat(by_tensor[id(p)], shape, a - o, b - o, u.shard, u.lo - o)
+        return out
+
+    # ------------------------------------------------------ the one shape
+    def named_parameters(self):
+        """This rank's shards (what its optimizer updates), one per unit."""
+        return [(f"{u.name}.flat_shard", u.shard) for u in self.units]
+
+    def pieces(self):
+        return list(self._pieces)
+
+    def local_batch(self, x, y):
+        """This rank's rows of the global batch: [r B/N, (r+1) B/N) (data.shard)."""
+        return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
+
+    def zero_grad(self):
+        self.inner.zero_grad()
+        self._refresh()
+        for u in self.units:
+            u.zero_grad()
+        self._reduced.clear()
+
+    def _refresh(self):
+        """Stages 1, 2: all-gather the parameters the optimizer updated (shard -> full)."""
+        if not self._stale:
+            return
+        works = [self.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
+        for w in works:
+            w.wait()
+        self._stale = False
+        memory_timeline.mark("all-gather", "all units")
+
+    def finish_grad_sync(self):
+        """Reduce every unit not reduced during backward (units that got no gradient on this
+        rank reduce zeros), and wait: each shard's .grad is the global-batch mean."""
+        self.inner.finish_grad_sync()
+        for u in self.units:
+            if id(u) not in self._reduced:
+                u.ensure_grad_views()
+                self._reduce(u)
+        self._finish_reduction()
+        for u in self.units:
+            u.ready = 0
+        self._stale = self.stage in (1, 2)      # the optimizer step is next
+
+    def after_load(self):
+        self.inner.after_load()
+        self._stale = self.stage in (1, 2)
+
+    def __call__(self, *args, **kw):
+        self._refresh()
+        return self.module(*args, **kw)
+
+    # ------------------------------------------------- gradients (all stages)
+    def _grad_ready(self, u):
+        u.ready += 1
+        if self.stage == 3 and u.ready % len(u.params) == 0:
+            u.free()                              # this micro-batch's backward is done: drop the params
+        if u.ready == len(u.params) * self.microbatches and self._overlap:
+            self._reduce(u)                       # the last micro-batch's gradient: reduce it
+
+    def _reduce(self, u):
+        """Start the unit's gradient reduction: all-reduce (stage 0) or reduce-scatter."""
+        self._finish_reduction()                  # at most one in flight
+        self._reduced.add(id(u))
+        if self.stage == 3:
+            u.free()                              # its backward is done: drop the full params
+        if self.stage == 0:
+            out, work = None, self.group.all_reduce(u.grad_flat, op="avg", async_op=True)
+        else:
+            out = u.shard.grad if self.stage >= 2 and u.shard.grad is not None else \
+                xp.empty(u.hi - u.lo, dtype=u.dtype)                     # (Ψ_pad/N,)
+            work = self.group.reduce_scatter(out, u.grad_flat, op="avg", async_op=True)
+        self._inflight = (u, out, work)
+
+    def _finish_reduction(self):
+        if self._inflight is None:
+            return
+        u, out, work = self._inflight
+        self._inflight = None
+        work.wait()
+        if self.stage == 0:
+            u.shard.grad = u.grad_flat                                   # (Ψ_u,) averaged
+        elif self.stage == 1:                     # keep the full gradient (P_os only)
+            u.grad_flat[u.lo:u.hi] = out
+            u.shard.grad = u.grad_flat[u.lo:u.hi]
+        else:                                     # P_os+g: the full gradient is freed
+            u.shard.grad = out
+            u.drop_grads()
+        memory_timeline.mark("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
+
+    # -------------------------------------------------- parameters (stage 3)
+    def _start_gather(self, u):
+        if u.materialized() or u.gather_work is not None:
+            return
+        buf = u.gather_buffer()                                           # (Ψ_pad,)
+        u.gather_work = (buf, self.group.all_gather(buf, u.shard.data, async_op=True))
+
+    def _gather(self, u, order):
+        """Materialize u (waiting for its prefetch if one is in flight), then
+        start the all-gather of the unit after u in ``order``."""
+        if not u.materialized():
+            self._start_gather(u)
+            buf, work = u.gather_work
+            work.wait()
+            u.gather_work = None
+            u.finish_gather(buf)
+            memory_timeline.mark("all-gather", u.name)
+        if self.prefetch:
+            i = order.index(u)
+            if i + 1 < len(order):
+                self._start_gather(order[i + 1])
+
+    def _before_forward(self, u):
+        self._gather(u, self._fwd_order)
+
+    def _after_forward(self, u, out):
+        outs = out if isinstance(out, tuple) else (out,)
+        if is_grad_enabled():
+            for t in outs:
+                if getattr(t, "requires_grad", False):
+                    t.register_hook(lambda g, u=u: self._before_backward(u))
+        u.free()
+
+    def _before_backward(self, u):
+        self._gather(u, self._bwd_order)
+
+    # ------------------------------------------------------------ accounting
+    def state_arrays(self):
+        """(param arrays, grad arrays) live on this rank, views included
+        (pdist.measure.memory counts each underlying buffer once)."""
+        params = [p.data for u in self.units for p in u.params] + [u.shard.data for u in self.units]
+        grads = [p.grad for u in self.units for p in u.params] + \
+                [a for u in self.units for a in (u.grad_flat, u.shard.grad)]
+        return params, [g for g in grads if g is not None]
+
+    @property
+    def numel(self):
+        """Ψ: the model's parameter count (no padding)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def numel_padded(self):
+        """Σ_units Ψ_pad: the elements the flat buffers hold (= Ψ at stage 0)."""
+        return sum(u.padded for u in self.units)
+

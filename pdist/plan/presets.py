@@ -1,0 +1,144 @@
+"""Presets for the planner (pdist.plan): models, clusters, bytes per element, and the
+published numbers the planner is checked against.
+
+Models are GPTConfigs (pdist/models/gpt.py; Ψ = cfg.num_params(), lm_head tied to wte):
+GPT-2 124M/350M/774M/1.5B (Radford et al. 2019: V 50257, s 1024), GPT-3 175B (Brown
+et al. 2020: 96 layers, h 12288, 96 heads, s 2048) and the 1T model of Narayanan et
+al. 2021, Table 1 (128 layers, h 25600, 160 heads, V 51200, s 2048).
+
+Bytes per element (the ZeRO paper's K; Rajbhandari et al. 2020, §3.1):
+
+    precision   params  grads  optimizer (Adam)            activations
+    fp32        4       4      8  (m, v)                   4
+    fp64        8       8      16 (m, v)                   8
+    mixed       2       2      12 (fp32 master, m, v)      2   -> 2 + 2 + 12 = 16 bytes/param
+
+pdist trains in one dtype, so its runs are planned as fp32 or fp64 (docs/zero.md).
+"""
+from dataclasses import dataclass, field
+
+from pdist.models.gpt import GPTConfig
+
+BYTES = {  # precision -> (params, grads, optimizer, activations) bytes per element
+    "fp32": (4, 4, 8, 4),
+    "fp64": (8, 8, 16, 8),
+    "mixed": (2, 2, 12, 2),
+}
+
+
+def _gpt(V, s, L, a, h):
+    # dtype only matters to pdist's own training; the planner uses the precision's bytes
+    return GPTConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h)
+
+
+MODELS = {
+    "gpt2": _gpt(50257, 1024, 12, 12, 768),           # 124 M
+    "gpt2-medium": _gpt(50257, 1024, 24, 16, 1024),   # 350 M
+    "gpt2-large": _gpt(50257, 1024, 36, 20, 1280),    # 774 M
+    "gpt2-xl": _gpt(50257, 1024, 48, 25, 1600),       # 1.5 B
+    "gpt3-175b": _gpt(50257, 2048, 96, 96, 12288),    # 175 B
+    "megatron-1t": _gpt(51200, 2048, 128, 160, 25600),  # 1.0 T (Narayanan et al. 2021, Table 1)
+}
+
+
+@dataclass
+class Link:
+    """A link for the α–β model: a collective step costs α, each byte 1/β (β in bytes/s,
+    per GPU per direction, the rate busbw measures)."""
+    beta: float
+    alpha: float
+
+
+@dataclass
+class Cluster:
+    name: str
+    gpus_per_node: int
+    memory: float                 # bytes per GPU
+    peak: dict                    # precision -> FLOP/s per GPU
+    intra: Link                   # inside a node
+    inter: Link                   # between nodes
+    efficiency: float = 0.5       # achieved / peak FLOP/s of the compute (an assumption)
+    source: str = ""
+    nodes: int = 0                # 0: as many as the layout needs
+    extra: dict = field(default_factory=dict)
+
+
+GiB = 2 ** 30
+
+# One core-rank of this machine is a "GPU". Numbers measured by pdist's own benches
+# (README "Measured"; an Intel Xeon, 2 cores, load average about 1, 2026-11-30):
+#  * peak fp32: bench/step_time.py, large GPT (L4 C512 T256 B8, V 96): the BLAS-only floor
+#    (every matmul forward and backward, nothing else) 1198.10 ms per step at 1 BLAS thread;
+#    peak := model FLOPs of that step / 1198.10 ms. pdist's step took 1427.92 ms, so the
+#    efficiency is 1198.10 / 1427.92 = 0.84 (docs/foundation.md).
+#  * link: bench/collectives.py, n = 2, pdist "mpi" all-reduce: busbw 5.37 GB/s at 16 MiB
+#    and 16.7 µs per call at 8 B (docs/collectives.md).
+#  * memory: 23 GiB of RAM for both ranks (as `free` reported), 11.5 GiB each.
+_FLOOR_CFG = GPTConfig(vocab_size=96, block_size=256, n_layer=4, n_head=8, n_embd=512)
+_FLOOR_S = 1.19810
+_PDIST_S = 1.42792
+
+
+def model_flops_per_token(cfg, s=None):
+    """Model FLOPs per token for forward + backward: 6Ψ (Kaplan et al. 2020) + 12·L·s·h
+    for the attention scores and their use (QKᵀ and AV, 2 matmuls of 2·s·h FLOPs per token
+    per layer, three passes; Narayanan et al. 2021, Eq. 3)."""
+    s = cfg.block_size if s is None else s
+    return 6 * cfg.num_params() + 12 * cfg.n_layer * s * cfg.n_embd
+
+
+_CPU_PEAK = model_flops_per_token(_FLOOR_CFG) * 8 * 256 / _FLOOR_S
+
+CLUSTERS = {
+    "a100": Cluster(
+        "8 x A100-80GB (NVLink 600 GB/s, 8 x 200 Gb/s InfiniBand)", 8, 80 * GiB,
+        {"mixed": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(25e9, 10e-6),
+        source="NVIDIA A100 datasheet: bf16/fp16 dense 312 TFLOP/s, fp32 19.5, fp64 tensor 19.5; "
+               "NVLink 600 GB/s both ways = 300 GB/s each way; 200 Gb/s = 25 GB/s per GPU; "
+               "α 5 µs / 10 µs assumed"),
+    "a100-eth": Cluster(
+        "8 x A100-80GB (NVLink 600 GB/s), nodes joined by one 100 Gb/s Ethernet port", 8, 80 * GiB,
+        {"mixed": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(12.5e9 / 8, 30e-6),
+        source="as a100, but 100 Gb/s = 12.5 GB/s per node shared by its 8 GPUs (1.56 GB/s each); "
+               "α 30 µs assumed"),
+    "h100": Cluster(
+        "8 x H100-80GB SXM (NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
+        {"mixed": 989e12, "fp32": 67e12, "fp64": 67e12},
+        intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6),
+        source="NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, fp32 67, fp64 tensor 67; "
+               "NVLink 900 GB/s both ways = 450 GB/s each way; 400 Gb/s = 50 GB/s per GPU; "
+               "α 5 µs / 10 µs assumed"),
+    "this": Cluster(
+        "this machine: 2 CPU cores, one rank per core", 2, 23 * GiB / 2,
+        {"fp32": _CPU_PEAK, "fp64": _CPU_PEAK / 2, "mixed": _CPU_PEAK},
+        intra=Link(5.37e9, 16.7e-6), inter=Link(5.37e9, 16.7e-6), efficiency=_FLOOR_S / _PDIST_S,
+        source="README 'Measured' (Intel Xeon, 2 cores, 2026-11-30): bench/step_time.py large GPT, "
+               "BLAS floor 1198.10 ms vs pdist 1427.92 ms -> peak fp32 %.0f GFLOP/s per core, "
+               "efficiency 0.84; bench/collectives.py n = 2: busbw 5.37 GB/s (16 MiB), 16.7 µs "
+               "(8 B); fp64 peak taken as half (assumed); RAM 23 GiB shared" % (_CPU_PEAK / 1e9)),
+}
+
+# Narayanan et al. 2021 ("Efficient Large-Scale Language Model Training on GPU Clusters
+# Using Megatron-LM", arXiv 2104.04473), Table 1: V 51200, s 2048, mixed precision,
+# A100-80GB (Selene). Columns: params (B), heads, hidden, layers, t, p, GPUs, batch,
+# achieved TFLOP/s per GPU, percent of peak.
+NARAYANAN_TABLE1 = [
+    (1.7, 24, 2304, 24, 1, 1, 32, 512, 137, 44),
+    (3.6, 32, 3072, 30, 2, 1, 64, 512, 138, 44),
+    (7.5, 32, 4096, 36, 4, 1, 128, 512, 142, 46),
+    (18.4, 48, 6144, 40, 8, 1, 256, 1024, 135, 43),
+    (39.1, 64, 8192, 48, 8, 2, 512, 1536, 138, 44),
+    (76.1, 80, 10240, 60, 8, 4, 1024, 1792, 140, 45),
+    (145.6, 96, 12288, 80, 8, 8, 1536, 2304, 148, 47),
+    (310.1, 128, 16384, 96, 8, 16, 1920, 2160, 155, 50),
+    (529.6, 128, 20480, 105, 8, 35, 2520, 2520, 163, 52),
+    (1008.0, 160, 25600, 128, 8, 64, 3072, 3072, 163, 52),
+]
+
+
+def narayanan_flops(B, s, L, h, V):
+    """Narayanan et al. 2021, Eq. 3: FLOPs per iteration with full activation recompute,
+    F = 96·B·s·L·h²·(1 + s/(6h) + V/(16·L·h)) (how Table 1's TFLOP/s are counted)."""
+    return 96 * B * s * L * h * h * (1 + s / (6 * h) + V / (16 * L * h))
