@@ -29,7 +29,7 @@ import time
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdist.engine import backend  # noqa: E402
+from pdist.engine import host_memory  # noqa: E402
 from pdist import comm, data
 from pdist.models import gpt
 from pdist.course import lesson
@@ -60,7 +60,7 @@ def time_config(name, cfg, rows, world, tokens, steps):
     RSS after the last step and its peak during that step)."""
     n = world.size
     gc.collect()
-    backend.malloc_trim()      # the previous configuration's free pages back to the OS
+    host_memory.malloc_trim()      # the previous configuration's free pages back to the OS
     model, opt = make_model(name, cfg, world)
     rss = memory.StepRSS()
     batches = [data.get_batch(tokens, rows * n, cfg.block_size, 0, s) for s in range(steps + 2)]

@@ -83,7 +83,7 @@ import time
 
 import numpy as np
 
-from pdist.engine import backend, precision
+from pdist.engine import host_memory, precision
 from pdist import data
 from pdist.course import lesson
 from pdist.measure import memory, memory_timeline
@@ -178,7 +178,7 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     (model, optimizer, losses, bytes sent per step, median seconds per step, (ok, rel err),
     {rss_baseline_bytes (before the model), rss_bytes, rss_peak_bytes (the last step)})."""
     gc.collect()
-    backend.malloc_trim()      # malloc's free pages (earlier runs' temporaries) back to the OS
+    host_memory.malloc_trim()      # malloc's free pages (earlier runs' temporaries) back to the OS
     rss = {"rss_baseline_bytes": memory.rss_bytes()}   # before the model: interpreter, libraries, data
     with memory.RSSPeak() as init:     # meta init: each rank draws its own pieces only (pdist/engine/meta.py)
         z = build(cfg, stage, world, args, prec)
@@ -198,8 +198,8 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
         secs.append(time.perf_counter() - clock[0])
         if step + 1 == steps:      # the last step: peak, RSS, what malloc holds free, RSS without it
             rss.update(rss_peak_bytes=memory.rss_peak_bytes(), rss_bytes=memory.rss_bytes(),
-                       malloc_free_bytes=backend.malloc_free_bytes())
-            backend.malloc_trim()
+                       malloc_free_bytes=host_memory.malloc_free_bytes())
+            host_memory.malloc_trim()
             rss["rss_trimmed_bytes"] = memory.rss_bytes()
         sent.append(world.bytes_sent())
         if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)

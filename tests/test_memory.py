@@ -3,7 +3,7 @@ and the meta-device init of pdist/engine/meta.py."""
 import numpy as np
 import pytest
 
-from pdist.engine import backend, meta
+from pdist.engine import host_memory, meta
 from pdist.models import gpt
 from pdist.course import lesson
 from pdist.measure import memory
@@ -55,7 +55,7 @@ def test_memory_row_fields():
     assert row == {"rank": 3, "params_bytes": 32, "grads_bytes": 0, "optim_bytes": 0, "peak_bytes": 123}
 
 
-# --- what the process holds (RSS) and the allocator policy (pdist.engine.backend.tune_malloc) -----------
+# --- what the process holds (RSS) and the allocator policy (pdist.engine.host_memory.tune_malloc) -----------
 def test_rss_rises_with_an_array_and_falls_when_it_is_freed():
     """tune_malloc's fixed mmap threshold: a large array is its own mapping, so freeing it
     returns its pages to the OS at once (what ZeRO's frees rely on to show in the RSS)."""
@@ -87,7 +87,7 @@ def test_process_row_and_malloc_free_bytes():
     assert set(row) == {"rss_bytes", "rss_peak_bytes", "malloc_free_bytes"}
     if row["rss_bytes"] is not None:
         assert 0 < row["rss_bytes"] <= row["rss_peak_bytes"]
-    free = backend.malloc_free_bytes()
+    free = host_memory.malloc_free_bytes()
     assert free is None or free >= 0
 
 
@@ -125,18 +125,17 @@ def test_meta_gpt_holds_no_values_and_materializes_bit_identical(monkeypatch):
 
 
 def test_mapped_empty_returns_its_pages_at_once_and_is_traced():
-    """ZeRO's buffers (backend.mapped_empty): freeing one lowers the RSS by its size even where
+    """ZeRO's buffers (host_memory.mapped_empty): freeing one lowers the RSS by its size even where
     malloc keeps a freed heap array of the same size mapped (tune_malloc's policy keeps the
     heap's free pages), and tracemalloc counts it while it lives, as it counts NumPy's arrays."""
     import tracemalloc
-    from pdist.engine import backend
     if memory.rss_bytes() is None:
         pytest.skip("no /proc/self/status here")
     n = 3 << 20                                      # 24 MiB of float64: under the 32 MiB mmap threshold
     tracemalloc.start()
     try:
         t0 = tracemalloc.get_traced_memory()[0]
-        a = backend.mapped_empty(n, np.float64)
+        a = host_memory.mapped_empty(n, np.float64)
         a[...] = 1.0                                 # every page touched
         view = a[1:]                                 # a view keeps the mapping alive
         traced = tracemalloc.get_traced_memory()[0] - t0

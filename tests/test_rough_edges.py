@@ -70,12 +70,12 @@ def test_pdist_device_gpu_with_cupy_but_no_gpu(tmp_path, zero):
 
 # --- PDIST_MALLOC_TUNE -----------------------------------------------------------------------
 def test_malloc_tune_flag(monkeypatch):
-    from pdist.engine import backend
+    from pdist.engine import host_memory
     monkeypatch.setenv("PDIST_MALLOC_TUNE", "off")
-    assert backend.tune_malloc() is False
+    assert host_memory.tune_malloc() is False
     monkeypatch.setenv("PDIST_MALLOC_TUNE", "maybe")
     with pytest.raises(ValueError, match="PDIST_MALLOC_TUNE='maybe'"):
-        backend.tune_malloc()
+        host_memory.tune_malloc()
     p = import_pdist({"PDIST_MALLOC_TUNE": "2"})
     assert p.returncode != 0 and "PDIST_MALLOC_TUNE='2'" in p.stderr
     assert import_pdist({"PDIST_MALLOC_TUNE": "No"}).returncode == 0

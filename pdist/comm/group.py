@@ -45,7 +45,7 @@ from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
 from pdist.comm.watchdog import _cur, _step
 from pdist.comm.objects import ObjectCollectives
 from pdist.comm.work import Pending, Work, settle
-from pdist.engine.precision import is_low
+from pdist.engine.backend import is_low
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
               "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),

@@ -1,9 +1,9 @@
 """Collectives on 2-byte floats (bfloat16, float16) over MPI.
 
 MPI has no bfloat16 datatype (and MPICH's float16 sum is not everywhere), so the
-bytes travel as raw 16-bit words (a ``uint16`` view: no conversion, 2 bytes per
-element on the wire, the mixed-precision theory), and a reduction is done on
-upcast values by the rank that owns the result, once:
+bytes travel as raw 16-bit words (``backend.words``, a ``uint16`` view: no conversion,
+2 bytes per element on the wire, the mixed-precision theory), and a reduction is done
+on upcast values by the rank that owns the result, once:
 
     reduce_scatter(out, inp):  all-to-all of the n chunks of inp (chunk q to rank q),
                                then out = round(Σ_{q=0}^{n-1} fp32(chunk from q)) (÷ n for avg)
@@ -14,7 +14,7 @@ upcast values by the rank that owns the result, once:
 
 Rank q's term is added in the order q = 0, 1, ..., n-1, in float32, and the result
 is rounded to the low dtype once: every rank gets the same bits, and they equal one
-process summing n micro-batch gradients in fp32 (pdist.engine.precision.GradAccumulator).
+process summing n micro-batch gradients in fp32 (pdist.engine.grad_rounding.GradAccumulator).
 Bytes per rank: (n-1)/n S for the reduce-scatter (the all-to-all moves exactly the
 chunks a ring reduce-scatter moves) and 2(n-1)/n S for the all-reduce (S = the
 low-precision tensor's bytes), the ring accounting of docs/design.md.
@@ -22,12 +22,7 @@ low-precision tensor's bytes), the ring accounting of docs/design.md.
 import numpy as np
 from mpi4py import MPI
 
-from pdist.engine.precision import is_low
-
-
-def words(a):
-    """The raw 16-bit view of a low-precision array (mpi4py has no type for bf16)."""
-    return a.view(np.uint16) if is_low(a.dtype) else a
+from pdist.engine.backend import words
 
 
 def _sum_rows(rows, out, op):

@@ -37,9 +37,8 @@ from mpi4py import MPI  # noqa: E402
 from pdist.measure import trace  # noqa: E402
 from pdist.comm import watchdog  # noqa: E402
 from pdist.comm import low_precision  # noqa: E402
-from pdist.comm.low_precision import words  # noqa: E402
 from pdist.comm.work import Work  # noqa: E402
-from pdist.engine.precision import is_low  # noqa: E402
+from pdist.engine.backend import is_low, words  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 

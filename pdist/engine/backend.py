@@ -148,6 +148,26 @@ def default_dtype():
     return _state["dtype"]
 
 
+try:
+    import ml_dtypes
+    bfloat16 = _np.dtype(ml_dtypes.bfloat16)
+except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
+    bfloat16 = None
+
+LOW_DTYPES = tuple(d for d in (bfloat16, _np.dtype(_np.float16)) if d is not None)
+
+
+def is_low(dtype):
+    """True for the 2-byte floating dtypes (bfloat16, float16): mixed precision's parameters."""
+    return dtype in LOW_DTYPES
+
+
+def words(a):
+    """The raw 16-bit words of a 2-byte float array (a ``uint16`` view: MPI has no bfloat16
+    type, so such arrays travel as words); any other array unchanged."""
+    return a.view(_np.uint16) if is_low(a.dtype) else a
+
+
 def array_module(a):
     """The array module that owns ``a``: ``cupy`` for a CuPy array, else ``numpy``
     (like ``cupy.get_array_module``). Code that works on a buffer it was given takes
@@ -205,116 +225,6 @@ def asarray(a, dtype=None):
     """``a`` as an array of the active backend (uploads NumPy arrays to the GPU)."""
     return _state["module"].asarray(a, dtype=dtype)
 
-
-MMAP_THRESHOLD = 32 << 20    # glibc's largest: arrays under 32 MiB come from the heap and are reused
-TRIM_THRESHOLD = 256 << 20   # the heap's free top is kept up to 256 MiB (activations, temporaries)
-TOP_PAD = 64 << 20           # and grown 64 MiB at a time
-
-
-def tune_malloc():
-    """glibc malloc's policy for pdist: a step's temporaries are reused without page faults;
-    what malloc keeps free is reported, and what ZeRO frees goes back to the OS at once.
-
-    A training step allocates and frees the same activations and temporaries every step.
-    A fixed ``M_MMAP_THRESHOLD`` of 32 MiB (glibc's largest; fixing it also switches off the
-    dynamic threshold) keeps arrays under 32 MiB on the heap, and ``M_TRIM_THRESHOLD`` /
-    ``M_TOP_PAD`` keep the heap's free pages mapped, so the next step reuses them instead of
-    faulting them in again. Measured with bench/step_time.py --sizes large: 1.5x slower
-    with a 1 MiB mmap threshold, every large temporary faulted in each step (docs/zero.md).
-    What the heap keeps is measured, not hidden: ``malloc_trim()`` returns it, and lesson 03
-    prints the RSS that frees ("malloc held") beside the RSS and the formula.
-
-    ZeRO's own frees do not wait for malloc: its gathered units and full gradients come
-    from ``mapped_empty``, each its own mapping, unmapped when it dies, so the RSS drops
-    by a unit at each free, as ZeRO-3's formula says.
-
-    Applied on import on glibc Linux; ``PDIST_MALLOC_TUNE=0`` (or off/false/no) keeps
-    glibc's defaults, and a value that is not a boolean raises a ValueError. Returns True
-    when the settings were applied."""
-    if not env_flag("PDIST_MALLOC_TUNE", True) or not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-        libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(M_MMAP_THRESHOLD, MMAP_THRESHOLD)
-        ok &= libc.mallopt(M_TRIM_THRESHOLD, TRIM_THRESHOLD)
-        ok &= libc.mallopt(M_TOP_PAD, TOP_PAD)
-    except (OSError, AttributeError):  # not glibc (musl, macOS): leave malloc alone
-        return False
-    return bool(ok)
-
-
-M_TRIM_THRESHOLD, M_TOP_PAD, M_MMAP_THRESHOLD = -1, -2, -3     # glibc's mallopt parameters
-
-
-_NUMPY_TRACE_DOMAIN = 389047   # the tracemalloc domain NumPy reports its array data in
-
-
-def mapped_empty(n, dtype):
-    """An (n,) array in an anonymous memory mapping of its own (zero-filled): when its last
-    view dies the mapping is unmapped, so the pages go back to the OS at once, whatever
-    malloc keeps on its heap. ZeRO's gathered units and full gradients live here: their
-    frees are what its formula counts. (malloc's mmap threshold cannot promise this: a
-    request that fits the heap's free top is served from the heap.) The mapping is
-    reported to tracemalloc in NumPy's domain while tracing, so pdist.measure.memory's traced
-    peak counts it like any array. On a GPU it is ``empty`` from CuPy's pool, and
-    small arrays come from malloc."""
-    mod = _state["module"]
-    dt = _np.dtype(dtype)
-    if mod is not _np or n * dt.itemsize < 1 << 16:
-        return mod.empty(n, dtype=dt)
-    import ctypes
-    import mmap
-    import tracemalloc
-    import weakref
-    m = mmap.mmap(-1, n * dt.itemsize)
-    a = _np.frombuffer(m, dtype=dt)                                    # (n,), writable, zeros
-    if tracemalloc.is_tracing():
-        addr, api = a.__array_interface__["data"][0], ctypes.pythonapi
-        api.PyTraceMalloc_Track.argtypes = [ctypes.c_uint, ctypes.c_size_t, ctypes.c_size_t]
-        api.PyTraceMalloc_Untrack.argtypes = [ctypes.c_uint, ctypes.c_size_t]
-        api.PyTraceMalloc_Track(_NUMPY_TRACE_DOMAIN, addr, n * dt.itemsize)
-        weakref.finalize(m, api.PyTraceMalloc_Untrack, _NUMPY_TRACE_DOMAIN, addr)
-    return a
-
-
-def malloc_trim():
-    """Return the free pages malloc holds to the OS (glibc ``malloc_trim(0)``: the heap's
-    top and every free page inside it). The RSS then counts live memory only; pdist.measure.memory
-    reads RSS after it where a measurement needs that. False where there is no glibc."""
-    if not sys.platform.startswith("linux"):
-        return False
-    try:
-        import ctypes
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        return True
-    except (OSError, AttributeError):
-        return False
-
-
-def malloc_free_bytes():
-    """Bytes glibc malloc holds free inside the process (freed, not returned to the OS):
-    ``mallinfo2().fordblks``, summed over arenas: free chunks and the heap's reserved top,
-    resident or not (with tune_malloc's 64 MiB top pad, more than the RSS gap; the resident
-    part is RSS minus RSS after ``malloc_trim``, as lesson 03 prints it). None where there is
-    no glibc ``mallinfo2`` (macOS, musl, glibc < 2.33)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        import ctypes
-
-        class _MallInfo2(ctypes.Structure):
-            _fields_ = [(f, ctypes.c_size_t) for f in ("arena", "ordblks", "smblks", "hblks", "hblkhd",
-                                                       "usmblks", "fsmblks", "uordblks", "fordblks",
-                                                       "keepcost")]
-        fn = ctypes.CDLL("libc.so.6").mallinfo2
-        fn.restype = _MallInfo2
-        return int(fn().fordblks)
-    except (OSError, AttributeError):
-        return None
-
-
-tune_malloc()
 
 if device_from_env() == "gpu":
     use_device("gpu")

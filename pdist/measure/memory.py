@@ -42,13 +42,14 @@ which ``reset_rss_peak()`` sets back to the current RSS (writing "5" to
 
 Where /proc is missing (macOS) the peak is ``resource.getrusage``'s ``ru_maxrss``
 (since the process began, never reset) and the current RSS is None.
-``pdist.engine.backend.malloc_free_bytes()`` is what malloc holds free inside the process.
+``pdist.engine.host_memory.malloc_free_bytes()`` is what malloc holds free inside the process.
 """
 import os
 import sys
 import tracemalloc
 
-from pdist.engine.backend import is_gpu, malloc_free_bytes
+from pdist.engine.backend import is_gpu
+from pdist.engine.host_memory import malloc_free_bytes
 
 
 def _root(a):

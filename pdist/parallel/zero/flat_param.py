@@ -26,7 +26,8 @@ import weakref
 
 from pdist.measure import memory_timeline
 from pdist.engine.autograd import Tensor
-from pdist.engine.backend import mapped_empty, xp
+from pdist.engine.backend import xp
+from pdist.engine.host_memory import mapped_empty
 from pdist.engine.meta import is_meta
 
 
