@@ -38,7 +38,7 @@ counts.
 ``--precision bf16`` (or fp16): both layouts train with bf16 parameters and gradients and
 fp32 master weights (MixedPrecision, docs/mixed_precision.md), against one process in the same
 precision; sequence parallelism sums each rank's unrounded LayerNorm / bias / wpe gradients
-before it rounds them once (pdist/parallel/tensor/partial_grads.py), as one process does. PASS then
+before it rounds them once (pdist/engine/grad_rounding.py), as one process does. PASS then
 means: losses and pieces to rtol 1e-6 (float64: the ranks' partial sums in another order,
 far below a bf16 ulp of 2^-8), or the float32 checks below.
 

@@ -51,7 +51,7 @@ def checks_02(S, world):
     cfg, tokens = tiny_cfg()
 
     class HandLocal(Local):
-        def compute(self, x, y):
+        def compute(self, x, y, loss_scale=1.0):
             return S.accumulate_gradients(self.module, x, y, self.microbatches)
 
     class HandDP(DataParallelNaive):

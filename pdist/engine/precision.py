@@ -23,32 +23,35 @@ How the arithmetic runs (on CPU; the rounding points, all deterministic):
   upcast weights (autocast's fp32 list).
 * a parameter's gradient is rounded to its dtype once per use and backward pass;
   uses of one tensor (the tied ``wte``) are summed in it.
-* k micro-batches: each backward runs on its micro-batch's mean loss (no 1/k there);
-  their gradients are summed in fp32, divided by k and rounded once
-  (``GradAccumulator``), exactly as the data-parallel average over N ranks is
-  (pdist/comm/low_precision.py: sum in fp32 in rank order, ÷ N, one rounding). So
-  DP(N) and ZeRO over N ranks equal one process with N micro-batches bit for bit:
-  rank r and micro-batch r compute the same rounded gradient from the same rows.
-* a pipeline stage does the same per micro-batch (pdist/parallel/pipeline/grads.py);
-  sequence parallelism's partial gradients (LayerNorms, row biases, wpe) leave backward
-  unrounded (``unrounded``) and are rounded after their tp all-reduce
-  (pdist/parallel/tensor/partial_grads.py), where one process rounds the whole sum.
+* the gradients' sums are the policy's. ``MixedPrecisionPolicy(param_dtype)`` (after
+  FSDP2's) hands each strategy a keeper that rounds where one process rounds
+  (pdist/engine/grad_rounding.py): k micro-batches summed in fp32, divided by k and
+  rounded once (``policy.accumulator``), exactly as the data-parallel average over N
+  ranks is (pdist/comm/low_precision.py), so DP(N) and ZeRO over N ranks equal one
+  process with N micro-batches bit for bit; a pipeline stage the same per micro-batch,
+  with the tied wte's two parts summed first (``policy.pipeline_grads``); sequence
+  parallelism's partial gradients (LayerNorms, row biases, wpe) leaving backward
+  unrounded (``unrounded``) and rounded after their tp all-reduce
+  (``policy.partial_grads``). ``FullPrecisionPolicy()``, the fp32 policy, is the twin
+  whose keepers round nothing: backward on S l / k, sums in ``.grad``, one all-reduce.
+  No strategy asks which dtype it holds: ``Local`` holds the policy (``parallelize``
+  and ``MixedPrecision`` hand it in; alone, ``policy_of`` reads the parameters' dtypes
+  once), and fp16's loss scale S reaches it as ``compute(x, y, S)``'s argument.
 * the optimizer updates the fp32 masters with the upcast (fp16: unscaled) gradient;
   the low-precision weights are the masters rounded, refreshed before the next forward
   (pdist/parallel/mixed_precision.py).
+
+The dtype facts (``bfloat16``, ``is_low``, 2-byte words on the wire) are the backend's
+(pdist/engine/backend.py); ``bfloat16`` and ``is_low`` are re-exported here.
 """
 import numpy as np
 
 from pdist.engine import functional as F
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine.backend import scatter_add, to_numpy, xp
+from pdist.engine.backend import bfloat16, is_low, scatter_add, to_numpy, xp
+from pdist.engine.grad_rounding import (FullGradAccumulator, FullPartialGrads, FullPipelineGrads, GradAccumulator,
+                                        PartialGrads, PipelineGrads)
 from pdist.engine.index_checks import check_indices
-
-try:
-    import ml_dtypes
-    bfloat16 = np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
-    bfloat16 = None
 
 PRECISIONS = ("fp32", "bf16", "fp16")
 
@@ -60,14 +63,6 @@ def low_dtype(precision):
     if precision == "bf16" and bfloat16 is None:  # pragma: no cover
         raise ImportError("precision='bf16' needs the ml_dtypes package (pip install ml_dtypes)")
     return {"fp32": None, "bf16": bfloat16, "fp16": np.dtype(np.float16)}[precision]
-
-
-_LOW = tuple(d for d in (bfloat16, np.dtype(np.float16)) if d is not None)
-
-
-def is_low(dtype):
-    """True for the 2-byte floating dtypes (bfloat16, float16)."""
-    return dtype in _LOW
 
 
 def cast_module(module, precision):
@@ -100,7 +95,7 @@ class Cast(Function):
 
 def unrounded(p):
     """True when ``p``'s gradient leaves backward in the compute dtype, unrounded: a
-    sequence-parallel partial sum that is rounded after its tp all-reduce (partial_grads.py)."""
+    sequence-parallel partial sum that is rounded after its tp all-reduce (grad_rounding.py)."""
     return bool(getattr(p, "unrounded_grad", False))
 
 
@@ -158,34 +153,88 @@ def embedding(idx, w):
     return LowEmbedding.apply(w, xp.asarray(idx), dtype=_compute_dtype(w), keep=unrounded(w))
 
 
-class GradAccumulator:
-    """Micro-batch gradients averaged in fp32, rounded once: after each backward pass
-    ``add()`` moves every low-precision ``.grad`` into an fp32 sum (zeroing it in place,
-    so views into flat buffers stay views); ``finish(1/k)`` writes round(sum / k) back.
-    Transient: 4 bytes per parameter during the step (Megatron's fp32 main_grad)."""
+class FullPrecisionPolicy:
+    """The fp32 policy: parameters and gradients in the model's own dtype, and every
+    keeper the fp32 code itself (pdist/engine/grad_rounding.py): backward on S l / k,
+    sums in ``.grad``, one all-reduce. The twin of ``MixedPrecisionPolicy``, whose
+    rounding it leaves out; what a strategy gets when nothing says otherwise."""
 
-    def __init__(self, params):
-        self.params = [p for p in params if is_low(p.dtype)]
-        self.sums = {}
+    param_dtype = None        # the model's dtype (FSDP2: param_dtype=None, no cast)
+    precision = "fp32"
 
-    def add(self):
-        for p in self.params:
-            if p.grad is None:
-                continue
-            s = self.sums.get(id(p))
-            if s is None:
-                self.sums[id(p)] = p.grad.astype(np.float32)
-            else:
-                s += p.grad.astype(np.float32)
-            p.grad[...] = 0
+    def late_grads(self, microbatches):
+        """True when k = ``microbatches`` backwards leave the gradients incomplete until the
+        last (DDP and ZeRO then reduce after backward instead of overlapping it)."""
+        return False
 
-    def finish(self, factor=1.0):
-        for p in self.params:
-            s = self.sums.get(id(p))
-            if s is not None:
-                s *= factor                                   # 1/k: the mean, before the one rounding
-                p.grad[...] = s.astype(p.dtype)
-        self.sums = {}
+    def accumulator(self, params, microbatches):
+        """The keeper of ``Local.compute``'s micro-batch loop: ``backward_scale(S)``, the factor
+        of each micro-batch loss; ``add()`` after each backward; ``finish()`` after the last."""
+        return FullGradAccumulator(microbatches)
+
+    def partial_grads(self, params):
+        """The keeper of sequence parallelism's partial gradients of ``params``: ``reset()`` at
+        zero_grad, ``finish(tp_group)`` in finish_grad_sync."""
+        return FullPartialGrads(params)
+
+    def pipeline_grads(self, params, tied, ends, microbatches):
+        """A pipeline stage's keeper: ``backward_scale(S)``, ``after_backward(k)`` after each
+        BACKWARD of virtual stage k, ``finish()`` when the schedule ends, ``sync_tied(group)``
+        for the tied copies ``tied`` used by the virtual stages ``ends``."""
+        return FullPipelineGrads(tied, microbatches)
+
+    def __eq__(self, other):
+        return isinstance(other, FullPrecisionPolicy) and self.param_dtype == other.param_dtype
+
+    def __hash__(self):
+        return hash(self.precision)
+
+    def __repr__(self):
+        return f"{type(self).__name__}({'' if self.param_dtype is None else f'param_dtype={self.precision}'})"
+
+
+class MixedPrecisionPolicy(FullPrecisionPolicy):
+    """``MixedPrecisionPolicy(param_dtype=bfloat16)`` (or float16), after FSDP2's: the
+    parameters and their gradients in ``param_dtype``, the activations in the compute
+    dtype, the gradients' sums (micro-batches, ranks, sequence shards, the tied wte) in
+    fp32 and rounded once, where one process rounds (the module docstring)."""
+
+    def __init__(self, param_dtype=bfloat16):
+        dt = np.dtype(param_dtype) if param_dtype is not None else None
+        if dt is None or not is_low(dt):
+            raise ValueError(f"MixedPrecisionPolicy(param_dtype={param_dtype!r}): param_dtype must be bfloat16 "
+                             "or float16; the fp32 policy is FullPrecisionPolicy()")
+        self.param_dtype, self.precision = dt, "fp16" if dt == np.float16 else "bf16"
+
+    def late_grads(self, microbatches):
+        return microbatches > 1            # the rounded mean is written after the last micro-batch
+
+    def accumulator(self, params, microbatches):
+        if microbatches == 1:              # one backward: its gradient is rounded once already
+            return FullGradAccumulator(1)
+        return GradAccumulator(params, microbatches)
+
+    def partial_grads(self, params):
+        return PartialGrads(params)
+
+    def pipeline_grads(self, params, tied, ends, microbatches):
+        return PipelineGrads(params, tied, ends, microbatches)
+
+
+FULL_PRECISION = FullPrecisionPolicy()
+
+
+def policy_for(precision):
+    """The policy of a precision name: "fp32", "bf16" or "fp16"."""
+    dt = low_dtype(precision)
+    return FULL_PRECISION if dt is None else MixedPrecisionPolicy(dt)
+
+
+def policy_of(params):
+    """The policy the dtypes of ``params`` say (read once, where a strategy is built):
+    mixed when a parameter is bfloat16 or float16 (``cast_module``), else fp32."""
+    low = next((p.dtype for p in params if is_low(p.dtype)), None)
+    return FULL_PRECISION if low is None else MixedPrecisionPolicy(low)
 
 
 def any_nonfinite(arrays):
@@ -195,4 +244,5 @@ def any_nonfinite(arrays):
 
 
 __all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "unrounded", "linear",
-           "embedding", "GradAccumulator", "any_nonfinite"]
+           "embedding", "FullPrecisionPolicy", "MixedPrecisionPolicy", "FULL_PRECISION", "policy_for", "policy_of",
+           "GradAccumulator", "any_nonfinite"]

@@ -14,7 +14,8 @@ one ``nn.Module`` in place (``model.module``); DP and ZeRO hook its gradients.
 chain through the wrappers:
 
     zero_grad()          inner first, then this wrapper (DDP re-points its bucket views)
-    compute(x, y)        the innermost runner: Local's micro-batch loop, or the pipeline schedule
+    compute(x, y, S)     the innermost runner: Local's micro-batch loop, or the pipeline schedule
+                         (S: fp16's loss scale, handed down as an argument; 1 otherwise)
     finish_grad_sync()   inner first: TP's sequence-parallel grads, PP's tied embedding, then DP/ZeRO
     reduce_stats(v)      v = [loss, #non-finite]: each wrapper weights the loss and sums over its group
     check                every rank raises NonFiniteError together when any count is non-zero
@@ -22,7 +23,9 @@ chain through the wrappers:
 so L = (1/B) Σ_i l_i and every gradient equal single-process training on the global
 batch. ``pieces()`` says where each piece of each single-process tensor lives
 (layout.py): ``full_state_dict``, ``load_full_state_dict`` and
-``sharded_state_dict`` follow from it for every layout.
+``sharded_state_dict`` follow from it for every layout. Mixed precision is a policy
+(pdist/engine/precision.py) that ``Local`` holds and every wrapper reads (``policy``):
+the phases call its keepers and never ask which dtype they hold.
 """
 import numpy as np
 
@@ -34,7 +37,7 @@ from pdist.errors import NonFiniteError
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
 from pdist.optim import nonfinite_report
-from pdist.engine.precision import GradAccumulator, is_low
+from pdist.engine.precision import policy_of
 from pdist.parallel.layout import box_slices, shards_of, whole
 
 def default_group(group):
@@ -207,14 +210,21 @@ class Local(Strategy):
     """The end of every chain: the plain model on this process. ``compute`` runs
     ``microbatches`` forward/backward passes, each on 1/k of the rows with its loss
     scaled by 1/k (gradient accumulation: the sum is the gradient of the mean).
-    Alone it talks to no rank, so it leaves the process's step stamp alone."""
+    Alone it talks to no rank, so it leaves the process's step stamp alone. ``policy``:
+    the precision policy (pdist/engine/precision.py); default: the one the parameters'
+    dtypes say, read here once (``parallelize`` and ``MixedPrecision`` hand theirs in)."""
 
     stamps_step = False
 
-    def __init__(self, module, microbatches=1):
+    def __init__(self, module, microbatches=1, policy=None):
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.module, self.microbatches, self.inner = module, microbatches, None
+        self.policy = policy_of(self.parameters()) if policy is None else policy
+
+    def set_policy(self, policy):
+        """Use ``policy`` (before the first step and any DDP/ZeRO wrapper: they read has_late_grads)."""
+        self.policy = policy
 
     def named_parameters(self):
         return [(n, p) for n, p in self.module.named_parameters() if p.requires_grad]
@@ -235,30 +245,26 @@ class Local(Strategy):
     def zero_grad(self):
         self.module.zero_grad()
 
-    loss_scale = 1.0          # fp16's GradScaler sets it: backward runs on loss * loss_scale
-
     @property
     def has_late_grads(self):
         """Mixed precision with micro-batches: the rounded sum is written after the last one."""
-        return self.microbatches > 1 and any(is_low(p.dtype) for _, p in self.named_parameters())
+        return self.policy.late_grads(self.microbatches)
 
-    def compute(self, x, y):
+    def compute(self, x, y, loss_scale=1.0):
         k = self.microbatches
         if len(x) % k:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
                              f"use a global batch divisible by dp * microbatches")
-        acc = GradAccumulator(self.parameters()) if self.has_late_grads else None   # fp32 sum, rounded once
-        b, losses, s = len(x) // k, [], self.loss_scale / (k if acc is None else 1)   # acc divides by k
+        acc = self.policy.accumulator(self.parameters(), k)     # fp32: a no-op; bf16/fp16: fp32 sums
+        b, losses, s = len(x) // k, [], acc.backward_scale(loss_scale)   # fp32: S/k; bf16/fp16, k > 1: S
         for i in range(k):
             with trace.device_span("forward", cat="compute", mb=i):
                 _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
             with trace.device_span("backward", cat="compute", mb=i):
                 (loss * s).backward() if s != 1.0 else loss.backward()
-            if acc is not None:
-                acc.add()
+            acc.add()
             losses.append(loss.data)
-        if acc is not None:
-            acc.finish(1.0 / k)
+        acc.finish()
         # the micro-batches' losses in one device -> host copy (one sync per step, not per micro-batch)
         return sum(float(v) / k for v in to_numpy(xp.stack(losses)))
 
@@ -303,6 +309,10 @@ class ParallelModule(Strategy):
     has_late_grads = property(lambda self: self.inner.has_late_grads)
     pipeline = property(lambda self: self.inner.pipeline)
     seq_shards = property(lambda self: self.inner.seq_shards)
+    policy = property(lambda self: self.inner.policy)
+
+    def set_policy(self, policy):
+        self.inner.set_policy(policy)
 
     def named_parameters(self):
         return self.inner.named_parameters()
@@ -319,8 +329,8 @@ class ParallelModule(Strategy):
     def zero_grad(self):
         self.inner.zero_grad()
 
-    def compute(self, x, y):
-        return self.inner.compute(x, y)
+    def compute(self, x, y, loss_scale=1.0):
+        return self.inner.compute(x, y, loss_scale)
 
     def finish_grad_sync(self):
         self.inner.finish_grad_sync()

@@ -9,8 +9,11 @@ layer keeps, for each tensor the inner strategy's optimizer would update (a
 parameter, or a ZeRO flat shard), an fp32 master W (mixed precision's "master
 weights"), and gives the optimizer the masters, so AdamW's m and v are fp32 too:
 
+    (built)              the policy, MixedPrecisionPolicy(param_dtype), handed to the chain inside
+                         (``set_policy``): where its strategies round (pdist/engine/grad_rounding.py)
     zero_grad()          w <- round(W)            (the masters the optimizer updated last step)
-    compute, sync        g: low precision, synchronized by the inner strategy (its dtype on the wire)
+    compute(x, y, S)     backward on S l: S, the scaler's loss scale, an argument down the chain
+    sync                 g: low precision, synchronized by the inner strategy (its dtype on the wire)
     finish_grad_sync()   W.grad <- fp32(g) / S    (S = the loss scale; 1 for bf16)
     check                fp16: a non-finite g on any rank (the [loss, #non-finite] all-reduce of
                          every wrapper, so the whole mesh agrees) skips the step: no W.grad, and
@@ -30,12 +33,13 @@ import numpy as np
 from pdist.engine.grad_scaler import GradScaler
 from pdist.parallel.base import Local, Strategy
 from pdist.parallel.layout import Piece
-from pdist.engine.precision import low_dtype
+from pdist.engine.precision import MixedPrecisionPolicy, low_dtype
 
 
 class MixedPrecision(Strategy):
-    """Wraps ``inner`` (a strategy whose model was cast with ``precision.cast_module``).
-    ``scaler``: a GradScaler (fp16's default: ``GradScaler()``; None for bf16)."""
+    """Wraps ``inner`` (a strategy whose model was cast with ``precision.cast_module``) and
+    hands it ``policy``, ``MixedPrecisionPolicy(param_dtype)``. ``scaler``: a GradScaler
+    (fp16's default: ``GradScaler()``; None for bf16)."""
 
     def __init__(self, inner, precision, scaler=None):
         dt = low_dtype(precision)
@@ -57,6 +61,8 @@ class MixedPrecision(Strategy):
             self.masters.append(m)
         self._by_id = {id(t): m for t, m in zip(self.low, self.masters)}
         self._found_inf = False
+        self.policy = MixedPrecisionPolicy(dt)
+        inner.set_policy(self.policy)                     # once: the strategies inside round as one process
 
     microbatches = property(lambda self: self.inner.microbatches)
     has_late_grads = property(lambda self: self.inner.has_late_grads)
@@ -98,7 +104,6 @@ class MixedPrecision(Strategy):
 
     def zero_grad(self):
         self.refresh()
-        self._local().loss_scale = self.scaler.get_scale() if self.scaler is not None else 1.0
         self.inner.zero_grad()
 
     def _quiet(self):
@@ -106,8 +111,10 @@ class MixedPrecision(Strategy):
         return np.errstate(over="ignore", invalid="ignore") if self.scaler is not None else nullcontext()
 
     def compute(self, x, y):
+        """The inner compute with the scaler's loss scale S as its argument (backward on S l)."""
+        s = self.scaler.get_scale() if self.scaler is not None else 1.0
         with self._quiet():
-            return self.inner.compute(x, y)
+            return self.inner.compute(x, y, s)
 
     def finish_grad_sync(self):
         with self._quiet():

@@ -24,7 +24,7 @@ from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, partitio
 from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
-from pdist.engine.precision import cast_module, low_dtype
+from pdist.engine.precision import cast_module, low_dtype, policy_for
 
 
 def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
@@ -60,11 +60,13 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
     used when zero_stage = 0; ZeRO stages 1-3 replace it. ``precision``: "fp32" (the model's
     dtype), "bf16" or "fp16" (low-precision params and grads, fp32 masters: MixedPrecision,
-    outermost; ``scaler``: fp16's GradScaler, default ``GradScaler()``)."""
+    outermost; ``scaler``: fp16's GradScaler, default ``GradScaler()``). The precision's policy
+    (pdist/engine/precision.py) goes to ``Local`` at once: the model is cast only after
+    tensor parallelism has cut its fp32 shards, and DDP/ZeRO read ``has_late_grads`` when built."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
                  data_parallel, precision)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
-    s = Local(model, 1 if pipelined else microbatches)
+    s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision))
     s.check_finite = bool(check_finite)
     if mesh.tp_world_size > 1:
         s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)

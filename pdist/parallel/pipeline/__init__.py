@@ -2,6 +2,5 @@
 
     pipeline_parallel.py  PipelineParallel: this stage's layers, the executor
     schedules.py          schedules as data, with a checker
-    grads.py              a stage's gradients in mixed precision
     draw.py               ASCII and PNG timelines
 """

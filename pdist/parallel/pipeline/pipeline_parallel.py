@@ -25,13 +25,15 @@ dL/dwte = (embedding part) + (head part) and the same update -- the copies stay 
 An ``nn.Sequential`` pipelines too: its children are the layers, with ``loss_fn``
 and ``act_shape``.
 
-Mixed precision (a model cast to bf16/fp16, ``parallelize(..., precision=...)``): the
-last stage runs backward on S·loss(micro-batch) (S: fp16's loss scale from its
-``Local``; no 1/m), activations travel in the compute dtype, and each stage sums its
-micro-batches' rounded gradients in fp32 and rounds the mean once; the tied wte's
-parts are combined per micro-batch (pipeline_grads.py): one process's rounding points,
-bit for bit. An fp16 overflow on any stage reaches every rank through the
-[loss, #non-finite] all-reduce, and every rank skips the step (mixed_precision.py).
+The gradients of a step are kept by the precision policy's ``pipeline_grads``
+(pdist/engine/grad_rounding.py): fp32, backward on S·loss(micro-batch)/m, sums in
+``.grad`` and one all-reduce of the tied copies; bf16/fp16 (``parallelize(...,
+precision=...)``), backward on S·loss (S: fp16's loss scale, ``compute``'s argument;
+no 1/m), each stage's rounded micro-batch gradients summed in fp32 and the mean rounded
+once, the tied wte's parts combined per micro-batch: one process's rounding points, bit
+for bit. Activations travel in the compute dtype. An fp16 overflow on any stage reaches
+every rank through the [loss, #non-finite] all-reduce, and every rank skips the step
+(mixed_precision.py).
 """
 import numpy as np
 
@@ -40,10 +42,8 @@ from pdist.measure import trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.pipeline.grads import PipelineGrads
 from pdist.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
-from pdist.engine.precision import is_low
 
 
 def partition_layers(n_layers, n_stages, partition=None):
@@ -169,7 +169,6 @@ class PipelineParallel(ParallelModule):
             self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, cfg.n_embd))
         params = self.inner.parameters()             # activations travel in the compute dtype
         self.dtype = getattr(params[0], "compute_dtype", params[0].dtype) if params else default_dtype()
-        self.low = any(is_low(q.dtype) for q in params)
         self.embedding_group = None
         if g.size > 1:                                # split is collective: every stage calls it
             ends = self.pp_is_first_stage or self.pp_is_last_stage
@@ -195,9 +194,9 @@ class PipelineParallel(ParallelModule):
                              f"{self.num_microbatches} micro-batches; use a batch size divisible by m (x dp)")
         return self.inner.local_batch(x, y)
 
-    def compute(self, x, y):
+    def compute(self, x, y, loss_scale=1.0):
         """Run this rank's program over the m micro-batches of (x, y); returns the sum of
-        the micro-batch losses / m on the last stage (0 elsewhere)."""
+        the micro-batch losses / m on the last stage (0 elsewhere). ``loss_scale``: fp16's S."""
         m = self.num_microbatches
         if len(x) % m:
             raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into {m} "
@@ -205,13 +204,9 @@ class PipelineParallel(ParallelModule):
         self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
         self.losses, self.timeline, self.peak_stash = [], [], 0
-        if self.low:                                 # mixed precision: as Local.compute (precision.py)
-            local = self.inner
-            while local.inner is not None:
-                local = local.inner
-            self._scale = local.loss_scale
-            self._low_grads = PipelineGrads(self.inner.parameters(), self.tied,
-                                            (0, self.num_virtual_stages - 1))
+        self._keeper = self.policy.pipeline_grads(self.inner.parameters(), self.tied,
+                                                  (0, self.num_virtual_stages - 1), m)
+        self._scale = self._keeper.backward_scale(loss_scale)   # fp32: S/m; bf16/fp16: S (fp32 sums)
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
@@ -219,8 +214,7 @@ class PipelineParallel(ParallelModule):
             if j in self._plan:
                 self._post(self._plan[j])
             self._dispatch[ins.op](ins)
-        if self.low:
-            self._low_grads.finish(m)                # round(Σ_mb fp32(g_mb) / m): one rounding
+        self._keeper.finish()                        # bf16/fp16: round(Σ_mb fp32(g_mb) / m), one rounding
         # the last stage's micro-batch losses in one device -> host copy per step
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
@@ -228,12 +222,8 @@ class PipelineParallel(ParallelModule):
         """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dwte =
         embedding part + head part on the first and last stage."""
         self.inner.finish_grad_sync()
-        if self.embedding_group is not None and self.low:
-            self._low_grads.sync_tied(self.embedding_group)   # per micro-batch, as one process
-        elif self.embedding_group is not None:
-            for prm in self.tied:
-                prm.grad = xp.zeros_like(prm.data) if prm.grad is None else xp.ascontiguousarray(prm.grad)
-                self.embedding_group.all_reduce(prm.grad, op="sum")
+        if self.embedding_group is not None:
+            self._keeper.sync_tied(self.embedding_group)     # bf16/fp16: per micro-batch, as one process
 
     def _stage(self, ins):
         return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank)
@@ -292,10 +282,8 @@ class PipelineParallel(ParallelModule):
         if k == self.num_virtual_stages - 1:
             out = self.loss_fn(out, self._micro(self._y, mb))
             self.losses.append(out.data * (1.0 / self.num_microbatches))
-            if not self.low:                         # (mixed precision: the mean is GradAccumulator's)
-                out = out * (1.0 / self.num_microbatches)
-            elif self._scale != 1.0:
-                out = out * self._scale              # fp16: backward on S l (S a power of two)
+            if self._scale != 1.0:
+                out = out * self._scale              # backward on l S/m (bf16/fp16: l S, S a power of two)
         self._stash[(mb, c)] = (x, out)
         self.peak_stash = max(self.peak_stash, len(self._stash))
         self._done(ins, t0, e0)
@@ -308,8 +296,7 @@ class PipelineParallel(ParallelModule):
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
-        if self.low:
-            self._low_grads.after_backward(k)
+        self._keeper.after_backward(k)               # bf16/fp16: this micro-batch's grads into fp32 sums
         self._done(ins, t0, e0)
 
     def _done(self, ins, t0, e0):

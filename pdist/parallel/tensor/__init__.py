@@ -3,5 +3,4 @@
     tensor_parallel.py  TensorParallel: the model's layers swapped for the parallel ones
     layers.py           ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, the loss
     regions.py          Megatron's conjugate f/g regions and the partitioning helpers
-    partial_grads.py    sequence-partial gradients in mixed precision
 """

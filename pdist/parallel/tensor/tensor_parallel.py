@@ -33,10 +33,9 @@ this rank's pieces alone (pdist/engine/meta.py).
 from pdist import nn
 from pdist.engine import precision
 from pdist.engine.autograd import Function
-from pdist.engine.backend import array_module, to_numpy, xp
+from pdist.engine.backend import array_module, to_numpy
 from pdist.engine.meta import MetaArray, is_meta, zeros_view
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.tensor.partial_grads import PartialGrads
 from pdist.parallel.tensor.layers import (
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region, divide,
     gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
@@ -214,35 +213,27 @@ class TensorParallel(ParallelModule):
                              f"divisible by {self.tp_world_size}, got T = {x.shape[-1]}")
         return self.inner.local_batch(x, y)
 
-    _partials = None      # mixed precision: PartialGrads of the sequence-partial parameters
+    _partials = None      # sequence parallelism: the policy's keeper of the partial grads (grad_rounding.py)
+
+    def _sequence_partial_params(self):
+        """Every replicated parameter whose gradient is a partial sum under sequence parallelism."""
+        return [p for n, p in self.module.named_parameters() if n.endswith(SEQUENCE_PARTIAL)]
 
     def zero_grad(self):
-        """(Sequence parallelism in bf16/fp16, once: the partial grads' keeper, partial_grads.py.)"""
+        """(Sequence parallelism, at the first step: the policy's keeper of the partial grads.)"""
         self.inner.zero_grad()
-        if self.sequence_parallel and self.tp_world_size > 1 and self._partials is None:
-            low = [p for n, p in self.module.named_parameters() if n.endswith(SEQUENCE_PARTIAL)
-                   and precision.is_low(p.dtype)]
-            self._partials = PartialGrads(low) if low else False
-        if self._partials:
+        if self.sequence_parallel and self.tp_world_size > 1:
+            if self._partials is None:
+                self._partials = self.policy.partial_grads(self._sequence_partial_params())
             self._partials.reset()
 
     def finish_grad_sync(self):
-        """Sequence parallelism: all-reduce (sum) the grads of the replicated parameters that
-        saw only this rank's tokens, in one flat all-reduce (bf16/fp16: their unrounded
-        partials, then one rounding, PartialGrads)."""
+        """Sequence parallelism: sum over the tp group the grads of the replicated parameters
+        that saw only this rank's tokens (fp32: one flat all-reduce; bf16/fp16: their unrounded
+        partials, then one rounding)."""
         self.inner.finish_grad_sync()
-        if not (self.sequence_parallel and self.tp_world_size > 1):   # (has_late_grads: also the inner's)
-            return
-        if self._partials:
-            return self._partials.finish(self.group)
-        grads = [p.grad for n, p in self.module.named_parameters()   # (ZeRO-3 may have freed p.data)
-                 if n.endswith(SEQUENCE_PARTIAL) and p.grad is not None]
-        flat = xp.concatenate([g.reshape(-1) for g in grads])
-        self.group.all_reduce(flat)
-        lo = 0
-        for g in grads:
-            g[...] = flat[lo:lo + g.size].reshape(g.shape)
-            lo += g.size
+        if self._partials is not None:          # sequence parallel over tp > 1 (zero_grad made it)
+            self._partials.finish(self.group)
 
 
 __all__ = ["TensorParallel", "check_tp_config", "split_pieces", "ColumnParallelLinear", "RowParallelLinear",
