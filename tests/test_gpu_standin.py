@@ -131,7 +131,7 @@ def test_one_step_reads_the_device_twice_and_traces_device_time():
     it around silently, and so does the stand-in). With trace detail, the forward and backward
     of each micro-batch are on the trace's "device" track (CUDA events)."""
     code = ("import numpy as np, cupy\n"
-            "from pdist import trace\n"
+            "from pdist.measure import trace\n"
             "from pdist.engine.backend import set_default_dtype\n"
             "from pdist.models.gpt import GPT, GPTConfig\n"
             "from pdist.parallel.base import Local\n"

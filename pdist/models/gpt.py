@@ -36,6 +36,7 @@ from pdist.engine.autograd import Tensor
 from pdist.engine.backend import asarray, default_dtype, xp
 from pdist.engine.meta import MetaArray, RowStream, materialize_whole
 from pdist.engine.recompute import check_mode, checkpoint
+from pdist.models.gpt_plan import gpt_plan
 
 
 @dataclass
@@ -77,6 +78,10 @@ class GPTConfig:
     def num_params(self):
         """Ψ: the number of parameters (the tied lm_head counted once, as wte)."""
         return sum(math.prod(s) for s in self.param_shapes().values())
+
+    def parallel_plan(self):
+        """How each layer is cut by the strategies (pdist/models/gpt_plan.py)."""
+        return gpt_plan(self)
 
 
 def gpt_init(cfg, name, seed):
@@ -191,6 +196,8 @@ class LMHead(nn.Module):
     embedding's own Parameter (so it is listed once, as ``transformer.wte.weight``),
     or, on a pipeline's last stage, a copy kept equal to it (``lm_head.weight``)."""
 
+    layout, bias = "out_in", None      # W stored (V, C): y = x W^T (what tensor parallelism cuts)
+
     def __init__(self, weight):
         super().__init__()
         self.weight = weight
@@ -225,6 +232,9 @@ class GPT(nn.Module):
             p.name = name
         self.lm_head = LMHead(self.transformer.wte.weight)
         self.loss_fn = CrossEntropyLoss()
+
+    def parallel_plan(self):
+        return self.config.parallel_plan()
 
     def init_rows(self, name, a, b):
         """Rows [a, b) of ``gpt_init(cfg, name, seed)`` (float64), drawn as a stream."""

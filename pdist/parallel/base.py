@@ -185,7 +185,8 @@ class Strategy:
 
     def load_full_state_dict(self, state_dict):
         """The inverse of ``full_state_dict``: each rank copies its pieces out of the full
-        arrays (HF GPT-2 names; ``lm_head.weight`` and attention masks are ignored).
+        arrays (the model's own names; keys no piece needs, such as a tied head's copy or
+        attention masks, are ignored).
         Raises one error listing missing or misshaped keys before anything is written."""
         pieces = self.pieces()
         problems = sorted({f"missing {p.name}" for p in pieces if p.name not in state_dict} |
@@ -223,7 +224,7 @@ class Local(Strategy):
         out = []
         for name, p in self.named_parameters():
             out += whole(getattr(p, "global_name", name), p, getattr(p, "global_shape", None),
-                         getattr(p, "local_pieces", None))
+                         getattr(p, "cut", None))
         return out
 
     def local_batch(self, x, y):

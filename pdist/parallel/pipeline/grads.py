@@ -13,10 +13,10 @@ rounded gradients into fp32 sums (``GradAccumulator``) and rounds the mean when 
 schedule ends. Every schedule runs a chunk's backwards in micro-batch order, so the
 sums add in the order one process adds them: equal bit for bit.
 
-The tied wte is the exception: one process sums the embedding's and the head's
+A tied embedding is the exception: one process sums the embedding's and the head's
 rounded parts of micro-batch j in the low dtype, round(e_j + h_j), before accumulating;
-the first stage holds the e_j, the last the h_j (its ``lm_head.weight`` copy). So both
-ends keep their m parts apart (m copies of wte's gradient, 2 bytes per element, during
+the first stage holds the e_j, the last the h_j (its copy of the tied weight). So both
+ends keep their m parts apart (m copies of the embedding's gradient, 2 bytes per element, during
 the step), and ``sync_tied`` all-reduces them in the low dtype over the two ends (an
 fp32 sum of two terms, one rounding: round(e_j + h_j), pdist/comm/low_precision.py),
 then accumulates in fp32 and rounds the mean once, on both ends alike.
@@ -28,7 +28,7 @@ from pdist.engine.precision import GradAccumulator
 
 
 class PipelineGrads:
-    """``params``: the stage's low-precision parameters; ``tied``: its copy of the tied wte
+    """``params``: the stage's low-precision parameters; ``tied``: its copy of the tied embedding
     (first or last stage of p > 1), whose parts ``sync_tied`` combines; ``ends``: the
     virtual stages that use it (0 and V - 1)."""
 
