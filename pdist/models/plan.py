@@ -28,9 +28,12 @@ from fnmatch import fnmatchcase
 @dataclass(frozen=True)
 class Column:
     """Y = X A, A split by output features; ``stride`` fused parts split separately
-    ([Q|K|V]: 3); ``tied_to``: the module whose vocab-parallel weight this layer shares."""
+    ([Q|K|V]: 3); ``tied_to``: the module whose vocab-parallel weight this layer shares;
+    ``shared_input``: a name; the column layers of one parent module with the same name
+    read one input through one f (Megatron's fused [Q|K|V] or [gate|up] input)."""
     stride: int = 1
     tied_to: str = None
+    shared_input: str = None
 
 
 @dataclass(frozen=True)

@@ -22,6 +22,8 @@ split the vocabulary so that no rank ever holds the full logits.
 
 ``TensorParallel`` (tensor_parallel.py) swaps the one GPT's layers for these.
 """
+import weakref
+
 import numpy as np
 
 from pdist import nn
@@ -64,6 +66,24 @@ def _shard(full, cut, dtype):
     return p
 
 
+class SharedInput:
+    """One f region (SP: one all-gather) for the column-parallel layers of a block that read
+    the same input, as Megatron's fused [Q | K | V] and [gate | up] GEMMs share theirs: the
+    first layer to see an input applies the region, the others reuse its output, so backward
+    sums their dX and all-reduces (SP: reduce-scatters) once. Holds weak references only."""
+
+    def __init__(self, group, sequence_parallel):
+        self.group, self.sequence_parallel, self._x, self._y = group, sequence_parallel, None, None
+
+    def __call__(self, x):
+        if self._x is None or self._x() is not x or self._y() is None:
+            y = (gather_from_sequence_parallel_region if self.sequence_parallel
+                 else copy_to_tensor_parallel_region)(x, self.group)
+            self._x, self._y = weakref.ref(x), weakref.ref(y)
+            return y
+        return self._y()
+
+
 def _linear(x, w, b, layout):
     """y = x W + b (W stored (in, out)) or x W^T + b (W stored (out, in))."""
     return precision.linear(x, w if layout == "in_out" else w.T, b)
@@ -87,17 +107,18 @@ class ColumnParallelLinear(nn.Module):
     ``stride`` > 1 splits each of ``stride`` column groups separately (fused [Q|K|V]).
     ``layout="out_in"`` stores A^T (out, in) as PyTorch does (the cut is then on axis 0).
     ``weight``: an existing Parameter holding this rank's (out/t, in) or (in, out/t) shard
-    to share (a head tied to a vocab-parallel embedding); no master weight is drawn then."""
+    to share (a head tied to a vocab-parallel embedding); no master weight is drawn then.
+    ``shared_input``: a SharedInput that several column layers of one block read through."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=True, group=None,
                  sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None,
-                 dtype=None, layout="in_out", weight=None):
+                 dtype=None, layout="in_out", weight=None, shared_input=None):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
         divide(out_features, t * stride, "out_features" + (f" / {stride} fused parts" if stride > 1 else ""))
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        self.layout = _check_layout(layout)
+        self.layout, self.shared_input = _check_layout(layout), shared_input
         dim = 1 if layout == "in_out" else 0
         shape = (in_features, out_features) if dim == 1 else (out_features, in_features)
         rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
@@ -109,7 +130,9 @@ class ColumnParallelLinear(nn.Module):
             self.bias = _shard(b, Cut(0, r, t, stride), dtype)  # (out/t,)
 
     def forward(self, x):
-        if self.sequence_parallel:
+        if self.shared_input is not None:
+            x = self.shared_input(x)  # (..., in): the block's one f / all-gather
+        elif self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)

@@ -42,7 +42,7 @@ from pdist.models.plan import Column, PositionShard, Row, Vocab, VocabLoss, get,
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.tensor.partial_grads import PartialGrads
 from pdist.parallel.tensor.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide,
+    ColumnParallelLinear, RowParallelLinear, SharedInput, VocabParallelEmbedding, divide,
     vocab_parallel_cross_entropy)
 
 def check_tp_config(model, tp_world_size):
@@ -110,7 +110,7 @@ class VocabParallelCrossEntropyLoss(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def _parallel_layer(model, path, old, style, g, sp):
+def _parallel_layer(model, path, old, style, g, sp, inputs):
     """The parallel layer that replaces module ``old`` at ``path`` under ``style`` (the plan's
     cut); its parameters keep their single-process names and record their cut."""
     if isinstance(style, VocabLoss):
@@ -129,7 +129,10 @@ def _parallel_layer(model, path, old, style, g, sp):
         kw = dict(bias=b is not None, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
                   dtype=dtype, layout=layout)
         if isinstance(style, Column):
-            new = ColumnParallelLinear(n_in, n_out, gather_output=False, stride=style.stride, weight=shared, **kw)
+            key = (path.rpartition(".")[0], style.shared_input)
+            one = None if style.shared_input is None else inputs.setdefault(key, SharedInput(g, sp))
+            new = ColumnParallelLinear(n_in, n_out, gather_output=False, stride=style.stride, weight=shared,
+                                       shared_input=one, **kw)
         elif isinstance(style, Row):
             new = RowParallelLinear(n_in, n_out, input_is_parallel=True, **kw)
         else:
@@ -170,12 +173,13 @@ class TensorParallel(ParallelModule):
         hold this rank's T/t tokens."""
         styles = list(self.plan.tensor.items())
         styles.sort(key=lambda kv: getattr(kv[1], "tied_to", None) is not None)
+        inputs = {}                                      # (parent, name) -> SharedInput
         for pattern, style in styles:
             found = select(pattern, list(model.named_modules()))
             if not found:
                 raise ValueError(f"tensor-parallel plan of {type(model).__name__}: {pattern!r} matches no module")
             for path, old in found:
-                put(model, path, _parallel_layer(model, path, old, style, g, sp))
+                put(model, path, _parallel_layer(model, path, old, style, g, sp, inputs))
         for pattern, attrs in self.plan.heads.items():
             for path, m in select(pattern, list(model.named_modules())):
                 for a in attrs:
