@@ -1,7 +1,7 @@
-"""The one shape (issue 10): every layout and composition equals single-process training.
+"""The one shape: every layout and composition equals single-process training, for every model.
 
 tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
-(pdist.training.train) on a ``parallelize``d GPT and checks, on every rank: the losses,
+(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch, both models) and checks, on every rank: the losses,
 every piece of every parameter and of Adam's m and v in ``sharded_state_dict`` against
 the same box of the single-process tensors (float64, rtol 1e-9), ``full_state_dict``
 against the single-process state_dict, and ``load_full_state_dict`` as its inverse.
@@ -14,6 +14,7 @@ import pytest
 from pdist.testing import MPIRunError, mpirun, reports
 
 W = "tests/workers/layout_equiv.py"
+MODELS = ("gpt2", "llama")
 LAYOUTS = [
     (1, "--microbatches 2"),
     (2, "--dp 2"), (2, "--dp 2 --naive --microbatches 2"), (2, "--dp 2 --zero 1"), (2, "--dp 2 --zero 2"),
@@ -35,12 +36,14 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("n,layout", LAYOUTS, ids=[f"n{n} {a}" for n, a in LAYOUTS])
 def test_layout_equals_single_process(n, layout):
-    out = mpirun(n, W, *layout.split(), timeout=300)
+    out = mpirun(n, W, *layout.split(), "--model", ",".join(MODELS), timeout=300)
     got = reports(out)
-    assert sorted(r["rank"] for r in got) == list(range(n)), out
-    assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in got), out
-    coords = {tuple(r["coords"]) for r in got}
-    assert len(coords) == n, coords                            # every rank its own (pp, dp, tp)
+    for name in MODELS:
+        mine = [r for r in got if r["model"] == name]
+        assert sorted(r["rank"] for r in mine) == list(range(n)), (name, out)
+        assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (name, out)
+        coords = {tuple(r["coords"]) for r in mine}
+        assert len(coords) == n, coords                        # every rank its own (pp, dp, tp)
 
 
 @pytest.mark.parametrize("n", [2, 4])
