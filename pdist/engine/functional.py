@@ -44,8 +44,10 @@ def row_dots(a, b):
 
 
 class Linear(Function):
-    """Y = X W + b with W stored (in, out) (GPT-2's Conv1D layout).
-    dX = G W^T, dW = X^T G (over all leading axes), db = sum G.
+    """Y = X W + b with W stored (in, out) (``layout="in_out"``, GPT-2's Conv1D), or
+    Y = X W^T + b with W stored (out, in) (``layout="out_in"``, PyTorch's and HF Llama's).
+    in_out: dX = G W^T, dW = X^T G;  out_in: dX = G W, dW = G^T X  (over all leading axes);
+    db = sum G. Either way one GEMM per product, W read through a transposed view, no copy.
 
     Leading axes are folded into one, so each product is a single 2-D GEMM
     (N, in) x (in, out) with N = prod(leading axes): NumPy would otherwise run one
@@ -56,23 +58,30 @@ class Linear(Function):
     the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``."""
     fresh_grads = True
 
-    def forward(self, x, w, b=None):
-        if x.shape[-1] != w.shape[0]:
+    def forward(self, x, w, b=None, layout="in_out"):
+        self.out_in = out_in = layout == "out_in"
+        n_in = w.shape[1] if out_in else w.shape[0]
+        if x.shape[-1] != n_in:
             raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
-                             f"(in_features={w.shape[0]})")
+                             f"(layout {layout!r}: in_features={n_in})")
         self.x2, self.lead = self._input(x.reshape(-1, x.shape[-1]), w), x.shape[:-1]  # (N, in)
-        y = self.x2 @ self._param(w, x.dtype)  # (N, out)
+        wc = self._param(w, x.dtype)
+        y = self.x2 @ (wc.T if out_in else wc)  # (N, out)
         if b is not None:
             y += self._param(b, x.dtype)
-        return y.reshape(*self.lead, w.shape[1])
+        return y.reshape(*self.lead, w.shape[0] if out_in else w.shape[1])
 
     def backward(self, g):
-        w = self.parents[1].data
+        w, out_in = self.parents[1].data, self.out_in
         nx, nw = self.needs_input_grad[:2]
         nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        gx = (g2 @ self._param(w, g.dtype).T).reshape(*self.lead, w.shape[0]) if nx else None
-        gw = self._grad(self.x2.T @ g2, w) if nw else None  # (in, out)
+        gx = gw = None
+        if nx:
+            wc = self._param(w, g.dtype)
+            gx = (g2 @ (wc if out_in else wc.T)).reshape(*self.lead, self.x2.shape[1])
+        if nw:
+            gw = self._grad(g2.T @ self.x2 if out_in else self.x2.T @ g2, w)  # (out, in) / (in, out)
         gb = self._grad(col_sums(g2), w) if nb else None
         return gx, gw, gb
 
@@ -319,8 +328,22 @@ class CrossEntropy(Function):
         return d.reshape(self.shape), None
 
 
-def linear(x, weight, bias=None):
-    return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+LAYOUTS = ("in_out", "out_in")
+
+
+def check_layout(layout):
+    """A Linear weight layout: "in_out" (W (in, out), y = x W) or "out_in" (W (out, in), y = x W^T)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"linear layout must be one of {LAYOUTS} (W stored (in, out) or (out, in)), "
+                         f"got {layout!r}")
+    return layout
+
+
+def linear(x, weight, bias=None, layout="in_out"):
+    """y = x W + b (``layout="in_out"``, W (in, out)) or x W^T + b (``"out_in"``, W (out, in))."""
+    check_layout(layout)
+    return (Linear.apply(x, weight, bias, layout=layout) if bias is not None
+            else Linear.apply(x, weight, layout=layout))
 
 
 def softmax(x, axis=-1): return Softmax.apply(x, axis=axis)
