@@ -155,7 +155,7 @@ class Linear(Module):
     def __init__(self, in_features, out_features, bias=True, rng=None, dtype=None, layout="in_out"):
         super().__init__()
         rng = rng or _default_rng[0]
-        self.in_features, self.out_features, self.layout = in_features, out_features, F.check_layout(layout)
+        self.in_features, self.out_features, self.layout = in_features, out_features, F.check_weight_layout(layout)
         k = 1.0 / math.sqrt(in_features)
         shape = (out_features, in_features) if layout == "out_in" else (in_features, out_features)
         self.weight = Parameter(_cast(rng.uniform(-k, k, shape), dtype))
@@ -186,6 +186,18 @@ class LayerNorm(Module):
 
     def forward(self, x):
         return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps)
+
+
+class RMSNorm(Module):
+    """y = x / sqrt(mean(x^2) + eps) * w over the last axis (Llama's; weight init 1)."""
+
+    def __init__(self, dim, eps=1e-6, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(_cast(np.ones(dim), dtype))
+
+    def forward(self, x):
+        return F.rms_norm(x, precision.weight(self.weight), self.eps)
 
 
 class ReLU(Module):
@@ -246,5 +258,5 @@ def mse_loss(pred, target):
     return F.mse_loss(pred, target)
 
 
-__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",
+__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "ReLU", "GELU", "Dropout",
            "ModuleList", "Sequential", "cross_entropy", "mse_loss", "functional", "manual_seed"]

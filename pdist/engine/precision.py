@@ -148,7 +148,7 @@ def linear(x, w, b=None, layout="in_out"):
     when ``w`` is low-precision (LowLinear: the same rounding points in both layouts)."""
     if not is_low(w.dtype):
         return F.linear(x, w, b, layout)
-    F.check_layout(layout)
+    F.check_weight_layout(layout)
     return (LowLinear.apply(x, w, b, layout=layout) if b is not None
             else LowLinear.apply(x, w, layout=layout))
 
