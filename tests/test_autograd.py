@@ -240,12 +240,13 @@ def test_causal_blocks_and_batch_chunks_match_one_block(monkeypatch):
 
 
 def test_gelu_cache_blocks_match_one_pass(monkeypatch):
-    # on the host GELU runs over blocks of F.BLOCK elements (last one partial): the values
-    # and the gradient must be exactly those of one pass over the whole array
+    # on the host GELU runs over blocks of activations.BLOCK elements (last one partial): the
+    # values and the gradient must be exactly those of one pass over the whole array
+    from pdist.engine import activations
     x, g = rnd(5, 7, seed=24) * 2, rnd(5, 7, seed=25)
     out = []
     for block in (4, 10 ** 9):
-        monkeypatch.setattr(F, "BLOCK", block)
+        monkeypatch.setattr(activations, "BLOCK", block)
         t = Tensor(x, requires_grad=True)
         y = F.gelu(t)
         y.backward(g)

@@ -59,16 +59,16 @@ def test_nonfinite_raises_on_every_rank(n):
     assert len(clip) == n and all(r["error"] and "inf" in r["error"] and r["untouched"] for r in clip), clip
 
 
-@pytest.mark.parametrize("args,words", [
-    ("--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
-    ("--tp 3 --dp 1 --pp 1", "divisible by 3"),
-    ("--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
-    ("--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+@pytest.mark.parametrize("n,args,words", [
+    (4, "--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
+    (3, "--tp 3 --dp 1 --pp 1", "divisible by 3"),
+    (4, "--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
+    (4, "--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+    (4, "--tp 4 --dp 1 --pp 1 --model llama", "not divisible: n_kv_head = 2"),   # GQA: kv heads split whole
 ])
-def test_bad_layout_fails_on_every_rank(args, words):
+def test_bad_layout_fails_on_every_rank(n, args, words):
     with pytest.raises(MPIRunError) as e:
-        mpirun(4 if "--dp 3" in args or "--pp 4" in args else (3 if "--tp 3" in args else 4), W, *args.split(),
-               timeout=120)
+        mpirun(n, W, *args.split(), timeout=120)
     msg = str(e.value)
     assert words in msg, msg
 

@@ -26,7 +26,6 @@ are cut out of the fp32 masters, so the files hold the masters W and Adam's m, v
 never the low-precision weights; loading restores W and ``after_load`` re-derives
 w = round(W). fp16's GradScaler state (scale, growth tracker) goes into the index.
 """
-import dataclasses
 import json
 import os
 import re
@@ -37,9 +36,9 @@ import sys
 import numpy as np
 
 from pdist.engine.backend import to_numpy, xp
-from pdist.checkpoint.format import (FORMAT, INDEX, VERSION, CheckpointError, Reader, check_files,
-                                     fsync_dir, piece_key, rank_file, read_index, verify, write_file,
-                                     write_safetensors)
+from pdist.checkpoint.format import (FORMAT, INDEX, VERSION, CheckpointError, Reader, check_files, fsync_dir,
+                                     model_record, model_type_of, piece_key, rank_file, read_index, verify,
+                                     write_file, write_safetensors)
 from pdist.checkpoint.hf import consolidate, from_pretrained
 
 STATES = ("exp_avg", "exp_avg_sq")      # Adam's arrays, pieces like their parameter's
@@ -132,7 +131,7 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
         index = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
                  "adam_step": adam[0] if adam else None, "layout": _layout(model),
                  "scaler": scaler.state_dict() if scaler is not None else None,
-                 "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
+                 **model_record(cfg),                            # model_type and config
                  "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
                            for r, part in enumerate(parts)},
                  "tensors": tensors}
@@ -187,12 +186,13 @@ RUNTIME_CONFIG = ("recompute",)     # how a step runs, not what the weights are:
 
 
 def _check_config(index, model, dir):
-    cfg = getattr(model.module, "config", None)
-    if index.get("config") is None or not dataclasses.is_dataclass(cfg):
+    mine = model_record(getattr(model.module, "config", None))
+    if index.get("config") is None or mine["config"] is None:
         return
-    mine = dataclasses.asdict(cfg)
-    diff = [f"{k}: checkpoint {index['config'].get(k)!r} vs model {v!r}" for k, v in mine.items()
-            if index["config"].get(k) != v and k not in RUNTIME_CONFIG]
+    theirs = dict(index["config"], model_type=model_type_of(index))     # (an old index: GPT-2)
+    diff = [f"{k}: checkpoint {theirs.get(k)!r} vs model {v!r}" for k, v in
+            dict(mine["config"], model_type=mine["model_type"]).items()
+            if theirs.get(k) != v and k not in RUNTIME_CONFIG]
     if diff:
         raise CheckpointError(f"{os.path.join(dir, INDEX)}: the checkpoint's config does not match the "
                               "model (" + "; ".join(diff) + ")")
@@ -279,7 +279,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("verify", help="check completeness and checksums (exit 0/1)").add_argument("dir")
     sub.add_parser("inspect", help="print the layout, step, tensors and sizes").add_argument("dir")
-    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 (model.safetensors, "
+    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 or Llama (model.safetensors, "
                        "config.json) in OUT")
     c.add_argument("dir")
     c.add_argument("out")

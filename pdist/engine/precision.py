@@ -143,11 +143,14 @@ class LowEmbedding(Function):
         return (gw if self.keep else gw.astype(self.wdtype)), None
 
 
-def linear(x, w, b=None):
-    """``F.linear`` in mixed precision when ``w`` is low-precision (LowLinear)."""
+def linear(x, w, b=None, layout="in_out"):
+    """``F.linear`` (W (in, out), or (out, in) with ``layout="out_in"``), in mixed precision
+    when ``w`` is low-precision (LowLinear: the same rounding points in both layouts)."""
     if not is_low(w.dtype):
-        return F.linear(x, w, b)
-    return LowLinear.apply(x, w, b) if b is not None else LowLinear.apply(x, w)
+        return F.linear(x, w, b, layout)
+    F.check_weight_layout(layout)
+    return (LowLinear.apply(x, w, b, layout=layout) if b is not None
+            else LowLinear.apply(x, w, layout=layout))
 
 
 def embedding(idx, w):
