@@ -114,6 +114,16 @@ def put(root, path, value):
     setattr(get(root, parent), name, value)
 
 
+def tp_split(plan, name):
+    """True when tensor parallelism splits parameter ``name`` over the tp ranks (a Column's
+    weight and bias, a Row's weight, a Vocab's rows); False when it is replicated."""
+    module, _, leaf = name.rpartition(".")
+    for pattern, style in plan.tensor.items():
+        if matches(pattern, module):
+            return isinstance(style, (Column, Vocab)) or (isinstance(style, Row) and leaf == "weight")
+    return False
+
+
 def plan_of(model):
     """The plan a model (or a config) brings: ``model.parallel_plan()``. Any other module has
     the trivial plan (nothing cut; an ``nn.Sequential``'s children are pipeline blocks); a
@@ -122,4 +132,4 @@ def plan_of(model):
 
 
 __all__ = ["ModelPlan", "PipelinePlan", "Column", "Row", "Vocab", "VocabLoss", "PositionShard",
-           "DropoutShard", "matches", "select", "get", "put", "plan_of"]
+           "DropoutShard", "matches", "select", "get", "put", "plan_of", "tp_split"]
