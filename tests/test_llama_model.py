@@ -116,3 +116,15 @@ def test_a_checkpoint_without_model_type_is_gpt2(tmp_path):
     assert json.loads(open(os.path.join(out, "config.json")).read())["model_type"] == "gpt2"
     with pytest.raises(checkpoint.CheckpointError, match="model_type: checkpoint 'gpt2' vs model 'llama'"):
         checkpoint.load(Local(Llama(CFG)), None, str(tmp_path / "ckpt"))
+
+
+def test_load_state_dict_ignores_rotary_buffers_and_names_problems():
+    src, dst = Llama(CFG, seed=1), Llama(CFG, seed=2)
+    sd = dict(src.state_dict(), **{"model.rotary_emb.inv_freq": np.ones(2),          # HF's buffers
+                                   "model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(2)})
+    dst.load_state_dict(sd)
+    assert all(np.array_equal(a.data, b.data) for a, b in zip(src.parameters(), dst.parameters()))
+    with pytest.raises(KeyError, match=r"unexpected keys: \['model.extra'\]"):
+        dst.load_state_dict(dict(sd, **{"model.extra": np.ones(1)}))
+    rows = dst.init_rows("model.layers.1.self_attn.k_proj.weight", 3, 5)    # rows of the init, as a stream
+    np.testing.assert_array_equal(rows, llama_init(CFG, "model.layers.1.self_attn.k_proj.weight", 2)[3:5])
