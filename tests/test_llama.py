@@ -10,7 +10,6 @@ the same formulas (``hf_float64``). Unpatched, HF agrees with pdist to float32's
 
 Optional: skips without torch and transformers."""
 import json
-import os
 
 import numpy as np
 import pytest
