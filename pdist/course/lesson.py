@@ -1,5 +1,5 @@
 """Small helpers every lesson shares: the standard flags, printing on rank 0,
-tables, the JSON summary (a contract, see docs/design.md) and the PASS/FAIL line.
+tables, the JSON summary (a contract, see docs/design.md; written by summary.py) and the PASS/FAIL line.
 
     args = lesson.parse_args(__doc__, extra=lambda p: p.add_argument("--stage", type=int))
     ...
@@ -19,10 +19,14 @@ MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, models=False, **model):
     """An ArgumentParser with the flags every training lesson accepts: --steps --seed
     --dtype --json, and the model and batch size (--n-layer --n-head --n-embd
-    --block-size --batch-size; ``model`` overrides the lesson's defaults). ``models``:
-    also --model {gpt2,llama} and --n-kv-head (Llama's key/value heads). Call
-    ``validate(p, p.parse_args())`` right after parsing."""
+    --block-size --batch-size; ``model`` overrides the lesson's defaults; ``models=True``:
+    --model gpt2|llama too). Call ``validate(p, p.parse_args())`` right after parsing."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if models:
+        p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
+                       help="GPT-2, or Llama (RMSNorm, SwiGLU, RoPE, n_head / 2 kv heads; default %(default)s)")
+        p.add_argument("--n-kv-head", type=int, default=None,
+                       help="Llama's key/value heads (default: n_head / 2 when n_head is even, else n_head)")
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=seed, help="seed for weights and batches")
     p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
@@ -35,11 +39,6 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision
     for k, v in sizes.items():
         p.add_argument("--" + k.replace("_", "-"), type=int, default=v, help=f"GPT {k} (default %(default)s)")
     p.add_argument("--batch-size", type=int, default=batch_size, help="global batch in rows (default %(default)s)")
-    if models:
-        p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
-                       help="GPT-2 or a Llama (RMSNorm, SwiGLU, rotary, grouped-query attention; default %(default)s)")
-        p.add_argument("--n-kv-head", type=int, default=None,
-                       help="Llama's key/value heads (default: n_head / 2 when n_head is even, else n_head)")
     p.add_argument("--recompute", choices=["none", "selective", "full"], default="none",
                    help="activation recomputation per block (docs/recompute.md; default %(default)s)")
     p.add_argument("--inject", metavar="FAULT", action="append", default=None,
@@ -81,16 +80,10 @@ def start(args):
 
 
 def config_from_args(args, vocab_size):
-    """The lesson's model config (GPTConfig, or LlamaConfig with ``--model llama``) from the
-    size flags of ``parser()``. A size the model cannot build raises ValueError."""
-    sizes = {k: getattr(args, k) for k in MODEL_DEFAULTS}
-    recompute = getattr(args, "recompute", "none")
-    if getattr(args, "model", "gpt2") == "llama":
-        from pdist.models.llama import LlamaConfig
-        h = sizes["n_head"]
-        kv = args.n_kv_head or (h // 2 if h % 2 == 0 else h)
-        return LlamaConfig(vocab_size=vocab_size, n_kv_head=kv, dtype=args.dtype, recompute=recompute, **sizes)
-    return gpt_config(vocab_size, dtype=args.dtype, recompute=recompute, **sizes)
+    """The lesson's GPTConfig (LlamaConfig with ``--model llama``) from the flags of ``parser()``."""
+    kv = {"n_kv_head": args.n_kv_head} if getattr(args, "n_kv_head", None) else {}
+    return gpt_config(vocab_size, dtype=args.dtype, model=getattr(args, "model", "gpt2"),
+                      recompute=getattr(args, "recompute", "none"), **{k: getattr(args, k) for k in MODEL_DEFAULTS}, **kv)
 
 
 def table(rows, headers, floatfmt="{:.4g}"):
@@ -153,12 +146,15 @@ def write_trace(path):
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
 
 
-def gpt_config(vocab_size, dtype="float32", **overrides):
-    """The lessons' small GPT: 2 layers, 4 heads, 64 wide, 32 tokens of context."""
-    from pdist.models.gpt import GPTConfig
+def gpt_config(vocab_size, dtype="float32", model="gpt2", **overrides):
+    """The lessons' small GPT: 2 layers, 4 heads, 64 wide, 32 tokens of context (``model="llama"``:
+    a Llama of these sizes, n_head / 2 kv heads when n_head is even)."""
+    from pdist.models import registry
     kw = dict(vocab_size=vocab_size, dtype=dtype, **MODEL_DEFAULTS)
     kw.update(overrides)
-    return GPTConfig(**kw)
+    if model == "llama":
+        kw.setdefault("n_kv_head", kw["n_head"] // 2 if kw["n_head"] % 2 == 0 else kw["n_head"])
+    return registry.config_class(model)(**kw)
 
 
 def make_adamw(params):
@@ -218,6 +214,8 @@ def validate(parser, args):
     n_embd, n_head = getattr(args, "n_embd", None), getattr(args, "n_head", None)
     if n_embd is not None and n_head is not None and n_embd % n_head:
         parser.error(f"--n-embd ({n_embd}) must be divisible by --n-head ({n_head})")
+    if getattr(args, "model", None) == "llama" and n_embd and n_head and (n_embd // n_head) % 2:
+        parser.error(f"--model llama needs an even head size (RoPE): --n-embd / --n-head = {n_embd // n_head}")
     path = getattr(args, "json", None)
     if path:
         problem = json_path_problem(path)

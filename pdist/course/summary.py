@@ -1,35 +1,10 @@
-"""The lessons' JSON summary, written so that nobody ever reads half of it (a contract:
-docs/design.md, "The lessons' JSON summary").
-
-    problem = json_path_problem(path)      # why ``--json PATH`` could not be written, or None
-    write_json_atomic(path, summary)       # strict JSON, atomically replaced
-"""
+"""The lessons' JSON summary (a contract, docs/design.md "The lessons' JSON summary"):
+strict JSON (non-finite numbers become ``null``), written atomically; and the check that
+a ``--json`` path can be written, before any work."""
 import json
 import math
 import os
 import tempfile
-
-
-def _jsonable(v):
-    """``v`` as plain Python (NumPy scalars and arrays, tuples, dicts, recursively),
-    with every non-finite float replaced by ``None``; TypeError for other objects."""
-    if isinstance(v, float):  # also np.float64, a float subclass
-        return float(v) if math.isfinite(v) else None
-    if v is None or isinstance(v, (str, bool, int)):
-        return int(v) if isinstance(v, int) and not isinstance(v, bool) else v
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    try:
-        import numpy as np
-        if isinstance(v, (np.generic, np.ndarray)):
-            return _jsonable(v.tolist())
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(v, "get") and hasattr(v, "shape"):  # a CuPy array or scalar
-        return _jsonable(v.get().tolist())
-    raise TypeError(f"not JSON serialisable: {type(v)}")
 
 
 def json_path_problem(path):
@@ -80,4 +55,23 @@ def write_json_atomic(path, obj):
         pass
 
 
-__all__ = ["json_path_problem", "write_json_atomic"]
+def _jsonable(v):
+    """``v`` as plain Python (NumPy scalars and arrays, tuples, dicts, recursively),
+    with every non-finite float replaced by ``None``; TypeError for other objects."""
+    if isinstance(v, float):  # also np.float64, a float subclass
+        return float(v) if math.isfinite(v) else None
+    if v is None or isinstance(v, (str, bool, int)):
+        return int(v) if isinstance(v, int) and not isinstance(v, bool) else v
+    if isinstance(v, dict):
+        return {k: _jsonable(x) for k, x in v.items()}
+    if isinstance(v, (list, tuple)):
+        return [_jsonable(x) for x in v]
+    try:
+        import numpy as np
+        if isinstance(v, (np.generic, np.ndarray)):
+            return _jsonable(v.tolist())
+    except ImportError:  # pragma: no cover
+        pass
+    if hasattr(v, "get") and hasattr(v, "shape"):  # a CuPy array or scalar
+        return _jsonable(v.get().tolist())
+    raise TypeError(f"not JSON serialisable: {type(v)}")
