@@ -239,4 +239,5 @@ def monitor(every=10, group=None, callback=None, last=None):
 
 enable()
 
-__all__ = ["straggler_report", "gather", "records", "clear", "monitor", "Report", "FIELDS", "enable", "disable"]
+__all__ = ["straggler_report", "gather", "records", "clear", "monitor", "Report", "FIELDS", "enable",
+           "disable"]

@@ -118,7 +118,8 @@ class Step:
 
     def __init__(self, model, x, calls):
         self.model, self.step, self.tokens = model, model.steps, getattr(x, "size", 0)
-        self._enter, self._skip, self._exit, self._end = calls["enter"], calls["skip"], calls["exit"], calls["end"]
+        self._enter, self._skip = calls["enter"], calls["skip"]
+        self._exit, self._end = calls["exit"], calls["end"]
         for h in calls["begin"]:
             h.begin(self)
 

@@ -58,6 +58,20 @@ class Strategy:
         """What this rank's optimizer updates (``named_parameters()``, without the names)."""
         return [t for _, t in self.named_parameters()]
 
+    def chain(self):
+        """The strategies from this one, the outermost, to ``Local``, the innermost (last):
+        ``[DataParallel, PipelineParallel, TensorParallel, Local]``."""
+        out, s = [], self
+        while s is not None:
+            out.append(s)
+            s = getattr(s, "inner", None)
+        return out
+
+    def find(self, kind):
+        """The first (outermost) strategy in ``chain()`` that is a ``kind``, or None:
+        ``model.find(ZeRO)``, ``model.find(Local).microbatches``."""
+        return next((s for s in self.chain() if isinstance(s, kind)), None)
+
     def materialize(self):
         """Fill this rank's meta parameters (``GPT(cfg, seed, device="meta")``) piece by piece
         from the model's ``init_rows`` (pdist/engine/meta.py); a no-op when nothing is meta."""
@@ -304,7 +318,9 @@ class ParallelModule(Strategy):
         return self.inner.pieces()
 
     def span_group(self):
-        return self.group if isinstance(self.inner, Local) else comm.get_world()
+        """This strategy's group when it alone wraps ``Local`` (its ranks hold the whole
+        model together), else the world."""
+        return self.group if len(self.chain()) == 2 else comm.get_world()
 
     def local_batch(self, x, y):
         return self.inner.local_batch(x, y)
