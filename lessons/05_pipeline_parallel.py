@@ -91,10 +91,7 @@ def build(cfg, seed, mesh, r, prec="fp32"):
                                  r.v)
         model = DataParallel(model, mesh.dp_group) if r.dp > 1 else model
         model = MixedPrecision(model, prec) if prec != "fp32" else model
-    pipe = model
-    while not isinstance(pipe, PipelineParallel):
-        pipe = pipe.inner
-    return model, pipe
+    return model, model.find(PipelineParallel)
 
 
 def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):

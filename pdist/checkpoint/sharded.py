@@ -14,7 +14,8 @@ reads, memory-mapped, only the parts of saved boxes that overlap the pieces it h
 
     python -m pdist.checkpoint verify DIR | inspect DIR | consolidate DIR OUT
 
-Both are collective over ``model.span_group()`` (the world). ``save`` writes into a
+Both are collective over ``model.span_group()`` (the world; a plain model, such as a
+``GPT``, is one process: ``Local(model)``). ``save`` writes into a
 temporary sibling directory and renames it into place after every rank has fsynced its
 file, so a crash leaves the previous checkpoint whole. ``load`` checks the index, the
 config, the files' sizes and checksums and reads every piece into new arrays; only when
@@ -54,20 +55,26 @@ def _agree(group, err):
         raise CheckpointError(f"{e} (found on rank {r}{more}; nothing was loaded)" if group.size > 1 else e)
 
 
+def _strategy(model):
+    """``model``, or a plain model (an nn.Module such as GPT) as one process: ``Local(model)``."""
+    from pdist.parallel.base import Local, Strategy      # not at the top: verify and inspect need no MPI
+    return model if isinstance(model, Strategy) else Local(model)
+
+
 def _layout(model):
     """The strategy chain and mesh the checkpoint came from (for people; load ignores it)."""
-    chain, s = [], model
-    while s is not None:
+    from pdist.parallel.base import Local
+    chain = []
+    for s in model.chain():
         d = {"strategy": type(s).__name__}
         if getattr(s, "group", None) is not None:
             d["size"] = s.group.size
         for a in ("stage", "sequence_parallel", "schedule", "num_microbatches", "num_chunks"):
             if hasattr(s, a):
                 d[a] = getattr(s, a)
-        if type(s).__name__ == "Local":
+        if isinstance(s, Local):
             d["microbatches"] = s.microbatches
         chain.append(d)
-        s = getattr(s, "inner", None)
     mesh = getattr(model, "mesh", None)
     sizes = {"dp": mesh.dp_world_size, "tp": mesh.tp_world_size, "pp": mesh.pp_world_size} if mesh else None
     return {"world_size": model.span_group().size, "mesh": sizes, "chain": chain}
@@ -82,10 +89,11 @@ def _entries(piece, optimizer):
 
 
 def save(model, optimizer, dir, step, extra=None, keep=None):
-    """Write a checkpoint of ``model`` (any strategy) and ``optimizer`` (AdamW, or None) to
-    ``dir``. Collective. ``extra``: JSON data kept in the index (seed, data position).
-    ``keep=K``: when ``dir`` ends in a number (``ckpt/step-000100``), keep only the K
-    newest complete siblings of that pattern. Returns the index (on rank 0; None elsewhere)."""
+    """Write a checkpoint of ``model`` (any strategy, or a plain model: one process) and
+    ``optimizer`` (AdamW, or None) to ``dir``. Collective. ``extra``: JSON data kept in the
+    index (seed, data position). ``keep=K``: when ``dir`` ends in a number (``ckpt/step-000100``),
+    keep only the K newest complete siblings of that pattern. Returns the index (rank 0; else None)."""
+    model = _strategy(model)
     group = model.span_group()
     me, dir = group.rank, os.path.abspath(os.fspath(dir))
     tmp = None
@@ -199,11 +207,12 @@ def _check_config(index, model, dir):
 
 
 def load(model, optimizer, dir, checksums=True):
-    """Load a checkpoint saved under any layout into ``model`` (any strategy) and
-    ``optimizer`` (or None: parameters only). Collective. Returns ``(step, extra)``.
+    """Load a checkpoint saved under any layout into ``model`` (any strategy, or a plain
+    model: one process) and ``optimizer`` (or None: parameters only). Collective. Returns ``(step, extra)``.
     Checks (the index, the config, the files; rank r hashes files r, r+n, ...), reads
     every piece into new arrays, agrees, and only then copies them in and calls
     ``model.after_load()``. On any problem every rank raises the same CheckpointError."""
+    model = _strategy(model)
     group, dir = model.span_group(), os.fspath(dir)
     me, n = group.rank, group.size
     index = err = None

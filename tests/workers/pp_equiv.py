@@ -43,9 +43,7 @@ def reference(cfg):
 
 
 def pipe_of(model):
-    while not isinstance(model, PipelineParallel):
-        model = model.inner
-    return model
+    return model.find(PipelineParallel)
 
 
 def check_gpt(mesh, schedule, m, v=1, n_layer=None, partition=None):

@@ -64,7 +64,7 @@ refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any la
 """
 import math
 
-from pdist.measure import memory_timeline
+from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
 from pdist.engine.backend import xp
 from pdist.data import shard
@@ -206,7 +206,7 @@ class ZeRO(ParallelModule):
         for w in works:
             w.wait()
         self._stale = False
-        memory_timeline.mark("all-gather", "all units")
+        hooks.event("all-gather", "all units")
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
@@ -265,7 +265,7 @@ class ZeRO(ParallelModule):
         else:                                     # P_os+g: the full gradient is freed
             u.shard.grad = out
             u.drop_grads()
-        memory_timeline.mark("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
+        hooks.event("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
 
     # -------------------------------------------------- parameters (stage 3)
     def _start_gather(self, u):
@@ -283,7 +283,7 @@ class ZeRO(ParallelModule):
             work.wait()
             u.gather_work = None
             u.finish_gather(buf)
-            memory_timeline.mark("all-gather", u.name)
+            hooks.event("all-gather", u.name)
         if self.prefetch:
             i = order.index(u)
             if i + 1 < len(order):
