@@ -55,14 +55,14 @@ def test_standin_is_strict():
 
 
 def test_transport_choice():
-    from pdist.comm import nccl
-    assert nccl.choose_transport(True, 22304)[0] == "mpi-host"
-    assert nccl.choose_transport(False, 22304)[0] == "nccl"
-    assert nccl.choose_transport(True, None)[0] == "mpi-host"
+    from pdist.comm import gpu_transport
+    assert gpu_transport.choose_transport(True, 22304)[0] == "mpi-host"
+    assert gpu_transport.choose_transport(False, 22304)[0] == "nccl"
+    assert gpu_transport.choose_transport(True, None)[0] == "mpi-host"
     os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     try:
-        assert nccl.choose_transport(True, 23000)[0] == "nccl"
-        assert "2.29" in nccl.choose_transport(True, 22905)[1]
+        assert gpu_transport.choose_transport(True, 23000)[0] == "nccl"
+        assert "2.29" in gpu_transport.choose_transport(True, 22905)[1]
     finally:
         del os.environ["NCCL_MULTI_RANK_GPU_ENABLE"]
 
