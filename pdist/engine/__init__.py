@@ -1,8 +1,10 @@
 """The engine: arrays, autograd and the ops every model is made of.
 
     backend.py       xp = NumPy or CuPy (PDIST_DEVICE), to_numpy, dtype facts
-    autograd.py      Tensor, Function, the backward walk, hooks, no_grad
-    ops.py           the operators of Tensor, with hand-derived backwards
+    autograd.py      Tensor, Function, hooks, no_grad
+    backprop.py      the backward walk: reverse topological order, gradient sums, leaves
+    ops.py           the operators of Tensor (arithmetic, matmul, reductions), hand-derived backwards
+    shape_ops.py     reshape, permute, indexing, concat, split
     functional.py    fused Linear (both weight layouts), Embedding, causal softmax, cross-entropy
     norms.py         LayerNorm, RMSNorm
     activations.py   GELU, SwiGLU
