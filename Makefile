@@ -9,7 +9,7 @@ N      ?= 1
 ARGS   ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv lesson test test-fast bench lint clean grade
+.PHONY: venv lesson test test-fast budgets bench lint clean grade
 
 venv: $(STAMP)
 
@@ -30,6 +30,10 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q tests -m "not slow"
+
+# files under 300 lines, functions under 60, 0 import cycles in pdist/ (stdlib only; CI runs it)
+budgets:
+	$(PYTHON) .ci/budgets.py
 
 # the course's autograder: every exercise in lessons/exercises/ (EX="01 03" for some; ARGS="--reference" etc.)
 EX ?=

@@ -10,11 +10,11 @@ import sys
 
 import numpy as np
 
-from pdist.comm import nccl
+from pdist.comm import gpu_transport
 
 
 def main():
-    if not nccl.available():
+    if not gpu_transport.available():
         print("SKIP: gpu_check needs CuPy with NCCL and a CUDA device")
         return 0
     import cupy

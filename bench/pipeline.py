@@ -31,6 +31,7 @@ from pdist import comm, data  # noqa: E402
 from pdist.course import lesson
 from pdist.engine.backend import set_default_dtype, synchronize  # noqa: E402
 from pdist.parallel.pipeline import schedules as S  # noqa: E402
+from pdist.parallel.pipeline import simulate as sim  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402
 from pdist.parallel import PipelineParallel  # noqa: E402
 from pdist.parallel.pipeline.pipeline_parallel import gather_timeline  # noqa: E402
@@ -55,7 +56,7 @@ def measure(cfg, tokens, pg, schedule, m, v, repeats):
         if step == 0 or pg.rank != 0:
             return
         times.append(dt)
-        idle.append(S.bubble_fraction(tl))
+        idle.append(sim.bubble_fraction(tl))
         tf = [e - s for r in tl for i, s, e in r if i.op == S.FORWARD]
         tb = [e - s for r in tl for i, s, e in r if i.op == S.BACKWARD]
         ratio.append(np.mean(tb) / np.mean(tf))
@@ -82,9 +83,9 @@ def main():
                 per_step = np.array(idle)                        # (repeats, p)
                 med = np.median(per_step.mean(axis=1))
                 stage_med = np.median(per_step, axis=0)
-                theory = S.theoretical_bubble(p, m, v)
-                planned = S.bubble_fraction(S.simulate(S.make_schedule(schedule, p, m, v)))[0]
-                plan_peak = max(S.check_schedule(S.make_schedule(schedule, p, m, v), m))
+                theory = sim.theoretical_bubble(p, m, v)
+                planned = sim.bubble_fraction(sim.simulate(S.make_schedule(schedule, p, m, v)))[0]
+                plan_peak = max(sim.check_schedule(S.make_schedule(schedule, p, m, v), m))
                 rows.append([schedule + (f" v={v}" if v > 1 else ""), m,
                              f"{theory:.1%}" if theory is not None else "n/a", f"{planned:.1%}",
                              f"{med:.1%} [{stage_med.min():.0%}..{stage_med.max():.0%}]",

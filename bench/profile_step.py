@@ -31,7 +31,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 import step_time  # noqa: E402
 from machine import header, record  # noqa: E402
-from pdist.engine import autograd  # noqa: E402
+from pdist.engine import autograd, backprop  # noqa: E402
 from pdist.models import gpt
 from pdist.course import lesson
 from pdist import optim
@@ -69,7 +69,7 @@ def instrument():
             if attr in c.__dict__:
                 setattr(c, attr, _clocked(c.__dict__[attr], (g, phase)))
     optim.AdamW.step = _clocked(optim.AdamW.step, ("AdamW", "opt"))
-    autograd._accumulate_leaf = _clocked(autograd._accumulate_leaf, ("engine: leaf .grad copy/+=", "bwd"))
+    backprop._accumulate_leaf = _clocked(backprop._accumulate_leaf, ("engine: leaf .grad copy/+=", "bwd"))
 
 
 def profile(size, steps):

@@ -6,8 +6,9 @@ DDP on 4 ranks, the lessons' GPT (2 layers, 64 wide, 32 tokens, batch 16, float3
 Two costs, measured directly (an A/B of whole step times cannot resolve 1% on a shared
 node: step-to-step noise is 10-30%):
 
-* per step: what forward_backward adds (six clock reads, four reads of the wait counter,
-  one tuple into a deque), timed over 100000 repetitions of exactly that code;
+* per step: what forward_backward adds (the detector's step hook, pdist/measure/hooks.py:
+  five clock reads and reads of the wait counter, one tuple into a deque), timed over
+  100000 empty steps through the hooks, less the same steps with the detector off;
 * on demand: ``straggler_report(model, last=K)`` (one object all-gather of K records per
   rank and the analysis), timed on every rank, amortized over K steps (``debug.monitor``).
 
@@ -22,7 +23,8 @@ import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pdist import comm, data  # noqa: E402
-from pdist.faults import debug
+from pdist.faults import debug  # noqa: E402
+from pdist.measure import hooks  # noqa: E402
 from pdist.course import lesson
 from pdist.engine.backend import set_default_dtype  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402
@@ -31,17 +33,26 @@ from pdist.training import train  # noqa: E402
 
 
 def per_step_overhead(reps=100000):
-    """Seconds per step of the detector's code in forward_backward (the same statements)."""
-    now, waited, link, note = debug.now, debug.WAITED, debug.LINK, debug.note
-    t_start = time.perf_counter()
-    for s in range(reps):
-        t0, w0, l0 = now(), waited[0], link[0]
-        t1, w1 = now(), waited[0]
-        t2, w2 = now(), waited[0]
-        t3, w3 = now(), waited[0]
-        t4, w4 = now(), waited[0]
-        note((s, t1 - t0, t2 - t1, t3 - t2, t4 - t3, w1 - w0, w2 - w1, w3 - w2, w4 - w3, link[0] - l0, 512))
-    return (time.perf_counter() - t_start) / reps
+    """Seconds per step of the detector's hook in forward_backward: ``reps`` steps of four
+    empty phases run through the step hooks, detector on less detector off."""
+    class Empty:
+        steps = 0
+
+    def steps():
+        m, x, noop = Empty(), np.zeros(512), (lambda: None)
+        t0 = time.perf_counter()
+        for s in range(reps):
+            m.steps = s
+            run = hooks.step(m, x)
+            for phase in hooks.PHASES:
+                run(phase, noop)
+            run.end()
+        return (time.perf_counter() - t0) / reps
+    on = steps()
+    debug.disable()
+    off = steps()
+    debug.enable()
+    return on - off
 
 
 def main():

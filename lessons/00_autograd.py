@@ -2,6 +2,7 @@
 
     python lessons/00_autograd.py            # 1000 steps, about 8 s on one core
     python lessons/00_autograd.py --steps 50 --dtype float64 --json out.json
+    python lessons/00_autograd.py --model llama   # Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention
 
 Everything later in the course (data parallelism, ZeRO, tensor and pipeline
 parallelism) is this loop with the work split across ranks:
@@ -31,20 +32,27 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 
 from pdist import data  # noqa: E402
 from pdist.course import lesson
-from pdist.models.gpt import GPT  # noqa: E402
+from pdist.models import registry  # noqa: E402
 from pdist.engine.backend import to_numpy  # noqa: E402
 from pdist.engine.gradcheck import central_difference  # noqa: E402
 
 STEPS = 1000
-# (parameter, index) pairs for the finite-difference check: one from each kind of op
-FD_ENTRIES = [("transformer.wpe.weight", (7, 11)),
-              ("transformer.h.0.attn.c_attn.weight", (9, 70)), ("transformer.h.1.mlp.c_fc.bias", (40,)),
-              ("transformer.h.1.mlp.c_proj.weight", (100, 2)), ("transformer.ln_f.weight", (17,))]
+# (parameter, index) pairs for the finite-difference check: one from each kind of op, per model,
+# and rows of a frequent character in the token tables (a rare one's gradient is near fd's noise)
+TOKEN_ROWS = {"gpt2": ["transformer.wte.weight"], "llama": ["model.embed_tokens.weight", "lm_head.weight"]}
+FD_ENTRIES = {"gpt2": [("transformer.wpe.weight", (7, 11)),
+                       ("transformer.h.0.attn.c_attn.weight", (9, 70)), ("transformer.h.1.mlp.c_fc.bias", (40,)),
+                       ("transformer.h.1.mlp.c_proj.weight", (100, 2)), ("transformer.ln_f.weight", (17,))],
+              "llama": [("model.layers.0.self_attn.q_proj.weight", (9, 40)),
+                        ("model.layers.0.self_attn.k_proj.weight", (20, 7)),
+                        ("model.layers.1.mlp.gate_proj.weight", (100, 2)),
+                        ("model.layers.1.mlp.down_proj.weight", (5, 150)),
+                        ("model.layers.1.post_attention_layernorm.weight", (17,)), ("model.norm.weight", (5,))]}
 FD_RTOL, FD_ATOL = 1e-5, 1e-9  # |backward - fd| <= rtol |fd| + atol (atol: fd's rounding, ~eps L / h)
 
 
 def train(cfg, tokens, args):
-    model = GPT(cfg, seed=args.seed)
+    model = registry.build(cfg, seed=args.seed)
     opt = lesson.make_adamw(model.parameters())
     losses, times = [], []
     for step in range(args.steps):
@@ -64,7 +72,7 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
     entries, in float64 on the trained weights."""
     cfg64 = lesson.config_from_args(args, cfg.vocab_size)
     cfg64.dtype = "float64"
-    m = GPT(cfg64, seed=args.seed)
+    m = registry.build(cfg64, seed=args.seed)
     m.load_state_dict(model.state_dict())  # the trained weights, in float64
     x, y = data.get_batch(tokens, 4, cfg.block_size, args.seed, 10**6)  # a batch not trained on
     m.zero_grad()
@@ -72,7 +80,7 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
     params = dict(m.named_parameters())
     rows = []
     for name, idx in entries:
-        name = name.replace("h.1.", f"h.{min(1, cfg.n_layer - 1)}.")      # any --n-layer
+        name = name.replace(".1.", f".{min(1, cfg.n_layer - 1)}.")        # any --n-layer
         p = params[name]
         idx = tuple(i % d for i, d in zip(idx, p.shape))                  # any --n-embd
         num = central_difference(lambda: m(x, y)[1].item(), p.data, idx, h)
@@ -83,7 +91,7 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
 
 
 def main():
-    p = lesson.parser(__doc__, steps=STEPS)
+    p = lesson.parser(__doc__, steps=STEPS, models=True)
     args = lesson.validate(p, p.parse_args())  # bad flags: usage message, exit 2, before training
     # under mpirun (MPICH, Open MPI) this single-process lesson runs on rank 0 only
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))
@@ -98,8 +106,9 @@ def run(args):
     cfg = lesson.config_from_args(args, tok.vocab_size)
     model, losses, times = train(cfg, tokens, args)
     n_params = cfg.num_params()
-    print(f"GPT: {cfg.n_layer} layers, {cfg.n_head} heads, n_embd {cfg.n_embd}, T {cfg.block_size}, "
-          f"vocab {cfg.vocab_size}: {n_params:,} parameters, {args.dtype}, batch {args.batch_size}")
+    kv = f" ({cfg.n_kv_head} kv)" if args.model == "llama" else ""
+    print(f"{type(model).__name__}: {cfg.n_layer} layers, {cfg.n_head} heads{kv}, n_embd {cfg.n_embd}, "
+          f"T {cfg.block_size}, vocab {cfg.vocab_size}: {n_params:,} parameters, {args.dtype}, batch {args.batch_size}")
     shown = sorted(set(np.linspace(0, args.steps - 1, min(args.steps, 11)).astype(int)))
     print(lesson.table([[s, losses[s]] for s in shown], ["step", "loss"]))
     sec = float(np.median(times))
@@ -109,8 +118,7 @@ def run(args):
     out = model.generate(tok.encode(prompt)[None, :], 160, temperature=0.8, seed=args.seed)
     print("\nsample:\n" + tok.decode(out[0]) + "\n")
 
-    # a wte row of a frequent character (a rare one gets a gradient near fd's rounding noise)
-    entries = [("transformer.wte.weight", (tok.stoi["e"], 3))] + FD_ENTRIES
+    entries = [(n, (tok.stoi["e"], 3 + k)) for k, n in enumerate(TOKEN_ROWS[args.model])] + FD_ENTRIES[args.model]
     fd = finite_difference_check(model, cfg, tokens, entries, args)
     print(lesson.table([[n, str(i), a, b, f"{r:.1e}", "ok" if ok else "WRONG"] for n, i, a, b, r, ok in fd],
                        ["parameter", "index", "backward", "finite diff", "rel err", ""], floatfmt="{:.6e}"))
@@ -119,10 +127,10 @@ def run(args):
     start, end = losses[0], float(np.mean(losses[-k:]))
     fell = end < 0.85 * start
     fd_ok = all(ok for *_, ok in fd)
-    result = {"name": "single", "layout": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0}, "dtype": args.dtype,
-           "params": n_params, "loss": losses, "seconds_per_step": sec,
-           "grad_check": [{"param": n, "index": list(i), "backward": a, "finite_difference": b, "rel_err": r}
-                          for n, i, a, b, r, _ in fd]}
+    result = {"name": "single", "model": args.model, "layout": {"dp": 1, "tp": 1, "pp": 1, "zero_stage": 0},
+              "dtype": args.dtype, "params": n_params, "loss": losses, "seconds_per_step": sec,
+              "grad_check": [{"param": n, "index": list(i), "backward": a, "finite_difference": b, "rel_err": r}
+                             for n, i, a, b, r, _ in fd]}
     detail = (f"loss {start:.3f} -> {end:.3f} (mean of last {k}; needs < {0.85 * start:.3f}), "
               f"{sum(ok for *_, ok in fd)}/{len(fd)} gradients agree with finite differences")
     lesson.finish("00_autograd", fell and fd_ok, [result], args, detail=detail)

@@ -250,7 +250,7 @@ def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
         model, opt, losses, sent, sps, (shards_ok, err), rss = run(cfg, stage, world, args, tokens,
                                                                     args.steps, check_at, ref_sd, tol, prec)
         mem = memory.memory_row(rank, model, opt, peak, rss)
-        z = model.inner if mixed else model
+        z = model.find(ZeRO)
         psi = z.numel if stage == 0 else z.numel_padded
         want = formula_bytes(stage, psi, n, b, k)
         theory = comm_theory(stage, z, n, b)

@@ -46,6 +46,7 @@ from pdist.engine.backend import synchronize, to_numpy
 from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, MixedPrecision, PipelineParallel, check_layout, parallelize
 from pdist.parallel.pipeline import schedules as S
+from pdist.parallel.pipeline import simulate as sim
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline.draw import ascii_timeline, plot_timeline
 from pdist.parallel.pipeline.pipeline_parallel import gather_timeline
@@ -91,10 +92,7 @@ def build(cfg, seed, mesh, r, prec="fp32"):
                                  r.v)
         model = DataParallel(model, mesh.dp_group) if r.dp > 1 else model
         model = MixedPrecision(model, prec) if prec != "fp32" else model
-    pipe = model
-    while not isinstance(pipe, PipelineParallel):
-        pipe = pipe.inner
-    return model, pipe
+    return model, model.find(PipelineParallel)
 
 
 def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):
@@ -117,7 +115,7 @@ def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):
         times[-1] += time.perf_counter()
         tl[0] = gather_timeline(pipe)               # on pp rank 0, None elsewhere
         if tl[0] is not None and step > 0:          # step 0 warms caches up
-            idles.append(S.bubble_fraction(tl[0]))
+            idles.append(sim.bubble_fraction(tl[0]))
 
     losses = train(model, opt, batch, args.steps, on_step=on_step)
     sent = sum(g.bytes_sent() for g in groups) / args.steps           # (before the check's all-reduce)
@@ -140,7 +138,7 @@ def run_one(cfg, tokens, args, mesh, r, ref_sd, tol):
                 seconds=float(np.median(times[1:] or times)), peak_stash=pipe.peak_stash,
                 comm=sent,
                 mem=mem,
-                planned=S.simulate(S.make_schedule(r.schedule, r.pp, r.m, r.v)))
+                planned=sim.simulate(S.make_schedule(r.schedule, r.pp, r.m, r.v)))
 
 
 def record(r, res, every, ref_losses, cfg, args, rank):
@@ -149,10 +147,10 @@ def record(r, res, every, ref_losses, cfg, args, rank):
             + (f" pp{r.pp}xdp{r.dp}" if r.dp > 1 else ""))
     ok = all(e[0] for e in every)
     stash = [e[1] for e in every if e[4].dp == 0]          # world ranks are pp-major: stage order
-    planned = S.bubble_fraction(res["planned"])[0]
-    theory = S.theoretical_bubble(r.pp, r.m, r.v)
+    planned = sim.bubble_fraction(res["planned"])[0]
+    theory = sim.theoretical_bubble(r.pp, r.m, r.v)
     idle = res["idle"] if rank == 0 else None
-    plan_peak = S.check_schedule(S.make_schedule(r.schedule, r.pp, r.m, r.v), r.m)
+    plan_peak = sim.check_schedule(S.make_schedule(r.schedule, r.pp, r.m, r.v), r.m)
     row = [name, f"{res['losses'][-1]:.6f}", f"{ref_losses[-1]:.6f}", f"{res['diff']:.1e}",
            " ".join(f"{x:.0%}" for x in idle) if idle else "-", f"{planned:.0%}",
            f"{theory:.0%}" if theory is not None else "n/a",

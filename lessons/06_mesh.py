@@ -62,7 +62,8 @@ from pdist.course import lesson
 from pdist.measure import memory
 from pdist.engine import precision
 from pdist.engine.backend import synchronize
-from pdist.models.gpt import GPT
+from pdist.models import registry
+from pdist.models.plan import matches, tp_split
 from pdist.parallel import Local, MixedPrecision, check_layout, parallelize
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline.pipeline_parallel import partition_layers
@@ -70,12 +71,10 @@ from pdist.parallel.pipeline.schedules import virtual_stage
 from pdist.training import train
 
 CHECK_STEPS = 10
-SPLIT = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
-         "mlp.c_proj.weight", "wte.weight"}          # tensor-parallel shards; every other tensor is replicated
 
 
 def parse():
-    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4, precision=True)
+    p = lesson.parser(__doc__, steps=10, dtype="float64", batch_size=16, n_layer=4, precision=True, models=True)
     for axis in ("dp", "tp", "pp"):
         p.add_argument(f"--{axis}", type=int, default=None, help=f"{axis} size (default: from the world size)")
     p.add_argument("--zero", type=int, default=None, choices=[0, 1, 2, 3],
@@ -111,25 +110,34 @@ def layout_for(args, world_size):
 
 
 def local_numel(cfg, names, t):
-    """Ψ_r: elements of ``names`` on one tp rank (split tensors / t)."""
-    shapes = cfg.param_shapes()
-    return sum(math.prod(shapes[n]) // (t if n.split(".", 2)[-1].split(".", 1)[-1] in SPLIT
-                                        or n.endswith("wte.weight") else 1) for n in names)
+    """Ψ_r: elements of ``names`` on one tp rank (the tensors the model's plan splits, / t)."""
+    shapes, plan = cfg.param_shapes(), cfg.parallel_plan()
+    return sum(math.prod(shapes[n]) // (t if tp_split(plan, n) else 1) for n in names)
+
+
+def stage_names(cfg, args, pp_rank):
+    """The single-process names of the parameters this pp rank holds (a tied head's copy
+    under the name it copies), from the config and the model's plan alone."""
+    pp, V = cfg.parallel_plan().pipeline, args.pp * args.chunks
+    spans = partition_layers(cfg.n_layer, V)
+    ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
+    first, last = 0 in ks, V - 1 in ks
+    blocks = [f"{pp.blocks}.{i}." for k in ks for i in range(*spans[k])]
+    own = [m + "." for m in pp.first_modules * first + pp.last_modules * last]
+    parts = [f"{pp.blocks}."] + [m + "." for m in pp.first_modules + pp.last_modules]
+    names = [n for n in cfg.param_shapes() if n.startswith(tuple(blocks + own)) or not n.startswith(tuple(parts))]
+    return names + [src for src in pp.tied.values() if last and not first]
 
 
 def stage_units(cfg, args, pp_rank):
-    """This rank's ZeRO units (root, blocks, ln_f) as lists of parameter names."""
-    V = args.pp * args.chunks
-    spans = partition_layers(cfg.n_layer, V)
-    ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
-    blocks = sorted(i for k in ks for i in range(*spans[k]))
-    names = list(cfg.param_shapes())
-    units = [[n for n in names if n.startswith(f"transformer.h.{i}.")] for i in blocks]
-    root = (["transformer.wte.weight", "transformer.wpe.weight"] if 0 in ks else []) + \
-        (["transformer.wte.weight"] if V - 1 in ks and 0 not in ks else [])   # the last stage's lm_head copy
-    if V - 1 in ks:
-        units.append(["transformer.ln_f.weight", "transformer.ln_f.bias"])
-    return [root] + units
+    """This rank's ZeRO units (the root first, then the plan's units) as lists of names."""
+    units, root = {}, []
+    for n in stage_names(cfg, args, pp_rank):
+        segs = n.split(".")
+        unit = next((".".join(segs[:len(u.split("."))]) for u in cfg.parallel_plan().zero_units
+                     if len(segs) > len(u.split(".")) and matches(u, ".".join(segs[:len(u.split("."))]))), None)
+        (units.setdefault(unit, []) if unit else root).append(n)
+    return [root] + list(units.values())
 
 
 def memory_formula(cfg, args, pp_rank, b, k=None):
@@ -155,7 +163,7 @@ def comm_theory(cfg, args, coords, b, b_act=None):
     dp = {0: 2 * (N - 1) * b * psi / N, 1: 2 * (N - 1) * b * pad / N, 2: 2 * (N - 1) * b * pad / N,
           3: (2 * m + 1) * (N - 1) * b * pad / N}[args.zero]
     rows = args.batch_size // N // args.microbatches                  # per micro-batch
-    T, C, V = cfg.block_size, cfg.n_embd, args.pp * args.chunks
+    T, C, V = cfg.block_size, cfg.parallel_plan().pipeline.hidden, args.pp * args.chunks
     act = rows * T // (t if args.sp else 1) * C * b_act
     ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
     pp = args.microbatches * act * sum((k < V - 1) + (k > 0) for k in ks)
@@ -166,8 +174,10 @@ def comm_theory(cfg, args, coords, b, b_act=None):
     per_mb = (8 * L + 2 * (0 in ks) + 2 * (V - 1 in ks)) * ring * S    # blocks, embedding, head: fwd + bwd
     per_mb += (V - 1 in ks) * 2 * ring * 3 * n_tok * b_act                         # loss: max + [sum, target]
     tp = args.microbatches * per_mb
-    if args.sp and t > 1:          # the sequence-partial grads (LayerNorms, row biases, wpe), once a step
-        partial = L * 6 * C + 2 * C * (V - 1 in ks) + T * C * (0 in ks)     # (mixed: each micro-batch's,
+    if args.sp and t > 1:          # the sequence-partial grads (norms, row biases, positions), once a step
+        pats, shapes = cfg.parallel_plan().sequence_partial, cfg.param_shapes()
+        partial = sum(math.prod(shapes[n]) for n in set(stage_names(cfg, args, pp_rank))
+                      if any(matches(q, n) for q in pats))                  # (mixed: each micro-batch's,
         tp += 2 * ring * partial * (b if args.precision == "fp32" else m * b_act)   # unrounded)
     return {"dp": dp, "tp": tp if t > 1 else 0.0, "pp": float(pp)}
 
@@ -177,7 +187,10 @@ def main():
     world, tokens, tok = lesson.start(args)
     lesson.warn_shared_cores(world)
     layout_for(args, world.size)
-    cfg = lesson.config_from_args(args, -(-tok.vocab_size // args.tp) * args.tp)   # padded to a multiple of tp
+    try:
+        cfg = lesson.config_from_args(args, -(-tok.vocab_size // args.tp) * args.tp)   # padded to a multiple of tp
+    except ValueError as e:
+        parser.error(str(e))
     if args.dp * args.tp * args.pp != world.size:
         parser.error(f"--dp {args.dp} x --tp {args.tp} x --pp {args.pp} = {args.dp * args.tp * args.pp}, "
                      f"but the job has {world.size} ranks: launch with mpirun -n {args.dp * args.tp * args.pp}")
@@ -202,7 +215,7 @@ def main():
     _, ref_sd = _reference(cfg, batch, args.seed, check_at, args.precision, ref_m)
 
     # meta init: each rank draws only the pieces it holds (pdist/engine/meta.py)
-    model = parallelize(GPT(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero,
+    model = parallelize(registry.build(cfg, args.seed, device="meta"), mesh, zero_stage=args.zero,
                         sequence_parallel=args.sp, schedule=args.schedule, microbatches=args.microbatches,
                         chunks=args.chunks, precision=args.precision)
     opt = lesson.make_adamw(model.parameters())
@@ -280,7 +293,7 @@ def main():
 def _reference(cfg, batch, seed, steps, prec="fp32", microbatches=1):
     """Single-process training through the one loop, on the lesson's batches (bf16/fp16: with
     fp32 masters, their state_dict)."""
-    model = Local(precision.cast_module(GPT(cfg, seed), prec), microbatches)
+    model = Local(precision.cast_module(registry.build(cfg, seed), prec), microbatches)
     if prec != "fp32":
         model = MixedPrecision(model, prec)
     opt = lesson.make_adamw(model.parameters())
@@ -290,7 +303,7 @@ def _reference(cfg, batch, seed, steps, prec="fp32", microbatches=1):
 
 def report(args, cfg, rows, losses, ref_losses, rel, secs):
     fb = lesson.fmt_bytes
-    print(f"GPT Ψ = {cfg.num_params():,} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, {args.dtype}); mesh "
+    print(f"{args.model} Ψ = {cfg.num_params():,} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, {args.dtype}); mesh "
           f"dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}, SP {'on' if args.sp else 'off'}, "
           f"{args.schedule} m={args.microbatches} v={args.chunks}; global batch {args.batch_size}, "
           f"{args.steps} steps\n")

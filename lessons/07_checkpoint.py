@@ -106,7 +106,7 @@ def reference(cfg, args, batch, k_after):
     opt = lesson.make_adamw(model.parameters())
     losses = train(model, opt, batch, args.save_at)
     if low:
-        model._local().microbatches = k_after
+        model.find(Local).microbatches = k_after
     losses += train(model, opt, batch, args.steps - args.save_at, start=args.save_at)
     return losses, model.full_state_dict()
 
@@ -171,7 +171,7 @@ def main():
 
     # 2. the naive dump, loaded into 2 ranks
     naive_dir = world.broadcast_object(tempfile.mkdtemp(prefix="pdist-naive-") if world.rank == 0 else None)
-    naive_error = naive_dump_then_load(z3 if args.precision == "fp32" else z3.inner, world, naive_dir)
+    naive_error = naive_dump_then_load(z3.find(ZeRO), world, naive_dir)
 
     # 3. the real checkpoint, into three other layouts
     prec = args.precision

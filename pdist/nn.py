@@ -148,17 +148,21 @@ def _cast(a, dtype):
 
 
 class Linear(Module):
-    """y = x W + b, W (in, out). Default init as PyTorch: U(-1/sqrt(in), 1/sqrt(in))."""
+    """y = x W + b with W (in, out) (``layout="in_out"``: GPT-2's Conv1D), or y = x W^T + b
+    with W (out, in) (``layout="out_in"``: torch.nn.Linear's, HF Llama's). Default init as
+    PyTorch: U(-1/sqrt(in), 1/sqrt(in))."""
 
-    def __init__(self, in_features, out_features, bias=True, rng=None, dtype=None):
+    def __init__(self, in_features, out_features, bias=True, rng=None, dtype=None, layout="in_out"):
         super().__init__()
         rng = rng or _default_rng[0]
+        self.in_features, self.out_features, self.layout = in_features, out_features, F.check_weight_layout(layout)
         k = 1.0 / math.sqrt(in_features)
-        self.weight = Parameter(_cast(rng.uniform(-k, k, (in_features, out_features)), dtype))
+        shape = (out_features, in_features) if layout == "out_in" else (in_features, out_features)
+        self.weight = Parameter(_cast(rng.uniform(-k, k, shape), dtype))
         self.bias = Parameter(_cast(rng.uniform(-k, k, (out_features,)), dtype)) if bias else None
 
     def forward(self, x):
-        return precision.linear(x, self.weight, self.bias)   # F.linear, or mixed precision's
+        return precision.linear(x, self.weight, self.bias, self.layout)   # F.linear, or mixed precision's
 
 
 class Embedding(Module):
@@ -182,6 +186,18 @@ class LayerNorm(Module):
 
     def forward(self, x):
         return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps)
+
+
+class RMSNorm(Module):
+    """y = x / sqrt(mean(x^2) + eps) * w over the last axis (Llama's; weight init 1)."""
+
+    def __init__(self, dim, eps=1e-6, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = Parameter(_cast(np.ones(dim), dtype))
+
+    def forward(self, x):
+        return F.rms_norm(x, precision.weight(self.weight), self.eps)
 
 
 class ReLU(Module):
@@ -242,5 +258,5 @@ def mse_loss(pred, target):
     return F.mse_loss(pred, target)
 
 
-__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "ReLU", "GELU", "Dropout",
+__all__ = ["Module", "Parameter", "Linear", "Embedding", "LayerNorm", "RMSNorm", "ReLU", "GELU", "Dropout",
            "ModuleList", "Sequential", "cross_entropy", "mse_loss", "functional", "manual_seed"]

@@ -6,7 +6,7 @@ import pytest
 
 import pdist
 from pdist import Tensor, nn, no_grad
-from pdist.engine import ops
+from pdist.engine import ops, shape_ops
 from pdist.engine import functional as F
 
 from fdcheck import grads_match
@@ -131,9 +131,9 @@ def test_max_splits_ties_evenly():
     ("fancy_repeat", lambda x: x[np.array([0, 1, 1, 0])] ** 2),
     ("fancy_tuple", lambda x: x[np.array([0, 1, 1]), :, np.array([2, 0, 2])] ** 2),
     ("negative_step", lambda x: x[::-1, :, 1:3].exp()),
-    ("split", lambda x: ops.concat([p * (i + 1) for i, p in enumerate(x.split([1, 2], axis=1))], axis=1)),
+    ("split", lambda x: shape_ops.concat([p * (i + 1) for i, p in enumerate(x.split([1, 2], axis=1))], axis=1)),
     ("split_equal", lambda x: x.split(2, axis=2)[1].tanh()),
-    ("concat_neg_axis", lambda x: ops.concat([x, x.exp(), x[:, :1]], axis=-2)),
+    ("concat_neg_axis", lambda x: shape_ops.concat([x, x.exp(), x[:, :1]], axis=-2)),
 ])
 def test_shape_ops(name, fn):
     grads_match(fn, [rnd(2, 3, 4, seed=12)])
@@ -240,12 +240,13 @@ def test_causal_blocks_and_batch_chunks_match_one_block(monkeypatch):
 
 
 def test_gelu_cache_blocks_match_one_pass(monkeypatch):
-    # on the host GELU runs over blocks of F.BLOCK elements (last one partial): the values
-    # and the gradient must be exactly those of one pass over the whole array
+    # on the host GELU runs over blocks of activations.BLOCK elements (last one partial): the
+    # values and the gradient must be exactly those of one pass over the whole array
+    from pdist.engine import activations
     x, g = rnd(5, 7, seed=24) * 2, rnd(5, 7, seed=25)
     out = []
     for block in (4, 10 ** 9):
-        monkeypatch.setattr(F, "BLOCK", block)
+        monkeypatch.setattr(activations, "BLOCK", block)
         t = Tensor(x, requires_grad=True)
         y = F.gelu(t)
         y.backward(g)
@@ -521,19 +522,23 @@ def test_scatter_add_adds_repeated_rows(index, one_hot_rows, monkeypatch):
 
 
 def test_autograd_does_not_import_ops():
-    """No import cycle pdist.engine.autograd <-> pdist.engine.ops (lazy imports included): ops
-    attaches Tensor's operators on import, and the package imports both."""
+    """No import cycle autograd <-> ops (lazy imports included): ops (and shape_ops)
+    attach Tensor's operators on import, and the package imports both. Nor does the
+    backward walk (backprop.py) that autograd imports."""
     import ast
     import pathlib
-    src = pathlib.Path(pdist.__file__).with_name("autograd.py").read_text()
-    imported = set()
-    for node in ast.walk(ast.parse(src)):
-        if isinstance(node, ast.Import):
-            imported.update(a.name for a in node.names)
-        elif isinstance(node, ast.ImportFrom):
-            imported.add(node.module or "")
-            imported.update(f"{node.module}.{a.name}" for a in node.names)
-    assert not any(m == "pdist.engine.ops" or m.startswith("pdist.engine.ops.") for m in imported), imported
+    engine = pathlib.Path(pdist.__file__).parent / "engine"
+    for name in ("autograd.py", "backprop.py"):
+        imported = set()
+        for node in ast.walk(ast.parse((engine / name).read_text())):
+            if isinstance(node, ast.Import):
+                imported.update(a.name for a in node.names)
+            elif isinstance(node, ast.ImportFrom):
+                imported.add(node.module or "")
+                imported.update(f"{node.module}.{a.name}" for a in node.names)
+        bad = [m for m in imported for op in ("pdist.engine.ops", "pdist.engine.shape_ops")
+               if m == op or m.startswith(op + ".")]
+        assert not bad, (name, bad)
 
 
 def test_tensor_methods_present_after_importing_only_autograd():

@@ -81,6 +81,27 @@ def test_resume_under_any_layout(run, n, spec):
             np.testing.assert_allclose(res[k], straight[k], rtol=1e-12, atol=1e-12 * scale, err_msg=k)
 
 
+def test_a_plain_model_saves_and_loads_as_one_process(tmp_path):
+    """``checkpoint.save(GPT(...), opt, ...)`` and ``load`` take the plain model as one process:
+    its save (trained 2 steps by hand) loads into tp 2 and back bit for bit, and a save of
+    dp 2 x ZeRO-2 (4 steps) loads into a plain model, which saves the same bytes."""
+    d = {k: str(tmp_path / k) for k in ("plain", "tp2", "back", "z2", "z2-plain")}
+    mpirun(1, W, "plain", d["plain"], timeout=120)
+    mpirun(2, W, "transfer", "--copy", "tp=2", d["plain"], d["tp2"], timeout=120)
+    mpirun(2, W, "save", d["z2"], "--layout", "dp=2,zero=2", timeout=120)
+    z2 = os.path.join(d["z2"], "step-000004")
+    mpirun(1, W, "transfer", "--copy", "plain", d["tp2"], d["back"], "--copy", "plain", z2, d["z2-plain"],
+           timeout=120)
+    index = verify(d["plain"])
+    assert [c["strategy"] for c in index["layout"]["chain"]] == ["Local"] and index["layout"]["world_size"] == 1
+    assert index["adam_step"] == 2 and verify(d["tp2"])["layout"]["world_size"] == 2
+    for a, b in (("plain", "tp2"), ("plain", "back"), ("z2-plain", z2)):
+        ta, tb = read_tensors(d[a]), read_tensors(d.get(b, b))
+        assert sorted(ta) == sorted(tb) and len(ta) == 84, (a, b)
+        for k in ta:
+            assert np.array_equal(ta[k], tb[k]), (a, b, k)
+
+
 def _corrupt(src, root):
     """Copies of a good checkpoint, each broken one way: {case: directory}."""
     cases = {}

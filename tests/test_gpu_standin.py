@@ -55,14 +55,14 @@ def test_standin_is_strict():
 
 
 def test_transport_choice():
-    from pdist.comm import nccl
-    assert nccl.choose_transport(True, 22304)[0] == "mpi-host"
-    assert nccl.choose_transport(False, 22304)[0] == "nccl"
-    assert nccl.choose_transport(True, None)[0] == "mpi-host"
+    from pdist.comm import gpu_transport
+    assert gpu_transport.choose_transport(True, 22304)[0] == "mpi-host"
+    assert gpu_transport.choose_transport(False, 22304)[0] == "nccl"
+    assert gpu_transport.choose_transport(True, None)[0] == "mpi-host"
     os.environ["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"
     try:
-        assert nccl.choose_transport(True, 23000)[0] == "nccl"
-        assert "2.29" in nccl.choose_transport(True, 22905)[1]
+        assert gpu_transport.choose_transport(True, 23000)[0] == "nccl"
+        assert "2.29" in gpu_transport.choose_transport(True, 22905)[1]
     finally:
         del os.environ["NCCL_MULTI_RANK_GPU_ENABLE"]
 
@@ -70,14 +70,15 @@ def test_transport_choice():
 @pytest.mark.parametrize("p", [1, 2, 3, 4])
 def test_executor_order_cannot_deadlock_with_blocking_sends(p):
     from pdist.parallel.pipeline import schedules as S
+    from pdist.parallel.pipeline import simulate as sim
     for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 1), ("interleaved", 2)):
         for m in sorted({1, p, 2 * p}):
             sched = S.make_schedule(name, p, m, v)
-            S.check_schedule(sched, m)
-            S.simulate_rendezvous(sched)            # the executor's plan: must finish
+            sim.check_schedule(sched, m)
+            sim.simulate_rendezvous(sched)            # the executor's plan: must finish
     if p >= 2:                                      # the checker has teeth: lone sends in program order deadlock
         with pytest.raises(S.DeadlockError):
-            S.simulate_rendezvous(S.make_schedule("1f1b", p, 2 * p), plan="program")
+            sim.simulate_rendezvous(S.make_schedule("1f1b", p, 2 * p), plan="program")
 
 
 def test_clip_grad_norm_on_device_arrays():
@@ -131,7 +132,7 @@ def test_one_step_reads_the_device_twice_and_traces_device_time():
     it around silently, and so does the stand-in). With trace detail, the forward and backward
     of each micro-batch are on the trace's "device" track (CUDA events)."""
     code = ("import numpy as np, cupy\n"
-            "from pdist import trace\n"
+            "from pdist.measure import trace\n"
             "from pdist.engine.backend import set_default_dtype\n"
             "from pdist.models.gpt import GPT, GPTConfig\n"
             "from pdist.parallel.base import Local\n"

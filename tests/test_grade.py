@@ -121,7 +121,7 @@ def test_lesson05_png_without_matplotlib_fails_at_once():
 def test_shared_core_warning_once_on_rank_0(tmp_path):
     from pdist.testing import launch
     script = tmp_path / "w.py"
-    script.write_text("from pdist import comm, lesson\nimport os\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
+    script.write_text("from pdist import comm\nfrom pdist.course import lesson\nimport os\nos.sched_setaffinity(0, {min(os.sched_getaffinity(0))})\n"
                       "from pdist.testing import report\nw = comm.init()\nreport(warned=lesson.warn_shared_cores(w))\n")
     run = launch(2, script, timeout=60)
     assert run.rc == 0, run.out

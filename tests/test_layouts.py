@@ -1,7 +1,7 @@
-"""The one shape (issue 10): every layout and composition equals single-process training.
+"""The one shape: every layout and composition equals single-process training, for every model.
 
 tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
-(pdist.training.train) on a ``parallelize``d GPT and checks, on every rank: the losses,
+(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch, both models) and checks, on every rank: the losses,
 every piece of every parameter and of Adam's m and v in ``sharded_state_dict`` against
 the same box of the single-process tensors (float64, rtol 1e-9), ``full_state_dict``
 against the single-process state_dict, and ``load_full_state_dict`` as its inverse.
@@ -14,6 +14,7 @@ import pytest
 from pdist.testing import MPIRunError, mpirun, reports
 
 W = "tests/workers/layout_equiv.py"
+MODELS = ("gpt2", "llama")
 LAYOUTS = [
     (1, "--microbatches 2"),
     (2, "--dp 2"), (2, "--dp 2 --naive --microbatches 2"), (2, "--dp 2 --zero 1"), (2, "--dp 2 --zero 2"),
@@ -35,12 +36,14 @@ LAYOUTS = [
 
 @pytest.mark.parametrize("n,layout", LAYOUTS, ids=[f"n{n} {a}" for n, a in LAYOUTS])
 def test_layout_equals_single_process(n, layout):
-    out = mpirun(n, W, *layout.split(), timeout=300)
+    out = mpirun(n, W, *layout.split(), "--model", ",".join(MODELS), timeout=300)
     got = reports(out)
-    assert sorted(r["rank"] for r in got) == list(range(n)), out
-    assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in got), out
-    coords = {tuple(r["coords"]) for r in got}
-    assert len(coords) == n, coords                            # every rank its own (pp, dp, tp)
+    for name in MODELS:
+        mine = [r for r in got if r["model"] == name]
+        assert sorted(r["rank"] for r in mine) == list(range(n)), (name, out)
+        assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (name, out)
+        coords = {tuple(r["coords"]) for r in mine}
+        assert len(coords) == n, coords                        # every rank its own (pp, dp, tp)
 
 
 @pytest.mark.parametrize("n", [2, 4])
@@ -56,16 +59,16 @@ def test_nonfinite_raises_on_every_rank(n):
     assert len(clip) == n and all(r["error"] and "inf" in r["error"] and r["untouched"] for r in clip), clip
 
 
-@pytest.mark.parametrize("args,words", [
-    ("--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
-    ("--tp 3 --dp 1 --pp 1", "divisible by 3"),
-    ("--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
-    ("--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+@pytest.mark.parametrize("n,args,words", [
+    (4, "--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
+    (3, "--tp 3 --dp 1 --pp 1", "divisible by 3"),
+    (4, "--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
+    (4, "--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+    (4, "--tp 4 --dp 1 --pp 1 --model llama", "not divisible: n_kv_head = 2"),   # GQA: kv heads split whole
 ])
-def test_bad_layout_fails_on_every_rank(args, words):
+def test_bad_layout_fails_on_every_rank(n, args, words):
     with pytest.raises(MPIRunError) as e:
-        mpirun(4 if "--dp 3" in args or "--pp 4" in args else (3 if "--tp 3" in args else 4), W, *args.split(),
-               timeout=120)
+        mpirun(n, W, *args.split(), timeout=120)
     msg = str(e.value)
     assert words in msg, msg
 

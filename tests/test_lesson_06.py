@@ -1,4 +1,4 @@
-"""lessons/06_mesh.py: 3-D parallelism passes at 8 ranks (dp 2 x tp 2 x pp 2) and at 4 ranks
+"""lessons/06_mesh.py: 3-D parallelism passes at 8 ranks (dp 2 x tp 2 x pp 2, GPT-2 and Llama) and at 4 ranks
 with each pair of strategies, writes the JSON contract, and a bad layout stops every
 rank with exit code 2 before any collective."""
 import json
@@ -12,9 +12,11 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L06 = os.path.join(ROOT, "lessons", "06_mesh.py")
 
 
-def test_lesson_06_at_8_ranks_json(tmp_path):
+@pytest.mark.parametrize("model", ["gpt2", "llama"])
+def test_lesson_06_at_8_ranks_json(tmp_path, model):
     path = tmp_path / "mesh.json"
-    out = mpirun(8, L06, "--steps", "3", "--json", path, timeout=300)
+    out = mpirun(8, L06, "--steps", "3", "--json", path, "--model", model, timeout=300)
+    assert f"{model} Ψ = " in out, out
     assert "PASS: 06_mesh (dp 2 x tp 2 x pp 2, ZeRO-1, SP" in out, out
     s = json.loads(path.read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("06_mesh", 8, "PASS")
@@ -30,7 +32,7 @@ def test_lesson_06_at_8_ranks_json(tmp_path):
 
 @pytest.mark.parametrize("layout", ["--dp 2 --tp 2", "--tp 2 --pp 2", "--dp 2 --pp 2 --schedule gpipe",
                                     "--dp 2 --tp 2 --zero 1 --no-sp", "--dp 4 --zero 3",
-                                    "--tp 2 --pp 2 --precision bf16"])
+                                    "--tp 2 --pp 2 --precision bf16", "--model llama --dp 2 --tp 2 --precision bf16"])
 def test_lesson_06_pairs_at_4_ranks(layout):
     out = mpirun(4, L06, "--steps", "3", *layout.split(), timeout=300)
     assert "PASS: 06_mesh" in out, out
@@ -42,6 +44,8 @@ def test_lesson_06_pairs_at_4_ranks(layout):
     ("--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
     ("--dp 2 --tp 2 --batch-size 12", "--batch-size 12 must divide into dp 2 x 4 micro-batches"),
     ("--dp 2 --pp 2 --zero 3", "ZeRO-3 does not compose with pipeline parallelism"),
+    ("--tp 4 --model llama", "not divisible: n_kv_head = 2"),
+    ("--model llama --n-head 4 --n-kv-head 3", "must be a multiple of n_kv_head = 3"),
 ])
 def test_bad_layout_stops_every_rank(args, words):
     r = launch(4, L06, *args.split(), timeout=120, wrap=False)       # as a user runs it

@@ -49,7 +49,7 @@ def test_lesson_00_fails_when_a_gradient_is_wrong(tmp_path):
     shim.write_text("import pdist.engine.functional as F\n"
                     "_b = F.GELU.backward\n"
                     "F.GELU.backward = lambda self, g: _b(self, g) * 1.01\n")
-    p, s = run(tmp_path, "--steps", "40", env={"PYTHONPATH": str(tmp_path)})
+    p, s = run(tmp_path, "--steps", "40", env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
     assert p.returncode != 0
     assert p.stdout.strip().splitlines()[-1].startswith("FAIL: 00_autograd")
     assert s["check"] == "FAIL"
@@ -61,12 +61,37 @@ def test_lesson_00_rejects_bad_flags_before_training(tmp_path):
     """Every bad flag: argparse's usage message, exit code 2, no training, no summary."""
     cases = [(["--steps", "0"], "--steps must be >= 1, got 0"),
              (["--steps", "-1"], "--steps must be >= 1, got -1"),
-             (["--seed", "-1"], "--seed must be >= 0, got -1")]
+             (["--seed", "-1"], "--seed must be >= 0, got -1"),
+             (["--model", "bert"], "invalid choice: 'bert'"),
+             (["--model", "llama", "--n-embd", "36"], "--model llama needs an even head size (RoPE)")]
     for flags, words in cases:
         p, s = run(tmp_path, *flags)
         assert p.returncode == 2 and words in p.stderr and "usage:" in p.stderr, p.stderr
-        assert s is None and "GPT:" not in p.stdout
+        assert s is None and "GPT:" not in p.stdout and "Llama:" not in p.stdout
     missing = tmp_path / "no" / "such" / "dir" / "s.json"
     p = subprocess.run([sys.executable, LESSON, "--json", str(missing)], capture_output=True, text=True,
                        timeout=120, cwd=ROOT)
     assert p.returncode == 2 and "does not exist" in p.stderr and "GPT:" not in p.stdout
+
+
+def test_lesson_00_trains_llama(tmp_path):
+    """--model llama: RMSNorm, SwiGLU, RoPE, grouped-query attention (2 kv heads), untied head."""
+    p, s = run(tmp_path, "--model", "llama", "--steps", "60", "--seed", "1", "--dtype", "float64")
+    assert p.returncode == 0, p.stdout + p.stderr
+    assert p.stdout.strip().splitlines()[-1].startswith("PASS: 00_autograd")
+    assert "Llama: 2 layers, 4 heads (2 kv)" in p.stdout
+    (r,) = s["runs"]
+    assert r["model"] == "llama" and r["loss"][-1] < r["loss"][0]
+    V, C, I, L = data.char_dataset()[1].vocab_size, 64, 176, 2
+    assert r["params"] == 2 * V * C + L * (C * C * 3 + 3 * C * I + 2 * C) + C   # q, o (C, C); k, v (C/2, C)
+    names = {g["param"] for g in r["grad_check"]}
+    assert {"lm_head.weight", "model.layers.1.mlp.gate_proj.weight", "model.norm.weight"} <= names
+
+
+def test_lesson_00_llama_fails_when_a_gradient_is_wrong(tmp_path):
+    shim = tmp_path / "sitecustomize.py"
+    shim.write_text("import pdist.engine.activations as A\n"
+                    "_b = A.SwiGLU.backward\n"
+                    "A.SwiGLU.backward = lambda self, g: tuple(x * 1.01 for x in _b(self, g))\n")
+    p, s = run(tmp_path, "--model", "llama", "--steps", "40", env={"PYTHONPATH": f"{tmp_path}:{ROOT}"})
+    assert p.returncode != 0 and s["check"] == "FAIL", p.stdout + p.stderr

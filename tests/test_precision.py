@@ -150,7 +150,7 @@ def test_microbatches_sum_in_fp32_and_round_once():
     parts = []
     for i in range(4):
         one = mixed(cfg, "bf16")
-        one._local().compute(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
+        one.find(Local).compute(x[2 * i:2 * i + 2], y[2 * i:2 * i + 2])
         parts.append({n: p.grad.astype(np.float32) for n, p in one.module.named_parameters()})
     for n, p in m.module.named_parameters():
         want = (parts[0][n] + parts[1][n] + parts[2][n] + parts[3][n]) / np.float32(4)
@@ -225,11 +225,23 @@ def test_fp16_overflow_on_one_rank_skips_on_every_rank(n, zero, pp):
     assert log[2]["adam_steps_before"] == [1] and all(e["loss_finite"] for e in log)
 
 
+def test_the_chain_can_be_asked():
+    """chain(): outermost to Local; find(T): the first of type T, or None (MixedPrecision is a
+    Strategy, not a ParallelModule)."""
+    from pdist.parallel import ZeRO
+    from pdist.parallel.base import ParallelModule
+    m = mixed(CFG, "bf16")
+    local = m.chain()[-1]
+    assert m.chain() == [m, local] and isinstance(local, Local) and local.chain() == [local]
+    assert m.find(Local) is local and m.find(MixedPrecision) is m and local.find(MixedPrecision) is None
+    assert m.find(ZeRO) is None and m.find(ParallelModule) is None
+
+
 def test_bf16_nonfinite_raises_with_check_finite():
     """Without a scaler a non-finite gradient is an error (as in fp32), not a skipped step."""
     from pdist.errors import NonFiniteError
     m = MixedPrecision(Local(precision.cast_module(GPT(CFG, 0), "bf16")), "bf16")
-    m.inner.check_finite = True
+    m.find(Local).check_finite = True
     m.masters[0].data[...] = np.nan                          # the next refresh poisons the weights
     with pytest.raises(NonFiniteError, match="non-finite"):
         train(m, AdamW(m.parameters()), batch, 1)

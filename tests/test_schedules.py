@@ -1,8 +1,9 @@
-"""Pipeline schedules checked without communication (pdist.parallel.pipeline.schedules),
+"""Pipeline schedules checked without communication (pdist.parallel.pipeline.schedules, simulate),
 the stage partitioning, and the drawings."""
 import pytest
 
 from pdist.parallel.pipeline import schedules as S
+from pdist.parallel.pipeline import simulate as sim
 from pdist.parallel.pipeline.draw import ascii_timeline, label, plot_timeline
 from pdist.parallel.pipeline.pipeline_parallel import partition_layers
 
@@ -15,7 +16,7 @@ CASES = [(name, p, m, v) for p in range(1, 7) for m in range(1, 3 * p + 1)
 def test_schedule_is_valid(name, p, m, v):
     sched = S.make_schedule(name, p, m, v)
     assert len(sched) == p
-    peaks = S.check_schedule(sched, m)          # matching sends/recvs, happens-before, no deadlock
+    peaks = sim.check_schedule(sched, m)          # matching sends/recvs, happens-before, no deadlock
     if name == "gpipe":
         assert peaks == [m] * p
     elif name == "1f1b":
@@ -26,19 +27,19 @@ def test_schedule_is_valid(name, p, m, v):
 
 @pytest.mark.parametrize("name,p,m,v", [c for c in CASES if c[0] != "interleaved" or c[2] % c[1] == 0])
 def test_planned_bubble_is_the_papers_formula(name, p, m, v):
-    spans = S.simulate(S.make_schedule(name, p, m, v), t_f=1.0, t_b=2.0)
+    spans = sim.simulate(S.make_schedule(name, p, m, v), t_f=1.0, t_b=2.0)
     assert all(len(r) == 2 * m * v for r in spans)
     expected = (p - 1) / (v * m + p - 1)
-    assert S.bubble_fraction(spans) == pytest.approx([expected] * p, abs=1e-12)
-    assert S.theoretical_bubble(p, m, v) == pytest.approx(expected)
+    assert sim.bubble_fraction(spans) == pytest.approx([expected] * p, abs=1e-12)
+    assert sim.theoretical_bubble(p, m, v) == pytest.approx(expected)
 
 
 def test_interleaving_shrinks_the_bubble_and_grows_the_stash():
     p, m = 4, 8
-    plain = S.bubble_fraction(S.simulate(S.one_f_one_b(p, m)))[0]
-    inter = S.bubble_fraction(S.simulate(S.interleaved_1f1b(p, m, 2)))[0]
+    plain = sim.bubble_fraction(sim.simulate(S.one_f_one_b(p, m)))[0]
+    inter = sim.bubble_fraction(sim.simulate(S.interleaved_1f1b(p, m, 2)))[0]
     assert inter < plain
-    assert max(S.check_schedule(S.interleaved_1f1b(p, m, 2), m)) > max(S.check_schedule(S.one_f_one_b(p, m), m))
+    assert max(sim.check_schedule(S.interleaved_1f1b(p, m, 2), m)) > max(sim.check_schedule(S.one_f_one_b(p, m), m))
 
 
 def _replace(sched, s, fn):
@@ -56,19 +57,19 @@ def test_checker_rejects_broken_schedules():
         prog[i], prog[j] = prog[j], prog[i]
         return prog
     with pytest.raises(AssertionError, match="before its forward|before its FORWARD|after the"):
-        S.check_schedule(_replace(good, 2, swap_first_backward), 4)
+        sim.check_schedule(_replace(good, 2, swap_first_backward), 4)
     # a send without its receive
     with pytest.raises(AssertionError, match="no matching"):
-        S.check_schedule(_replace(good, 1, lambda pr: [x for x in pr if not (x.op == S.RECV_ACT and x.mb == 3)]), 4)
+        sim.check_schedule(_replace(good, 1, lambda pr: [x for x in pr if not (x.op == S.RECV_ACT and x.mb == 3)]), 4)
     # the step before a backward
     with pytest.raises(AssertionError, match="OPTIMIZER_STEP"):
-        S.check_schedule(_replace(good, 0, lambda pr: [pr[-1]] + pr[:-1]), 4)
+        sim.check_schedule(_replace(good, 0, lambda pr: [pr[-1]] + pr[:-1]), 4)
     # a deadlock: stage 0 waits for the gradient of micro-batch 0 before it sends micro-batch 1,
     # while the last stage runs both forwards before its first backward
     F, B = S.FORWARD, S.BACKWARD
     bad = [S._program(2, 0, 1, [(F, 0, 0), (B, 0, 0), (F, 1, 0), (B, 1, 0)]), S.gpipe(2, 2)[1]]
     with pytest.raises(S.DeadlockError, match="rank 0 at .*rank 1 at"):
-        S.check_schedule(bad, 2)
+        sim.check_schedule(bad, 2)
 
 
 def test_bad_arguments_say_what_to_do():
@@ -94,21 +95,21 @@ def test_partition_layers():
 
 def test_ascii_timeline_draws_every_compute():
     p, m = 4, 8
-    text = ascii_timeline(S.simulate(S.one_f_one_b(p, m)))
+    text = ascii_timeline(sim.simulate(S.one_f_one_b(p, m)))
     rows = text.splitlines()[:p]
     for row in rows:
         for mb in range(m):
             assert f"F{mb}-" in row and f"B{mb}=" in row
-        assert f"idle {S.theoretical_bubble(p, m):5.1%}" in row
+        assert f"idle {sim.theoretical_bubble(p, m):5.1%}" in row
     # stage s starts s forward-widths late, and every row spans the same makespan
     assert [r.index("F0") for r in rows] == [len("stage 0 |") + 3 * s for s in range(p)]
     assert len({len(r) for r in rows}) == 1
-    inter = ascii_timeline(S.simulate(S.interleaved_1f1b(2, 2, 2)))
+    inter = ascii_timeline(sim.simulate(S.interleaved_1f1b(2, 2, 2)))
     assert "F1b" in inter and label(S.Instr(S.BACKWARD, 3, 1), v=2) == "B3b"
 
 
 def test_png(tmp_path):
     pytest.importorskip("matplotlib")
-    planned = S.simulate(S.gpipe(3, 4))
+    planned = sim.simulate(S.gpipe(3, 4))
     path = plot_timeline([planned, planned], ["a", "b"], str(tmp_path / "pp.png"))
     assert (tmp_path / "pp.png").stat().st_size > 1000 and path.endswith(".png")

@@ -3,7 +3,7 @@
 Task. Write ``one_f_one_b(p, m)``: for each of the p stages, its program -- a list of
 ``Instr`` (pdist/parallel/pipeline/schedules.py) -- for one step of m micro-batches. pdist's
 schedule checker (``check_schedule``) must accept it and its simulation
-(``simulate``) must show the theoretical bubble.
+(``simulate``; both in pdist/parallel/pipeline/simulate.py) must show the theoretical bubble.
 
 Math (Narayanan et al. 2021, sec. 2.1, PipeDream-flush; GPipe: Huang et al. 2019). Stage
 s runs ``min(p - s - 1, m)`` warm-up forwards, then alternates one forward and one

@@ -3,7 +3,8 @@
     sharded.py   save, load, latest, prune, describe: each rank's pieces as boxes of the
                  single-process tensors, read back by box intersection under any layout
     format.py    the index, safetensors files, checksums, verify
-    hf.py        Hugging Face in and out: from_pretrained, consolidate
+    hf.py        Hugging Face in and out: from_pretrained, consolidate (GPT-2 or Llama, by model_type)
+    hf_gpt2.py, hf_llama.py   each model's config.json <-> pdist config
 
     python -m pdist.checkpoint verify DIR | inspect DIR | consolidate DIR OUT
 """

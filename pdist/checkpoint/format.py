@@ -7,10 +7,10 @@ A checkpoint is a directory of rank files and one index:
       rank-00001.safetensors   (a replicated piece is written once, by the lowest rank holding it)
       index.json               written last: for every tensor its global shape, dtype and
                                which file holds which box (offsets, shape, key); the layout it
-                               came from, the model config, the step, ``extra``, each file's
-                               size and sha256
+                               came from, the model (``model_type``, its config), the step,
+                               ``extra``, each file's size and sha256
 
-Tensors are the single-process model's, under Hugging Face GPT-2 names, and Adam's
+Tensors are the single-process model's, under Hugging Face's names (GPT-2's, Llama's), and Adam's
 state under ``optimizer.exp_avg.<name>`` / ``optimizer.exp_avg_sq.<name>`` (the same
 boxes as the parameter). A reader that wants a box of a tensor intersects it with the
 saved boxes (``read_box``), so any layout can read what any layout wrote.
@@ -29,6 +29,20 @@ INDEX = "index.json"
 
 class CheckpointError(Exception):
     """A checkpoint that cannot be used: the message names the file and what is wrong."""
+
+
+def model_record(cfg):
+    """What the index records about the model: its Hugging Face ``model_type`` ("gpt2",
+    "llama") and its config (``dataclasses.asdict``), or None for both (no dataclass config)."""
+    import dataclasses
+    if not dataclasses.is_dataclass(cfg):
+        return {"model_type": None, "config": None}
+    return {"model_type": getattr(cfg, "model_type", None), "config": dataclasses.asdict(cfg)}
+
+
+def model_type_of(index):
+    """The index's model_type; a checkpoint written before pdist had Llama records none: GPT-2."""
+    return index.get("model_type") or ("gpt2" if index.get("config") is not None else None)
 
 
 def rank_file(rank):
@@ -237,5 +251,5 @@ def read_tensors(d, prefix=""):
     return {k: r.read_full(k) for k in index["tensors"] if k.startswith(prefix)}
 
 
-__all__ = ["CheckpointError", "FORMAT", "VERSION", "INDEX", "rank_file", "piece_key", "write_file",
+__all__ = ["CheckpointError", "FORMAT", "VERSION", "INDEX", "model_record", "model_type_of", "rank_file", "piece_key", "write_file",
            "fsync_dir", "read_index", "check_files", "check_coverage", "verify", "Reader", "read_tensors"]

@@ -14,7 +14,8 @@ reads, memory-mapped, only the parts of saved boxes that overlap the pieces it h
 
     python -m pdist.checkpoint verify DIR | inspect DIR | consolidate DIR OUT
 
-Both are collective over ``model.span_group()`` (the world). ``save`` writes into a
+Both are collective over ``model.span_group()`` (the world; a plain model, such as a
+``GPT``, is one process: ``Local(model)``). ``save`` writes into a
 temporary sibling directory and renames it into place after every rank has fsynced its
 file, so a crash leaves the previous checkpoint whole. ``load`` checks the index, the
 config, the files' sizes and checksums and reads every piece into new arrays; only when
@@ -26,7 +27,6 @@ are cut out of the fp32 masters, so the files hold the masters W and Adam's m, v
 never the low-precision weights; loading restores W and ``after_load`` re-derives
 w = round(W). fp16's GradScaler state (scale, growth tracker) goes into the index.
 """
-import dataclasses
 import json
 import os
 import re
@@ -37,9 +37,9 @@ import sys
 import numpy as np
 
 from pdist.engine.backend import to_numpy, xp
-from pdist.checkpoint.format import (FORMAT, INDEX, VERSION, CheckpointError, Reader, check_files,
-                                     fsync_dir, piece_key, rank_file, read_index, verify, write_file,
-                                     write_safetensors)
+from pdist.checkpoint.format import (FORMAT, INDEX, VERSION, CheckpointError, Reader, check_files, fsync_dir,
+                                     model_record, model_type_of, piece_key, rank_file, read_index, verify,
+                                     write_file, write_safetensors)
 from pdist.checkpoint.hf import consolidate, from_pretrained
 
 STATES = ("exp_avg", "exp_avg_sq")      # Adam's arrays, pieces like their parameter's
@@ -55,20 +55,26 @@ def _agree(group, err):
         raise CheckpointError(f"{e} (found on rank {r}{more}; nothing was loaded)" if group.size > 1 else e)
 
 
+def _strategy(model):
+    """``model``, or a plain model (an nn.Module such as GPT) as one process: ``Local(model)``."""
+    from pdist.parallel.base import Local, Strategy      # not at the top: verify and inspect need no MPI
+    return model if isinstance(model, Strategy) else Local(model)
+
+
 def _layout(model):
     """The strategy chain and mesh the checkpoint came from (for people; load ignores it)."""
-    chain, s = [], model
-    while s is not None:
+    from pdist.parallel.base import Local
+    chain = []
+    for s in model.chain():
         d = {"strategy": type(s).__name__}
         if getattr(s, "group", None) is not None:
             d["size"] = s.group.size
         for a in ("stage", "sequence_parallel", "schedule", "num_microbatches", "num_chunks"):
             if hasattr(s, a):
                 d[a] = getattr(s, a)
-        if type(s).__name__ == "Local":
+        if isinstance(s, Local):
             d["microbatches"] = s.microbatches
         chain.append(d)
-        s = getattr(s, "inner", None)
     mesh = getattr(model, "mesh", None)
     sizes = {"dp": mesh.dp_world_size, "tp": mesh.tp_world_size, "pp": mesh.pp_world_size} if mesh else None
     return {"world_size": model.span_group().size, "mesh": sizes, "chain": chain}
@@ -83,10 +89,11 @@ def _entries(piece, optimizer):
 
 
 def save(model, optimizer, dir, step, extra=None, keep=None):
-    """Write a checkpoint of ``model`` (any strategy) and ``optimizer`` (AdamW, or None) to
-    ``dir``. Collective. ``extra``: JSON data kept in the index (seed, data position).
-    ``keep=K``: when ``dir`` ends in a number (``ckpt/step-000100``), keep only the K
-    newest complete siblings of that pattern. Returns the index (on rank 0; None elsewhere)."""
+    """Write a checkpoint of ``model`` (any strategy, or a plain model: one process) and
+    ``optimizer`` (AdamW, or None) to ``dir``. Collective. ``extra``: JSON data kept in the
+    index (seed, data position). ``keep=K``: when ``dir`` ends in a number (``ckpt/step-000100``),
+    keep only the K newest complete siblings of that pattern. Returns the index (rank 0; else None)."""
+    model = _strategy(model)
     group = model.span_group()
     me, dir = group.rank, os.path.abspath(os.fspath(dir))
     tmp = None
@@ -132,7 +139,7 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
         index = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
                  "adam_step": adam[0] if adam else None, "layout": _layout(model),
                  "scaler": scaler.state_dict() if scaler is not None else None,
-                 "config": dataclasses.asdict(cfg) if dataclasses.is_dataclass(cfg) else None,
+                 **model_record(cfg),                            # model_type and config
                  "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
                            for r, part in enumerate(parts)},
                  "tensors": tensors}
@@ -187,23 +194,25 @@ RUNTIME_CONFIG = ("recompute",)     # how a step runs, not what the weights are:
 
 
 def _check_config(index, model, dir):
-    cfg = getattr(model.module, "config", None)
-    if index.get("config") is None or not dataclasses.is_dataclass(cfg):
+    mine = model_record(getattr(model.module, "config", None))
+    if index.get("config") is None or mine["config"] is None:
         return
-    mine = dataclasses.asdict(cfg)
-    diff = [f"{k}: checkpoint {index['config'].get(k)!r} vs model {v!r}" for k, v in mine.items()
-            if index["config"].get(k) != v and k not in RUNTIME_CONFIG]
+    theirs = dict(index["config"], model_type=model_type_of(index))     # (an old index: GPT-2)
+    diff = [f"{k}: checkpoint {theirs.get(k)!r} vs model {v!r}" for k, v in
+            dict(mine["config"], model_type=mine["model_type"]).items()
+            if theirs.get(k) != v and k not in RUNTIME_CONFIG]
     if diff:
         raise CheckpointError(f"{os.path.join(dir, INDEX)}: the checkpoint's config does not match the "
                               "model (" + "; ".join(diff) + ")")
 
 
 def load(model, optimizer, dir, checksums=True):
-    """Load a checkpoint saved under any layout into ``model`` (any strategy) and
-    ``optimizer`` (or None: parameters only). Collective. Returns ``(step, extra)``.
+    """Load a checkpoint saved under any layout into ``model`` (any strategy, or a plain
+    model: one process) and ``optimizer`` (or None: parameters only). Collective. Returns ``(step, extra)``.
     Checks (the index, the config, the files; rank r hashes files r, r+n, ...), reads
     every piece into new arrays, agrees, and only then copies them in and calls
     ``model.after_load()``. On any problem every rank raises the same CheckpointError."""
+    model = _strategy(model)
     group, dir = model.span_group(), os.fspath(dir)
     me, n = group.rank, group.size
     index = err = None
@@ -279,7 +288,7 @@ def main(argv=None):
     sub = ap.add_subparsers(dest="cmd", required=True)
     sub.add_parser("verify", help="check completeness and checksums (exit 0/1)").add_argument("dir")
     sub.add_parser("inspect", help="print the layout, step, tensors and sizes").add_argument("dir")
-    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 (model.safetensors, "
+    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 or Llama (model.safetensors, "
                        "config.json) in OUT")
     c.add_argument("dir")
     c.add_argument("out")

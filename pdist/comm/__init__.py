@@ -10,60 +10,18 @@
 ``max(1, cores // ranks on this node)`` unless the user set OMP/OPENBLAS/MKL
 _NUM_THREADS, turns on cooperative waits when ranks outnumber cores (mpi.py),
 starts the watchdog (every wait has a deadline, watchdog.py) and installs the
-failure hooks (a failure on any rank ends the job, failures.py). See
-docs/collectives.md and docs/failures.md.
+failure hooks (a failure on any rank ends the job, failures.py); the world
+group lives in world.py. See docs/collectives.md and docs/failures.md.
 """
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm.check import CollectiveMismatchError
+from pdist.comm.flight_recorder import get_step, set_step
 from pdist.comm.group import ProcessGroup
 from pdist.comm.mesh import DeviceMesh
-from pdist.comm.watchdog import CollectiveTimeoutError, get_step, set_step
+from pdist.comm.watchdog import CollectiveTimeoutError
 from pdist.comm.work import Work
+from pdist.comm.world import get_world, init, is_initialized, self_group
 
 __all__ = ["init", "get_world", "ProcessGroup", "DeviceMesh", "Work", "chunk_bounds",
            "CollectiveMismatchError", "CollectiveTimeoutError", "is_initialized",
            "set_step", "get_step", "self_group"]
-
-_world = {"group": None}
-
-
-def init(device=None, timeout=None):
-    """The world ProcessGroup (created on the first call; later calls return it).
-
-    ``device`` ("cpu" or "gpu") also selects the array backend
-    (``pdist.engine.backend.use_device``): CuPy arrays then travel over NCCL.
-    ``timeout`` (seconds) is the default deadline of every wait; the
-    environment variable ``PDIST_TIMEOUT`` wins when set (default 600)."""
-    if device is not None:
-        from pdist.engine.backend import use_device
-        use_device(device)
-    from pdist.comm import failures, watchdog
-    if _world["group"] is None:
-        from pdist.measure import trace
-        from pdist.comm.mpi import MPI, setup
-        setup(MPI.COMM_WORLD)
-        watchdog.configure(timeout)
-        _world["group"] = ProcessGroup(MPI.COMM_WORLD.Dup(), "world")
-        trace.set_world(_world["group"])
-        failures.install()
-    elif timeout is not None:
-        watchdog.configure(timeout)
-    return _world["group"]
-
-
-def get_world():
-    """The world group (calls ``init()`` if nobody has yet)."""
-    return _world["group"] or init()
-
-
-def self_group():
-    """This process alone as a ProcessGroup (made without any collective: a rank can
-    hold a whole model by itself, e.g. a single-process checkpoint load)."""
-    if _world.get("self") is None:
-        from pdist.comm.mpi import MPI
-        _world["self"] = ProcessGroup(MPI.COMM_SELF.Dup(), "self")
-    return _world["self"]
-
-
-def is_initialized():
-    return _world["group"] is not None

@@ -8,10 +8,10 @@ than one rank):
 * ``sys.excepthook``: an uncaught exception (KeyboardInterrupt included)
   prints the traceback, each line tagged ``[rank r]``, between
   ``[pdist rank r FAILED]`` and ``[pdist rank r END]``, dumps the flight
-  recorder, announces "failed" on the control channel (watchdog.py), waits up
-  to ``GRACE_S`` for the other ranks to print their own errors (ranks waiting
-  in a collective see the announcement and raise at once), then calls
-  ``MPI_Abort``, which ends every rank with a non-zero exit.
+  recorder (flight_recorder.py), announces "failed" on the control channel
+  (watchdog.py), waits up to ``GRACE_S`` for the other ranks to print their
+  own errors (ranks waiting in a collective see the announcement and raise at
+  once), then calls ``MPI_Abort``, which ends every rank with a non-zero exit.
 * SIGINT: the first one raises KeyboardInterrupt where the rank is (waits
   poll, so that is soon); a second one aborts at once.
 * ``atexit``: a rank that exits (``sys.exit(0)`` included) announces "exited
@@ -34,7 +34,7 @@ import traceback
 
 from mpi4py import MPI
 
-from pdist.comm import watchdog
+from pdist.comm import flight_recorder, watchdog
 
 GRACE_S = 2.0          # how long a failing rank waits for the others to print before aborting
 
@@ -80,7 +80,7 @@ def fail(text, error_line, reason="exception", word="FAILED"):
     if _state["ending"]:
         os._exit(1)
     _state["ending"] = True
-    path = watchdog.dump(reason)
+    path = flight_recorder.dump(reason, watchdog._S["rank"], watchdog.timeout())
     _print_block(text + f"\nflight recorder: {path}", word)
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         watchdog.announce("failed", error=error_line)
@@ -94,9 +94,9 @@ def fail_exception(exc_type, exc, tb):
     """The failure of an uncaught exception (used by excepthook and pdist.testing)."""
     text = "".join(traceback.format_exception(exc_type, exc, tb))
     first = f"{exc_type.__name__}: {str(exc).splitlines()[0] if str(exc) else ''}".rstrip(": ")
-    cur = watchdog._cur[0]
+    cur = flight_recorder._cur[0]
     if cur is not None:
-        first += f" (in {watchdog.describe(cur.as_dict())})"
+        first += f" (in {flight_recorder.describe(cur.as_dict())})"
     if exc_type is KeyboardInterrupt:
         first = "KeyboardInterrupt (SIGINT)"
     stopped = isinstance(exc, watchdog.CollectiveTimeoutError) and exc.reason == "failed"
@@ -121,7 +121,7 @@ def unwaited():
     for g in watchdog.groups():
         for p in g._pending:
             if not p.waited:
-                out.append(f"async {watchdog.describe(p.entry.as_dict())} was never waited on")
+                out.append(f"async {flight_recorder.describe(p.entry.as_dict())} was never waited on")
     return out
 
 
@@ -132,7 +132,7 @@ def _at_exit():
     if left:
         fail("\n".join(left) + "\n(call .wait() on every Work an async_op=True call returns)",
              left[0], "unwaited")
-    watchdog._cur[0] = None
+    flight_recorder._cur[0] = None
     watchdog.announce("exited")
     outcome = watchdog.wait_for_peers(max(watchdog.timeout(), GRACE_S), until_all_gone=False)
     if outcome == "clean":
@@ -140,7 +140,7 @@ def _at_exit():
     _state["ending"] = True
     peers = watchdog.peers()
     bad = sorted(r for r, m in peers.items() if m["kind"] == "failed")
-    last = [f"{watchdog.describe(e)}" for e in watchdog._lasts().values()]
+    last = [f"{flight_recorder.describe(e)}" for e in watchdog._lasts().values()]
     why = (f"rank(s) {bad} failed while this rank had already exited" if bad else
            f"other ranks were still running {watchdog.timeout():g} s (PDIST_TIMEOUT) after this rank exited")
     _print_block(f"this rank exited (last: {', '.join(last) or 'no collective'}) but the job did not "

@@ -1,6 +1,6 @@
 """Device arrays over MPI, staged through the host: device -> host, MPI on the NumPy copy,
 host -> device. The transport where NCCL can't serve: several ranks on one GPU with NCCL
-<= 2.29, or ``PDIST_GPU_TRANSPORT=mpi-host`` (nccl.choose_transport decides)."""
+<= 2.29, or ``PDIST_GPU_TRANSPORT=mpi-host`` (gpu_transport.choose_transport decides)."""
 from pdist.engine.backend import array_module, to_numpy
 from pdist.comm.work import Work
 

@@ -21,7 +21,7 @@ class DeviceMesh:
     def __init__(self, dp=1, tp=1, pp=1, world=None, topology=None):
         """``topology``: simulate a cluster from now on (a spec string of
         pdist/comm/topology.py, e.g. "nodes=2x2,inter=12.5GB/s:10us"); None leaves it."""
-        from pdist.comm import get_world
+        from pdist.comm.world import get_world
         world = world or get_world()
         if topology is not None:
             from pdist.comm import topology as topo

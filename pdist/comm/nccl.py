@@ -13,11 +13,10 @@ NCCL wants equal counts for reduce-scatter / all-gather; uneven chunks
 (``chunk_bounds``) go through a buffer padded to n * max-chunk. ``op="avg"`` is
 a sum followed by a division (ProcessGroup does it, as for MPI).
 
-This module imports without CuPy (``available()`` is then False); nothing here
+Which transport a group's device arrays take (NCCL, or MPI with host staging)
+is decided in gpu_transport.py. This module imports without CuPy; nothing here
 touches a GPU until a group meets a CuPy array.
 """
-import os
-import sys
 from contextlib import contextmanager
 
 try:  # pragma: no cover - depends on the machine
@@ -28,87 +27,6 @@ except Exception:  # ImportError, or a CUDA library that fails to load
 
 from pdist.comm import watchdog
 from pdist.comm.work import Work
-
-TRANSPORTS = ("nccl", "mpi-host")
-MULTI_RANK_VERSION = 23000          # NCCL 2.30.0: several ranks per GPU with NCCL_MULTI_RANK_GPU_ENABLE=1
-
-
-def version():
-    """NCCL's version code (e.g. 22304 for 2.23.4), or None where NCCL can't be loaded.
-    ``from cupy.cuda import nccl`` succeeds even without libnccl (CuPy then sets
-    ``nccl.available = False`` and every call fails): this asks the library itself."""
-    if _nccl is None or not getattr(_nccl, "available", True):
-        return None
-    try:
-        return int(_nccl.get_version())
-    except Exception:  # libnccl missing or broken
-        return None
-
-
-def version_str(code):
-    if code is None:
-        return "none"
-    return f"{code // 10000}.{code // 100 % 100}.{code % 100}" if code >= 10000 else \
-        f"{code // 1000}.{code // 100 % 10}.{code % 100}"
-
-
-def available():
-    """True when CuPy with a loadable NCCL is importable and a CUDA device is visible."""
-    if version() is None:
-        return False
-    try:
-        return cupy.cuda.runtime.getDeviceCount() > 0
-    except Exception:  # pragma: no cover - no driver
-        return False
-
-
-def multi_rank_gpu_ok(code=None):
-    """Can this NCCL run several ranks on one GPU? Only 2.30+ with NCCL_MULTI_RANK_GPU_ENABLE=1
-    (older ones stop with "Duplicate GPU detected")."""
-    code = version() if code is None else code
-    return code is not None and code >= MULTI_RANK_VERSION and \
-        os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE", "").strip() == "1"
-
-
-def choose_transport(shares_gpu, code=None):
-    """(transport, reason) for device arrays of a group: ``PDIST_GPU_TRANSPORT=nccl|mpi-host``
-    forces one; otherwise NCCL, unless ranks of the group share a GPU on an NCCL that refuses
-    it (or NCCL can't be loaded), then MPI with host staging."""
-    code = version() if code is None else code
-    forced = os.environ.get("PDIST_GPU_TRANSPORT", "").strip().lower()
-    if forced and forced != "auto":
-        if forced not in TRANSPORTS:
-            raise ValueError(f"PDIST_GPU_TRANSPORT={forced!r}: expected one of {TRANSPORTS} or auto")
-        return forced, f"PDIST_GPU_TRANSPORT={forced} (NCCL {version_str(code)})"
-    if code is None:
-        return "mpi-host", "NCCL can't be loaded (libnccl missing): MPI with host staging"
-    if shares_gpu and not multi_rank_gpu_ok(code):
-        why = ("NCCL <= 2.29 refuses several ranks on one GPU" if code < MULTI_RANK_VERSION else
-               "NCCL 2.30+ needs NCCL_MULTI_RANK_GPU_ENABLE=1 for several ranks on one GPU")
-        return "mpi-host", f"ranks share a GPU and NCCL {version_str(code)}: {why}; using MPI with host staging"
-    return "nccl", f"NCCL {version_str(code)}" + (" with several ranks per GPU" if shares_gpu else "")
-
-
-_said = set()
-
-
-def make_backend(mpi_comm):
-    """The device-array transport of a group (collective over ``mpi_comm``): NCCL, or MPI
-    with host staging (``choose_transport``). Prints the choice once per process when
-    it is not plain NCCL."""
-    import socket
-    dev = cupy.cuda.Device().id if cupy is not None else -1
-    where = mpi_comm.allgather((socket.gethostname(), dev))
-    shares = len(set(where)) < len(where)
-    transport, why = choose_transport(shares)
-    if transport != "nccl" or shares:
-        if why not in _said and mpi_comm.Get_rank() == 0:
-            _said.add(why)
-            print(f"pdist: GPU transport {transport}: {why}", file=sys.stderr, flush=True)
-    if transport == "mpi-host":
-        from pdist.comm.host_staging import MPIHostBackend
-        return MPIHostBackend(mpi_comm)
-    return NCCLBackend(mpi_comm)
 
 
 def _dtype(a):
@@ -351,6 +269,3 @@ class NCCLP2P:
         """One segment: the GPU already overlaps (kernels queue on the stream)."""
         self.sendrecv(sendbuf, dst, recvbuf, src, tag)
         yield 0, recvbuf.size
-
-
-# ------------------------------------------------------------ host staging

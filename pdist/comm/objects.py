@@ -6,10 +6,10 @@ the watchdog's deadline, or, with the check off, in a polled barrier. Every
 member is then known to be present, and the pickled call that follows cannot
 wait for a missing rank. Not for hot paths.
 """
-from pdist.comm import watchdog
+from pdist.comm import flight_recorder
 from pdist.comm.check import CollectiveMismatchError, agree, fingerprint
+from pdist.comm.flight_recorder import _cur, _step
 from pdist.comm.mpi import wait_all
-from pdist.comm.watchdog import _cur, _step
 
 
 class ObjectCollectives:
@@ -20,7 +20,7 @@ class ObjectCollectives:
         if not 0 <= root < self.size:
             error = error or f"root={root} is not a rank of a group of {self.size}"
         self._seq += 1
-        ent = watchdog.enter(self, op, self._seq)
+        ent = flight_recorder.enter(self, op, self._seq)
         if self.check:
             fp = fingerprint(op, self._seq, _step[0], root=root, error=error)
             agree(self, fp, error, ("-", f"root={root}"), self._fpbuf)

@@ -19,22 +19,16 @@ message says which world ranks arrived at the collective and, for each missing
 rank, where it is instead: waiting elsewhere, "exited after #k", "failed", or
 "no answer". Every rank that waits gets the same roll-call and raises too.
 
-Flight recorder. Each rank keeps its last ``PDIST_FLIGHT_RECORDER`` (64)
-collectives and point-to-point calls in a ring buffer (one small object per
-call); ``dump()`` writes them as JSON to ``pdist_flight_rank{r}.json`` in
-``PDIST_FLIGHT_DIR`` (default: the current directory) when a rank fails.
-
-Step stamps. ``set_step(k)`` sets a process-wide training-step number that
-every collective's fingerprint carries (check.py), so a rank that skips or
-repeats a step is caught at its first collective of the next one.
+The calls a rank waits in are the flight recorder's entries (flight_recorder.py:
+the last 64 calls, the current one, the step stamp).
 """
-import collections
-import json
 import os
 import time
 import weakref
 
 from mpi4py import MPI
+
+from pdist.comm.flight_recorder import _cur, describe
 
 TAG = 7701              # control-channel messages
 PROBE_S = 0.002         # how often a waiting rank reads the control channel and the clock
@@ -51,27 +45,9 @@ class CollectiveTimeoutError(RuntimeError):
         self.reason = reason
 
 
-class Entry:
-    """One flight-recorder record: a collective (seq > 0) or a point-to-point call."""
-    __slots__ = ("group", "ranks", "op", "seq", "step", "size", "dtype", "peer", "t", "state")
-
-    def __init__(self, group, ranks, op, seq, step, size, dtype, peer=None):
-        self.group, self.ranks, self.op, self.seq, self.step = group, ranks, op, seq, step
-        self.size, self.dtype, self.peer = size, dtype, peer
-        self.t, self.state = time.time(), "started"
-
-    def as_dict(self):
-        d = {k: getattr(self, k) for k in self.__slots__}
-        d["dtype"], d["ranks"] = None if self.dtype is None else str(self.dtype), list(self.ranks)
-        return d
-
-
 _S = {"timeout": 600.0, "ctl": None, "rank": 0, "size": 1, "sent": [], "status_sent": False,
       "groups": [], "silent": set()}
-_step = [0]
-_cur = [None]            # the Entry this rank is working on (what its waits belong to)
 _peers = {}              # world rank -> its latest control message
-_flight = collections.deque(maxlen=int(os.environ.get("PDIST_FLIGHT_RECORDER", "64")))
 
 
 def configure(timeout=None):
@@ -91,55 +67,12 @@ def timeout():
     return _S["timeout"]
 
 
-def set_step(step):
-    """The training step every following collective's fingerprint carries."""
-    _step[0] = int(step)
-
-
-def get_step():
-    return _step[0]
-
-
 def register(group):
     _S["groups"].append(weakref.ref(group))
 
 
 def groups():
     return [g for g in (r() for r in _S["groups"]) if g is not None]
-
-
-# ------------------------------------------------------------ flight recorder
-def enter(group, op, seq, size=0, dtype=None, peer=None):
-    """Record the start of a call and make it this rank's current one."""
-    e = Entry(group.name, group.ranks, op, seq, _step[0], size, dtype, peer)
-    _flight.append(e)
-    _cur[0] = e
-    return e
-
-
-def flight():
-    return [e.as_dict() for e in _flight]
-
-
-def dump(reason=""):
-    """Write this rank's flight recorder as JSON; returns the file's path."""
-    path = os.path.join(os.environ.get("PDIST_FLIGHT_DIR", "."), f"pdist_flight_rank{_S['rank']}.json")
-    try:
-        with open(path, "w") as f:
-            json.dump({"rank": _S["rank"], "step": _step[0], "reason": reason, "timeout_s": _S["timeout"],
-                       "current": _cur[0].as_dict() if _cur[0] else None, "entries": flight()}, f, indent=1)
-    except OSError as e:          # a read-only directory must not hide the real error
-        return f"(not written: {e})"
-    return path
-
-
-def describe(e):
-    """'all_reduce #42 on group 'world'' or 'recv from rank 3 on group 'pp''."""
-    if e is None:
-        return "no collective"
-    if e["seq"]:
-        return f"{e['op']} #{e['seq']} on group '{e['group']}'"
-    return f"{e['op']} {'from' if 'recv' in e['op'] else 'to'} rank {e['peer']} on group '{e['group']}'"
 
 
 # ------------------------------------------------------------ control channel

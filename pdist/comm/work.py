@@ -18,7 +18,7 @@ reported at the group's next collective (every rank raises), and a handle
 never waited on at exit fails the job.
 """
 from pdist.measure import trace
-from pdist.comm import watchdog
+from pdist.comm import flight_recorder
 
 
 class Pending:
@@ -40,7 +40,7 @@ class Pending:
             raise self.error
         if self.check is not None:
             check, self.check = self.check, None
-            watchdog._cur[0] = self.entry   # a wait here reports this op (and sees a peer's exit)
+            flight_recorder._cur[0] = self.entry   # a wait here reports this op (and sees a peer's exit)
             try:
                 check()
             except Exception as e:
@@ -92,7 +92,7 @@ class Work:
             p = self._pending
             if p is not None:
                 p.verify()   # before waiting on data that a mismatch may never deliver
-                watchdog._cur[0] = p.entry
+                flight_recorder._cur[0] = p.entry
             self._wait()
             self._finish()
 
@@ -138,7 +138,7 @@ def settle(group, error, block=True):
             p.waited, p.entry.state = True, "dropped"
             if group._last is None or group._last.seq < p.entry.seq:
                 group._last = p.entry
-            error = error or (f"async {watchdog.describe(p.entry.as_dict())} was never waited "
+            error = error or (f"async {flight_recorder.describe(p.entry.as_dict())} was never waited "
                               f"on (its Work was dropped); call .wait() on every Work")
             continue
         keep.append(p)

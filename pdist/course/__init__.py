@@ -1,6 +1,7 @@
 """The course: the lessons' helpers and the exercises' autograder (docs/course.md).
 
-    lesson.py       flags, tables, the JSON summary and the references every lesson uses
+    lesson.py       flags, tables, the PASS/FAIL line and the references every lesson uses
+    summary.py      the lessons' JSON summary, written atomically as strict JSON
     grade.py        the autograder (``python -m pdist.grade``, ``make grade``)
     checks*.py      each exercise's checks, run under mpiexec
     common.py       what the checks share

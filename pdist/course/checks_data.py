@@ -75,18 +75,17 @@ def checks_02(S, world):
 
 
 # ------------------------------------------------------------------ 03 bucketed DDP
-def checks_03(S, world):
-    from pdist.models import gpt
+def _hand_ddp(S, cap):
+    """DDP whose bucketing, gradient hook and finish are the student's (S.make_buckets,
+    S.on_grad_ready, S.finish_grad_sync); buckets of ``cap`` bytes, each a flat buffer
+    whose views are the parameters' .grad. Counts the buckets issued during backward."""
     from pdist.engine.backend import xp
-    from pdist.parallel.base import Local
-    from pdist.parallel.data_parallel import _DataParallelBase, build_buckets
-    cfg, tokens = tiny_cfg()
-    CAP = 8 * 1024
+    from pdist.parallel.data_parallel import _DataParallelBase
 
     class HandDDP(_DataParallelBase):
         def __init__(self, module, group):
             super().__init__(module, group)
-            groups = S.make_buckets(self._param_list, CAP)
+            groups = S.make_buckets(self._param_list, cap)
             self.buckets = []
             for i, ps in enumerate(groups):
                 buf = xp.zeros(sum(p.size for p in ps), dtype=ps[0].dtype)
@@ -127,6 +126,17 @@ def checks_03(S, world):
                 b.buffer[...] = 0
             for p in self._param_list:
                 self._view(p)
+
+    return HandDDP
+
+
+def checks_03(S, world):
+    from pdist.models import gpt
+    from pdist.parallel.base import Local
+    from pdist.parallel.data_parallel import build_buckets
+    cfg, tokens = tiny_cfg()
+    CAP = 8 * 1024
+    HandDDP = _hand_ddp(S, CAP)
 
     def buckets():
         model = gpt.GPT(cfg, seed=SEED)

@@ -109,25 +109,26 @@ def checks_07(S, world):
 # ------------------------------------------------------------------ 08 1F1B as data
 def checks_08(S, world):
     from pdist.parallel.pipeline import schedules as sch
+    from pdist.parallel.pipeline import simulate as sim
 
     def valid():
         for p in (1, 2, 3, 4):
             for m in (1, 2, p, 2 * p + 1):
                 try:
-                    sch.check_schedule(S.one_f_one_b(p, m), m)
+                    sim.check_schedule(S.one_f_one_b(p, m), m)
                 except (AssertionError, sch.DeadlockError) as e:
                     raise CheckFailed(f"p={p}, m={m}: the schedule checker says: {e}") from None
 
     def bubble():
         for p, m in ((2, 4), (4, 4), (4, 8), (3, 5)):
-            spans = sch.simulate(S.one_f_one_b(p, m))
-            got = max(sch.bubble_fraction(spans))
-            want = sch.theoretical_bubble(p, m)
+            spans = sim.simulate(S.one_f_one_b(p, m))
+            got = max(sim.bubble_fraction(spans))
+            want = sim.theoretical_bubble(p, m)
             need(abs(got - want) < 1e-12, f"p={p}, m={m}: simulated bubble {got:.4f}, theory (p-1)/(m+p-1) = {want:.4f}")
 
     def stash():
         for p, m in ((2, 4), (4, 8), (4, 2), (3, 5)):
-            peaks = sch.check_schedule(S.one_f_one_b(p, m), m)
+            peaks = sim.check_schedule(S.one_f_one_b(p, m), m)
             want = [min(p - s, m) for s in range(p)]
             need(peaks == want, f"p={p}, m={m}: peak stash per stage {peaks}; 1F1B holds at most "
                                 f"min(p-s, m) = {want} (check the warm-up count)")

@@ -1,5 +1,5 @@
 """Small helpers every lesson shares: the standard flags, printing on rank 0,
-tables, the JSON summary (a contract, see docs/design.md) and the PASS/FAIL line.
+tables, the JSON summary (a contract, see docs/design.md; written by summary.py) and the PASS/FAIL line.
 
     args = lesson.parse_args(__doc__, extra=lambda p: p.add_argument("--stage", type=int))
     ...
@@ -7,22 +7,26 @@ tables, the JSON summary (a contract, see docs/design.md) and the PASS/FAIL line
 """
 import argparse
 import json
-import math
-import os
 import sys
-import tempfile
+
+from pdist.course.summary import json_path_problem, write_json_atomic
 
 
 TIMEOUT = 120     # s: a lesson's collectives wait this long at most (PDIST_TIMEOUT, when set, wins)
 MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 
 
-def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, **model):
+def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, models=False, **model):
     """An ArgumentParser with the flags every training lesson accepts: --steps --seed
     --dtype --json, and the model and batch size (--n-layer --n-head --n-embd
-    --block-size --batch-size; ``model`` overrides the lesson's defaults). Call
-    ``validate(p, p.parse_args())`` right after parsing."""
+    --block-size --batch-size; ``model`` overrides the lesson's defaults; ``models=True``:
+    --model gpt2|llama too). Call ``validate(p, p.parse_args())`` right after parsing."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    if models:
+        p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
+                       help="GPT-2, or Llama (RMSNorm, SwiGLU, RoPE, n_head / 2 kv heads; default %(default)s)")
+        p.add_argument("--n-kv-head", type=int, default=None,
+                       help="Llama's key/value heads (default: n_head / 2 when n_head is even, else n_head)")
     p.add_argument("--steps", type=int, default=steps, help="optimizer steps (default %(default)s)")
     p.add_argument("--seed", type=int, default=seed, help="seed for weights and batches")
     p.add_argument("--dtype", choices=["float32", "float64"], default=dtype)
@@ -76,9 +80,10 @@ def start(args):
 
 
 def config_from_args(args, vocab_size):
-    """The lesson's GPTConfig from the size flags of ``parser()``."""
-    return gpt_config(vocab_size, dtype=args.dtype, recompute=getattr(args, "recompute", "none"),
-                      **{k: getattr(args, k) for k in MODEL_DEFAULTS})
+    """The lesson's GPTConfig (LlamaConfig with ``--model llama``) from the flags of ``parser()``."""
+    kv = {"n_kv_head": args.n_kv_head} if getattr(args, "n_kv_head", None) else {}
+    return gpt_config(vocab_size, dtype=args.dtype, model=getattr(args, "model", "gpt2"),
+                      recompute=getattr(args, "recompute", "none"), **{k: getattr(args, k) for k in MODEL_DEFAULTS}, **kv)
 
 
 def table(rows, headers, floatfmt="{:.4g}"):
@@ -137,38 +142,19 @@ def write_trace(path):
                 [e["start"] for e in trace.events()] or [0.0])), "displayTimeUnit": "ms"}, f)
 
 
-def _jsonable(v):
-    """``v`` as plain Python (NumPy scalars and arrays, tuples, dicts, recursively),
-    with every non-finite float replaced by ``None``; TypeError for other objects."""
-    if isinstance(v, float):  # also np.float64, a float subclass
-        return float(v) if math.isfinite(v) else None
-    if v is None or isinstance(v, (str, bool, int)):
-        return int(v) if isinstance(v, int) and not isinstance(v, bool) else v
-    if isinstance(v, dict):
-        return {k: _jsonable(x) for k, x in v.items()}
-    if isinstance(v, (list, tuple)):
-        return [_jsonable(x) for x in v]
-    try:
-        import numpy as np
-        if isinstance(v, (np.generic, np.ndarray)):
-            return _jsonable(v.tolist())
-    except ImportError:  # pragma: no cover
-        pass
-    if hasattr(v, "get") and hasattr(v, "shape"):  # a CuPy array or scalar
-        return _jsonable(v.get().tolist())
-    raise TypeError(f"not JSON serialisable: {type(v)}")
-
-
 # --- the shared training setup of every lesson (so every lesson's baseline is the same) ---------
 LR, BETAS, EPS, WEIGHT_DECAY = 3e-3, (0.9, 0.95), 1e-8, 0.1
 
 
-def gpt_config(vocab_size, dtype="float32", **overrides):
-    """The lessons' small GPT: 2 layers, 4 heads, 64 wide, 32 tokens of context."""
-    from pdist.models.gpt import GPTConfig
+def gpt_config(vocab_size, dtype="float32", model="gpt2", **overrides):
+    """The lessons' small GPT: 2 layers, 4 heads, 64 wide, 32 tokens of context (``model="llama"``:
+    a Llama of these sizes, n_head / 2 kv heads when n_head is even)."""
+    from pdist.models import registry
     kw = dict(vocab_size=vocab_size, dtype=dtype, **MODEL_DEFAULTS)
     kw.update(overrides)
-    return GPTConfig(**kw)
+    if model == "llama":
+        kw.setdefault("n_kv_head", kw["n_head"] // 2 if kw["n_head"] % 2 == 0 else kw["n_head"])
+    return registry.config_class(model)(**kw)
 
 
 def make_adamw(params):
@@ -184,14 +170,14 @@ def train_reference(cfg, seed, steps, batch_size, tokens=None, precision="fp32",
     fp32 masters' state_dict; with ``microbatches`` = N it is what data parallelism over
     N ranks equals bit for bit (the same rounding points: pdist/engine/precision.py)."""
     from pdist import data
-    from pdist.models import gpt
+    from pdist.models import registry
     from pdist.parallel.base import Local
     from pdist.parallel.mixed_precision import MixedPrecision
     from pdist.engine.precision import cast_module
     from pdist.training import train
     if tokens is None:
         tokens, _ = data.char_dataset()
-    model = Local(cast_module(gpt.GPT(cfg, seed=seed), precision), microbatches)
+    model = Local(cast_module(registry.build(cfg, seed=seed), precision), microbatches)
     if precision != "fp32":
         model = MixedPrecision(model, precision)
     opt = make_adamw(model.parameters())
@@ -200,7 +186,7 @@ def train_reference(cfg, seed, steps, batch_size, tokens=None, precision="fp32",
 
 
 POSITIVE_INT_FLAGS = ("steps", "batch_size", "micro_batches", "accum", "microbatches", "n_layer", "n_head",
-                      "n_embd", "block_size")
+                      "n_embd", "block_size", "n_kv_head")
 NON_NEGATIVE_INT_FLAGS = ("seed",)
 
 
@@ -228,60 +214,14 @@ def validate(parser, args):
     n_embd, n_head = getattr(args, "n_embd", None), getattr(args, "n_head", None)
     if n_embd is not None and n_head is not None and n_embd % n_head:
         parser.error(f"--n-embd ({n_embd}) must be divisible by --n-head ({n_head})")
+    if getattr(args, "model", None) == "llama" and n_embd and n_head and (n_embd // n_head) % 2:
+        parser.error(f"--model llama needs an even head size (RoPE): --n-embd / --n-head = {n_embd // n_head}")
     path = getattr(args, "json", None)
     if path:
         problem = json_path_problem(path)
         if problem:
             parser.error(f"--json {path}: {problem}")
     return args
-
-
-def json_path_problem(path):
-    """Why the summary could not be written to ``path`` (a string), or ``None``."""
-    d = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        return "is a directory"
-    if not os.path.isdir(d):
-        return f"directory {d} does not exist"
-    try:
-        fd, probe = tempfile.mkstemp(dir=d, prefix=".pdist-probe-")
-    except OSError as e:
-        return f"cannot create a file in directory {d} ({e.strerror or e})"
-    os.close(fd)
-    os.unlink(probe)
-    return None
-
-
-def write_json_atomic(path, obj):
-    """Write ``obj`` as strict JSON to ``path`` so that readers see the old file or
-    the whole new one: a temporary file in the same directory (same file system,
-    so the rename is atomic), flushed and fsync'ed, then ``os.replace``. Non-finite
-    floats become ``null`` (see ``_jsonable``)."""
-    path = os.fspath(path)
-    d = os.path.dirname(os.path.abspath(path))
-    text = json.dumps(_jsonable(obj), indent=1, allow_nan=False)
-    fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
-    try:
-        umask = os.umask(0)
-        os.umask(umask)
-        os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a summary is an ordinary file
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
-        raise
-    try:  # make the rename itself durable
-        dfd = os.open(d, os.O_RDONLY)
-        try:
-            os.fsync(dfd)
-        finally:
-            os.close(dfd)
-    except OSError:  # pragma: no cover - file systems without directory fsync
-        pass
 
 
 def warn_shared_cores(world):

@@ -1,10 +1,16 @@
 """The engine: arrays, autograd and the ops every model is made of.
 
     backend.py       xp = NumPy or CuPy (PDIST_DEVICE), to_numpy, dtype facts
-    autograd.py      Tensor, Function, the backward walk, hooks, no_grad
-    ops.py           the operators of Tensor, with hand-derived backwards
-    functional.py    fused LayerNorm, GELU, causal softmax, cross-entropy, Linear, Embedding
-    attention.py     multi-head causal self-attention in causal blocks
+    autograd.py      Tensor, Function, hooks, no_grad
+    backprop.py      the backward walk: reverse topological order, gradient sums, leaves
+    ops.py           the operators of Tensor (arithmetic, matmul, reductions), hand-derived backwards
+    shape_ops.py     reshape, permute, indexing, concat, split
+    functional.py    fused Linear (both weight layouts), Embedding, causal softmax, cross-entropy
+    norms.py         LayerNorm, RMSNorm
+    activations.py   GELU, SwiGLU
+    rope.py          rotary position embeddings (HF Llama's convention)
+    reductions.py    row and column sums as BLAS products
+    attention.py     causal self-attention, multi-head or grouped-query, in causal blocks
     precision.py     bf16/fp16 casts, mixed-precision matmul and gradient accumulation
     grad_scaler.py   fp16's dynamic loss scaling
     recompute.py     activation recomputation: checkpoint(fn, *inputs)

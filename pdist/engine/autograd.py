@@ -7,7 +7,9 @@ applies the chain rule
 
     dL/dx_i = sum over uses y = f(..., x_i, ...) of  (dy/dx_i)^T dL/dy
 
-so each Function only needs a ``backward(grad_out) -> grads_in``.
+so each Function only needs a ``backward(grad_out) -> grads_in``. The walk
+itself (the order, the gradient sums, the leaves, the hooks firing) is
+``pdist.engine.backprop``.
 
 Contracts (PyTorch's):
 
@@ -34,6 +36,7 @@ the full ``Tensor``. This module imports nothing from ``pdist.engine.ops`` (no c
 import contextlib
 
 from pdist.engine.backend import xp
+from pdist.engine.backprop import run_backward
 
 _grad_enabled = [True]
 
@@ -133,7 +136,7 @@ class Tensor:
             grad = xp.ones_like(self.data)
         elif isinstance(grad, Tensor):
             grad = grad.data
-        _run_backward(self, grad)
+        run_backward(self, grad)
 
 
 def zero_grads(tensors, set_to_none=True):
@@ -153,122 +156,6 @@ class _Handle:
     def remove(self):
         if self._fn in self._lst:
             self._lst.remove(self._fn)
-
-
-def _topo_order(root):
-    """Tensors with a grad_fn reachable from root, in reverse topological order,
-    and for every tensor the number of graph edges into it (its consumer count)."""
-    order, consumers = [], {id(root): 0}
-    visited = set()
-    stack = [(root, False)]
-    while stack:
-        t, expanded = stack.pop()
-        if expanded:
-            order.append(t)
-            continue
-        if id(t) in visited:
-            continue
-        visited.add(id(t))
-        stack.append((t, True))
-        ctx = t._ctx
-        if ctx is None:
-            continue
-        for p in ctx.parents:
-            if p is not None and p.requires_grad:
-                consumers[id(p)] = consumers.get(id(p), 0) + 1
-                if id(p) not in visited:
-                    stack.append((p, False))
-    order.reverse()
-    return order, consumers
-
-
-def _run_backward(root, grad):
-    order, consumers = _topo_order(root)
-    pending = {id(root): grad}
-    owned = set()  # ids of pending arrays nobody else references: summed into in place, adopted as .grad
-    for t in order:
-        g = pending.pop(id(t), None)
-        if g is None:
-            continue
-        mine = id(g) in owned
-        owned.discard(id(g))
-        if t._hooks:
-            for h in t._hooks:
-                r = h(g)
-                if r is not None:
-                    g = r
-        ctx = t._ctx
-        if ctx is None:
-            _accumulate_leaf(t, g, mine and not t._hooks)
-            continue
-        grads = ctx.backward(g)
-        if not isinstance(grads, tuple):
-            grads = (grads,)
-        fresh = ctx.fresh_grads
-        for p, need, gp in zip(ctx.parents, ctx.needs_input_grad, grads):
-            if not need:
-                continue
-            key = id(p)
-            if gp is not None:
-                _add_pending(pending, owned, key, gp, fresh)
-            consumers[key] -= 1
-            if consumers[key] == 0 and p._ctx is None and key in pending:
-                # a leaf whose every consumer has contributed: finish it now, so
-                # post-accumulate hooks fire as early as possible (DDP overlap)
-                lg = pending.pop(key)
-                mine = id(lg) in owned and not p._hooks
-                owned.discard(id(lg))
-                if p._hooks:
-                    for h in p._hooks:
-                        r = h(lg)
-                        if r is not None:
-                            lg = r
-                _accumulate_leaf(p, lg, mine)
-    # no graph is kept after backward (like retain_graph=False)
-    for t in order:
-        if t._ctx is not None:
-            t._ctx = None
-
-
-def _add_pending(pending, owned, key, gp, fresh):
-    """pending[key] += gp. The sum is made in place when one side is owned (made by the
-    engine, or by a Function whose ``fresh_grads`` says its gradients are new arrays held
-    nowhere else) and has the sum's shape and dtype; else a new array, owned from then on.
-    a + b and b + a are the same floats, so the order of the operands changes nothing."""
-    prev = pending.get(key)
-    if prev is None:
-        pending[key] = gp
-        if fresh:
-            owned.add(id(gp))
-        return
-    if prev.shape == gp.shape and prev.dtype == gp.dtype:
-        if id(prev) in owned:
-            prev += gp
-            return
-        if fresh:
-            gp += prev
-            pending[key] = gp
-            owned.add(id(gp))
-            return
-    owned.discard(id(prev))
-    s = pending[key] = prev + gp
-    owned.add(id(s))
-
-
-def _accumulate_leaf(t, g, owned=False):
-    """t.grad = g (a copy, or g itself when the engine owns it and it fits), or t.grad += g."""
-    if g.shape != t.data.shape:
-        g = g.reshape(t.data.shape)
-    if t.grad is None:
-        if owned and g.dtype == t.data.dtype and g.flags.c_contiguous and g.base is None:
-            t.grad = g  # nobody else holds this array: no copy
-        else:
-            t.grad = g.astype(t.data.dtype, order="C", copy=True)
-    else:
-        t.grad += g
-    if t._post_acc_hooks:
-        for h in t._post_acc_hooks:
-            h(t)
 
 
 class Function:

@@ -1,51 +1,24 @@
 """Fused neural-network ops, each one Function with a hand-derived backward
 that reuses forward's values (no recomputation, no graph of small ops).
 
-Available as ``pdist.nn.functional``: linear, softmax, log_softmax, gelu,
-layer_norm, embedding, dropout, scaled_causal_softmax, cross_entropy, mse_loss.
+Available as ``pdist.nn.functional``: linear, softmax, log_softmax, embedding, dropout,
+scaled_causal_softmax, cross_entropy, mse_loss, and from their own files gelu, swiglu
+(activations.py), layer_norm, rms_norm (norms.py) and apply_rotary (rope.py).
 """
-import math
-
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine.backend import array_module, is_device_array, scatter_add, xp
+from pdist.engine.backend import array_module, scatter_add, xp
 from pdist.engine.index_checks import check_indices
-
-
-_ones_cache = {}
-
-
-def _ones(n, dtype):
-    """A cached vector of n ones (per dtype and device): the right operand of the sums below."""
-    from pdist.engine.backend import device
-    key = (n, str(dtype), device())
-    o = _ones_cache.get(key)
-    if o is None:
-        if len(_ones_cache) > 64:
-            _ones_cache.clear()
-        o = _ones_cache[key] = xp.ones(n, dtype=dtype)
-    return o
-
-
-def row_sums(a):
-    """sum over the last axis, keepdims: (..., n) -> (..., 1), as one matrix-vector product
-    a @ 1 (BLAS gemv: 2-4x faster here than ``a.sum(axis=-1)`` on float32 rows, docs/performance.md)."""
-    n = a.shape[-1]
-    return (a.reshape(-1, n) @ _ones(n, a.dtype)).reshape(*a.shape[:-1], 1)
-
-
-def col_sums(a2):
-    """sum over the first axis of a 2-D array: (N, n) -> (n,), as 1^T a (BLAS gemv)."""
-    return _ones(a2.shape[0], a2.dtype) @ a2
-
-
-def row_dots(a, b):
-    """sum over the last axis of a * b, keepdims, without the product's temporary (einsum)."""
-    return xp.einsum("...i,...i->...", a, b)[..., None]
+from pdist.engine.activations import GELU, SwiGLU, gelu, swiglu  # noqa: F401  (re-exported)
+from pdist.engine.norms import LayerNorm, RMSNorm, layer_norm, rms_norm  # noqa: F401
+from pdist.engine.reductions import col_sums, row_dots, row_sums  # noqa: F401
+from pdist.engine.rope import apply_rotary  # noqa: F401
 
 
 class Linear(Function):
-    """Y = X W + b with W stored (in, out) (GPT-2's Conv1D layout).
-    dX = G W^T, dW = X^T G (over all leading axes), db = sum G.
+    """Y = X W + b with W stored (in, out) (``layout="in_out"``, GPT-2's Conv1D), or
+    Y = X W^T + b with W stored (out, in) (``layout="out_in"``, PyTorch's and HF Llama's).
+    in_out: dX = G W^T, dW = X^T G;  out_in: dX = G W, dW = G^T X  (over all leading axes);
+    db = sum G. Either way one GEMM per product, W read through a transposed view, no copy.
 
     Leading axes are folded into one, so each product is a single 2-D GEMM
     (N, in) x (in, out) with N = prod(leading axes): NumPy would otherwise run one
@@ -56,23 +29,30 @@ class Linear(Function):
     the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``."""
     fresh_grads = True
 
-    def forward(self, x, w, b=None):
-        if x.shape[-1] != w.shape[0]:
+    def forward(self, x, w, b=None, layout="in_out"):
+        self.out_in = out_in = layout == "out_in"
+        n_in = w.shape[1] if out_in else w.shape[0]
+        if x.shape[-1] != n_in:
             raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
-                             f"(in_features={w.shape[0]})")
+                             f"(layout {layout!r}: in_features={n_in})")
         self.x2, self.lead = self._input(x.reshape(-1, x.shape[-1]), w), x.shape[:-1]  # (N, in)
-        y = self.x2 @ self._param(w, x.dtype)  # (N, out)
+        wc = self._param(w, x.dtype)
+        y = self.x2 @ (wc.T if out_in else wc)  # (N, out)
         if b is not None:
             y += self._param(b, x.dtype)
-        return y.reshape(*self.lead, w.shape[1])
+        return y.reshape(*self.lead, w.shape[0] if out_in else w.shape[1])
 
     def backward(self, g):
-        w = self.parents[1].data
+        w, out_in = self.parents[1].data, self.out_in
         nx, nw = self.needs_input_grad[:2]
         nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
         g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        gx = (g2 @ self._param(w, g.dtype).T).reshape(*self.lead, w.shape[0]) if nx else None
-        gw = self._grad(self.x2.T @ g2, w) if nw else None  # (in, out)
+        gx = gw = None
+        if nx:
+            wc = self._param(w, g.dtype)
+            gx = (g2 @ (wc if out_in else wc.T)).reshape(*self.lead, self.x2.shape[1])
+        if nw:
+            gw = self._grad(g2.T @ self.x2 if out_in else self.x2.T @ g2, w)  # (out, in) / (in, out)
         gb = self._grad(col_sums(g2), w) if nb else None
         return gx, gw, gb
 
@@ -153,110 +133,6 @@ class ScaledCausalSoftmax(Function):
         return d
 
 
-_GELU_K = math.sqrt(2.0 / math.pi)
-
-
-BLOCK = 1 << 16  # elements per cache block of GELU on the host (256 KiB of float32 per array)
-
-
-def _gelu_into(x, y, d, x2):
-    """y = GELU(x) and d = dy/dx, written into y and d; x2 is scratch (all of x's shape)."""
-    xp.multiply(x, x, out=x2)
-    xp.multiply(x2, _GELU_K * 0.044715, out=d)
-    d += _GELU_K
-    d *= x  # k (x + 0.044715 x^3)
-    xp.tanh(d, out=d)  # t
-    xp.add(d, 1.0, out=y)
-    y *= 0.5  # (1 + t)/2
-    x2 *= 0.5 * _GELU_K * 3 * 0.044715
-    x2 += 0.5 * _GELU_K
-    x2 *= x  # x/2 k (1 + 3 0.044715 x^2)
-    d *= d
-    xp.subtract(1.0, d, out=d)  # 1 - t^2
-    d *= x2
-    d += y  # dy/dx
-    y *= x  # y = x (1 + t)/2
-
-
-class GELU(Function):
-    """Tanh-approximate GELU (GPT-2): y = x/2 (1 + t), t = tanh(k (x + 0.044715 x^3)),
-    k = sqrt(2/pi).  dy/dx = (1 + t)/2 + x/2 (1 - t^2) k (1 + 3 0.044715 x^2).
-    Forward computes y and dy/dx together while x^2 and t are at hand (15 passes over
-    memory), so backward is one product g dy/dx: 16 passes in all where computing dy/dx
-    in backward from x and t took 20. On the host the passes run over blocks of ``BLOCK``
-    elements that stay in cache (docs/performance.md); on a device, over the whole array."""
-    fresh_grads = True
-
-    def forward(self, x):
-        y, d = xp.empty_like(x), xp.empty_like(x)
-        n = x.size
-        if is_device_array(x) or n <= BLOCK or not x.flags.c_contiguous:
-            _gelu_into(x, y, d, xp.empty_like(x))
-        else:
-            xf, yf, df = x.reshape(-1), y.reshape(-1), d.reshape(-1)  # views
-            scratch = xp.empty(BLOCK, dtype=x.dtype)
-            for lo in range(0, n, BLOCK):
-                hi = min(n, lo + BLOCK)
-                _gelu_into(xf[lo:hi], yf[lo:hi], df[lo:hi], scratch[:hi - lo])
-        self.dydx = d
-        return y
-
-    def backward(self, g):
-        d, self.dydx = self.dydx, None  # forward's buffer, needed no more: dx = g dy/dx in place
-        d *= g
-        return d
-
-
-class LayerNorm(Function):
-    """y = (x - mean) / sqrt(var + eps) * w + b over the last axis (Ba et al., 2016).
-    Fused backward with xhat = (x - mean) * rstd, dxhat = g w:
-    dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw = sum g xhat, db = sum g."""
-    fresh_grads = True
-
-    def forward(self, x, w, b, eps=1e-5):
-        C = x.shape[-1]
-        x2 = x.reshape(-1, C)  # (N, C)
-        mean = row_sums(x2)
-        mean /= C
-        xc = x2 - mean  # (N, C)
-        var = row_dots(xc, xc)  # (N, 1)
-        var /= C
-        var += eps
-        rstd = 1.0 / xp.sqrt(var, out=var)  # (N, 1)
-        xc *= rstd  # xhat
-        self.xhat, self.rstd, self.shape = xc, rstd, x.shape
-        y = xc * w
-        y += b
-        return y.reshape(x.shape)
-
-    def backward(self, g):
-        # With dxhat = g w (per row):  mean(dxhat) = (g @ w) / C and
-        # mean(dxhat xhat) = ((g xhat) @ w) / C, and g xhat is also what dw sums,
-        # so the row means come from two matrix-vector products.
-        w = self.parents[1].data
-        xhat, rstd = self.xhat, self.rstd  # (N, C), (N, 1)
-        nx, nw, nb = self.needs_input_grad
-        C = xhat.shape[1]
-        g2 = g.reshape(xhat.shape)  # (N, C)
-        gx = gw = gb = None
-        gxh = g2 * xhat  # (N, C)
-        if nw:
-            gw = col_sums(gxh)
-        if nb:
-            gb = col_sums(g2)
-        if nx:
-            a = (g2 @ w)[:, None] / C  # mean(dxhat), (N, 1)
-            c = (gxh @ w)[:, None] / C  # mean(dxhat xhat), (N, 1)
-            gx = xp.multiply(g2, w, out=gxh)  # dxhat, in g xhat's buffer (summed already)
-            gx -= a
-            xhat *= c  # forward's x_hat is needed no more: reuse it
-            gx -= xhat
-            gx *= rstd
-            gx = gx.reshape(self.shape)
-        self.xhat = None
-        return gx, gw, gb
-
-
 class Embedding(Function):
     """y = W[idx]; dW = scatter-add of g at the rows idx (repeated rows add)."""
     fresh_grads = True
@@ -319,15 +195,27 @@ class CrossEntropy(Function):
         return d.reshape(self.shape), None
 
 
-def linear(x, weight, bias=None):
-    return Linear.apply(x, weight, bias) if bias is not None else Linear.apply(x, weight)
+LAYOUTS = ("in_out", "out_in")
+
+
+def check_weight_layout(layout):
+    """A Linear weight layout: "in_out" (W (in, out), y = x W) or "out_in" (W (out, in), y = x W^T)."""
+    if layout not in LAYOUTS:
+        raise ValueError(f"linear layout must be one of {LAYOUTS} (W stored (in, out) or (out, in)), "
+                         f"got {layout!r}")
+    return layout
+
+
+def linear(x, weight, bias=None, layout="in_out"):
+    """y = x W + b (``layout="in_out"``, W (in, out)) or x W^T + b (``"out_in"``, W (out, in))."""
+    check_weight_layout(layout)
+    return (Linear.apply(x, weight, bias, layout=layout) if bias is not None
+            else Linear.apply(x, weight, layout=layout))
 
 
 def softmax(x, axis=-1): return Softmax.apply(x, axis=axis)
 def log_softmax(x, axis=-1): return LogSoftmax.apply(x, axis=axis)
-def gelu(x): return GELU.apply(x)
 def scaled_causal_softmax(x, scale=1.0): return ScaledCausalSoftmax.apply(x, scale=scale)
-def layer_norm(x, weight, bias, eps=1e-5): return LayerNorm.apply(x, weight, bias, eps=eps)
 
 
 def embedding(idx, weight):
@@ -362,5 +250,5 @@ def mse_loss(pred, target):
     return (d * d).mean()
 
 
-__all__ = ["linear", "softmax", "log_softmax", "gelu", "scaled_causal_softmax", "layer_norm",
-           "embedding", "dropout", "cross_entropy", "mse_loss"]
+__all__ = ["linear", "softmax", "log_softmax", "gelu", "swiglu", "scaled_causal_softmax", "layer_norm",
+           "rms_norm", "apply_rotary", "embedding", "dropout", "cross_entropy", "mse_loss"]

@@ -19,10 +19,10 @@ nothing, or the one all-reduce -- with no copy and no extra pass.
 2. A pipeline stage (Huang et al. 2019; Narayanan et al. 2021; ``policy.pipeline_grads``)
    runs micro-batch j's backward on the same rows, activations travelling unrounded, and
    sums as in 1 after every BACKWARD; every schedule runs a chunk's backwards in
-   micro-batch order, so the sums add in one process's order. The tied wte is the
-   exception: one process sums the embedding's and the head's rounded parts in the low
-   dtype, round(e_j + h_j), before accumulating, and the first and last stage each hold
-   one part. So both ends keep their m parts (m copies of wte's gradient, 2 bytes per
+   micro-batch order, so the sums add in one process's order. A tied embedding (GPT-2's
+   wte) is the exception: one process sums the embedding's and the head's rounded parts
+   in the low dtype, round(e_j + h_j), before accumulating, and the first and last stage
+   each hold one part. So both ends keep their m parts (m copies of its gradient, 2 bytes per
    element) and ``sync_tied`` all-reduces them over the two ends (an fp32 sum of two
    terms, one rounding), then accumulates and rounds the mean, on both ends alike.
    fp32 (``FullPipelineGrads``): backward on l_j S / m; ``sync_tied`` all-reduces the two
@@ -112,7 +112,7 @@ class FullPipelineGrads(FullGradAccumulator):
 
 
 class PipelineGrads(GradAccumulator):
-    """bf16/fp16: ``params``, the stage's parameters; ``tied``, its copy of the tied wte
+    """bf16/fp16: ``params``, the stage's parameters; ``tied``, its copy of a tied embedding
     (first or last stage of p > 1); ``ends``, the virtual stages that use it (0, V - 1)."""
 
     def __init__(self, params, tied, ends, microbatches):

@@ -1,16 +1,16 @@
-"""Differentiable array operations: elementwise (with broadcasting), matmul,
-reductions, shapes and indexing. Each is a ``Function`` with its derivative;
-the fused neural-network ops (softmax, GELU, LayerNorm, cross-entropy, ...)
-live in ``pdist.engine.functional``.
+"""Differentiable array operations: elementwise (with broadcasting), matmul and
+reductions, and the operators and methods of ``Tensor``. Each is a ``Function``
+with its derivative; shapes and indexing (reshape, permute, getitem, concat,
+split) are in ``pdist.engine.shape_ops``, the fused neural-network ops (softmax,
+GELU, LayerNorm, cross-entropy, ...) in ``pdist.engine.functional``.
 
 Broadcasting rule for gradients: if ``x`` of shape ``s`` was broadcast to the
 output's shape, ``dL/dx`` is ``dL/dy`` summed over the broadcast axes
 (``unbroadcast``).
 """
-import builtins
-
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine.backend import scatter_add, xp
+from pdist.engine.backend import xp
+from pdist.engine.shape_ops import _getitem, permute, reshape, split, transpose
 
 
 def unbroadcast(g, shape):
@@ -211,63 +211,6 @@ class Max(Function):
         return self.mask * (g / self.mask.sum(axis=self.axis, keepdims=True))
 
 
-# --- shapes and indexing -------------------------------------------------------------
-class Reshape(Function):
-    def forward(self, a, shape):
-        self.shape = a.shape
-        return a.reshape(shape)
-
-    def backward(self, g):
-        return g.reshape(self.shape)
-
-
-class Permute(Function):
-    """y = a.transpose(axes) (a view); dA = g.transpose(inverse permutation)."""
-    def forward(self, a, axes):
-        inv = [0] * len(axes)
-        for i, ax in enumerate(axes):
-            inv[ax] = i
-        self.inv = tuple(inv)  # plain Python: no device round trip on a GPU
-        return a.transpose(axes)
-
-    def backward(self, g):
-        return g.transpose(self.inv)
-
-
-class GetItem(Function):
-    """y = a[index]; da = zeros with g scattered (added, for repeated indices) at index."""
-    def forward(self, a, index):
-        self.shape, self.dtype, self.index = a.shape, a.dtype, index
-        return a[index]
-
-    def backward(self, g):
-        out = xp.zeros(self.shape, dtype=self.dtype)
-        idx = self.index if isinstance(self.index, tuple) else (self.index,)
-        if any(hasattr(i, "shape") or isinstance(i, list) for i in idx):
-            scatter_add(out, self.index, g)
-        else:
-            out[self.index] = g
-        return out
-
-
-class Concat(Function):
-    def forward(self, *arrays, axis=0):
-        self.axis = axis
-        self.bounds = [0]
-        for a in arrays:
-            self.bounds.append(self.bounds[-1] + a.shape[axis])
-        return xp.concatenate(arrays, axis=axis)
-
-    def backward(self, g):
-        ax = self.axis % g.ndim
-        sl = [slice(None)] * g.ndim
-        out = []
-        for lo, hi in zip(self.bounds[:-1], self.bounds[1:]):
-            sl[ax] = slice(lo, hi)
-            out.append(g[tuple(sl)])
-        return tuple(out)
-
-
 # --- the functional API ----------------------------------------------------------------
 def add(a, b): return Add.apply(a, b)
 def sub(a, b): return Sub.apply(a, b)
@@ -290,59 +233,6 @@ def pow(a, p):
 def sum(a, axis=None, keepdims=False): return Sum.apply(a, axis=axis, keepdims=keepdims)  # noqa: A001
 def mean(a, axis=None, keepdims=False): return Mean.apply(a, axis=axis, keepdims=keepdims)
 def max(a, axis=None, keepdims=False): return Max.apply(a, axis=axis, keepdims=keepdims)  # noqa: A001
-
-
-def reshape(a, *shape):
-    if len(shape) == 1 and isinstance(shape[0], (tuple, list)):
-        shape = tuple(shape[0])
-    return Reshape.apply(a, shape=shape)
-
-
-def permute(a, *axes):
-    if len(axes) == 1 and isinstance(axes[0], (tuple, list)):
-        axes = tuple(axes[0])
-    nd = a.ndim
-    axes = tuple(i % nd for i in axes)
-    if sorted(axes) != list(range(nd)):
-        raise ValueError(f"permute: {axes} is not a permutation of the {nd} axes")
-    return Permute.apply(a, axes=axes)
-
-
-def transpose(a, dim0=-2, dim1=-1):
-    """Swap two axes (PyTorch's transpose)."""
-    axes = list(range(a.ndim))
-    axes[dim0], axes[dim1] = axes[dim1], axes[dim0]
-    return Permute.apply(a, axes=tuple(axes))
-
-
-def concat(tensors, axis=0):
-    return Concat.apply(*tensors, axis=axis)
-
-
-def split(a, sections, axis=0):
-    """Split into pieces of the given sizes (a list) or into n equal pieces (an int)."""
-    n = a.shape[axis]
-    if isinstance(sections, int):
-        if n % sections:
-            raise ValueError(f"split: axis {axis} of size {n} does not divide into {sections} equal parts")
-        sections = [n // sections] * sections
-    if builtins.sum(sections) != n:
-        raise ValueError(f"split: sizes {sections} do not add up to {n}")
-    out, lo = [], 0
-    for s in sections:
-        idx = [slice(None)] * a.ndim
-        idx[axis] = slice(lo, lo + s)
-        out.append(a[tuple(idx)])
-        lo += s
-    return out
-
-
-def _getitem(a, index):
-    if isinstance(index, Tensor):
-        index = index.data
-    if isinstance(index, tuple):
-        index = tuple(i.data if isinstance(i, Tensor) else i for i in index)
-    return GetItem.apply(a, index)
 
 
 def _rev(fn):

@@ -29,7 +29,7 @@ How the arithmetic runs (on CPU; the rounding points, all deterministic):
   rounded once (``policy.accumulator``), exactly as the data-parallel average over N
   ranks is (pdist/comm/low_precision.py), so DP(N) and ZeRO over N ranks equal one
   process with N micro-batches bit for bit; a pipeline stage the same per micro-batch,
-  with the tied wte's two parts summed first (``policy.pipeline_grads``); sequence
+  with a tied embedding's two parts summed first (``policy.pipeline_grads``); sequence
   parallelism's partial gradients (LayerNorms, row biases, wpe) leaving backward
   unrounded (``unrounded``) and rounded after their tp all-reduce
   (``policy.partial_grads``). ``FullPrecisionPolicy()``, the fp32 policy, is the twin
@@ -138,11 +138,14 @@ class LowEmbedding(Function):
         return (gw if self.keep else gw.astype(self.wdtype)), None
 
 
-def linear(x, w, b=None):
-    """``F.linear`` in mixed precision when ``w`` is low-precision (LowLinear)."""
+def linear(x, w, b=None, layout="in_out"):
+    """``F.linear`` (W (in, out), or (out, in) with ``layout="out_in"``), in mixed precision
+    when ``w`` is low-precision (LowLinear: the same rounding points in both layouts)."""
     if not is_low(w.dtype):
-        return F.linear(x, w, b)
-    return LowLinear.apply(x, w, b) if b is not None else LowLinear.apply(x, w)
+        return F.linear(x, w, b, layout)
+    F.check_weight_layout(layout)
+    return (LowLinear.apply(x, w, b, layout=layout) if b is not None
+            else LowLinear.apply(x, w, layout=layout))
 
 
 def embedding(idx, w):
@@ -196,7 +199,7 @@ class FullPrecisionPolicy:
 class MixedPrecisionPolicy(FullPrecisionPolicy):
     """``MixedPrecisionPolicy(param_dtype=bfloat16)`` (or float16), after FSDP2's: the
     parameters and their gradients in ``param_dtype``, the activations in the compute
-    dtype, the gradients' sums (micro-batches, ranks, sequence shards, the tied wte) in
+    dtype, the gradients' sums (micro-batches, ranks, sequence shards, a tied embedding) in
     fp32 and rounded once, where one process rounds (the module docstring)."""
 
     def __init__(self, param_dtype=bfloat16):

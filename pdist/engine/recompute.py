@@ -27,7 +27,8 @@ unchanged.
 """
 import copy
 
-from pdist.engine.autograd import Function, Tensor, _run_backward, is_grad_enabled, no_grad
+from pdist.engine.autograd import Function, Tensor, is_grad_enabled, no_grad
+from pdist.engine.backprop import run_backward
 
 MODES = ("none", "selective", "full")
 
@@ -73,7 +74,7 @@ class _Checkpoint(Function):
             for gen, state in after:
                 gen.bit_generator.state = state
         if out.requires_grad:
-            _run_backward(out, g)                              # params: .grad and hooks; ins: .grad
+            run_backward(out, g)                               # params: .grad and hooks; ins: .grad
         return tuple(x.grad if need else None for x, need in zip(ins, self.needs_input_grad))
 
 

@@ -1,7 +1,10 @@
 """Who is slow, by how much, and where the time went: the straggler detector.
 
-Every ``forward_backward`` (pdist/parallel/base.py) notes, per step on every rank, the
-seconds of each phase (zero_grad, compute, grad_sync, stats), the seconds of each phase
+Every ``forward_backward`` (pdist/parallel/base.py) notes, through its step hooks
+(pdist/measure/hooks.py: the detector subscribes when this module is imported, so it is
+on for anyone who asks for a report; ``disable()``/``enable()``), per step on every rank,
+the seconds of each phase (zero_grad, compute, grad_sync, stats: each from the end of the
+one before, the first from the step's start), the seconds of each phase
 spent *waiting* for other ranks (polled waits that did not finish at once,
 ``pdist.comm.mpi.WAITED``), the simulated link time (``pdist.comm.topology.LINK``) and
 the tokens it computed on. Ten floats in a bounded deque: no communication; the cost
@@ -29,6 +32,7 @@ import collections
 import time
 
 from pdist.comm import mpi, topology
+from pdist.measure import hooks
 
 FIELDS = ("step", "zero_grad", "compute", "grad_sync", "stats",
           "wait_zero_grad", "wait_compute", "wait_grad_sync", "wait_stats", "link", "tokens")
@@ -40,8 +44,38 @@ WAITED, LINK = mpi.WAITED, topology.LINK
 
 
 def note(rec):
-    """Add one step's record (a tuple in FIELDS order; base.py calls this)."""
+    """Add one step's record (a tuple in FIELDS order; the detector's hook calls this)."""
     _records.append(rec)
+
+
+class Detector(hooks.StepHook):
+    """The clocks of the step (order 0: outside fault injection, whose delay is compute).
+    At the start and after each phase: the time, the polled waits; the link time at the
+    start and the end. The end notes one record (FIELDS)."""
+
+    def begin(self, s):
+        self.marks, self.link0 = [(now(), WAITED[0])], LINK[0]
+
+    def exit(self, s, phase):
+        self.marks.append((now(), WAITED[0]))
+
+    def end(self, s):
+        (t0, w0), (t1, w1), (t2, w2), (t3, w3), (t4, w4) = self.marks
+        note((s.step, t1 - t0, t2 - t1, t3 - t2, t4 - t3, w1 - w0, w2 - w1, w3 - w2, w4 - w3,
+              LINK[0] - self.link0, s.tokens))
+
+
+DETECTOR = Detector()
+
+
+def enable():
+    """Record every step (the default once this module is imported)."""
+    hooks.subscribe(DETECTOR)
+
+
+def disable():
+    """Stop recording: the step reads no clock for the detector."""
+    hooks.unsubscribe(DETECTOR)
 
 
 def clear():
@@ -203,4 +237,7 @@ def monitor(every=10, group=None, callback=None, last=None):
     return on_step
 
 
-__all__ = ["straggler_report", "gather", "records", "clear", "monitor", "Report", "FIELDS"]
+enable()
+
+__all__ = ["straggler_report", "gather", "records", "clear", "monitor", "Report", "FIELDS", "enable",
+           "disable"]

@@ -26,8 +26,10 @@ Faults (``kind:key=value,...``; several joined by ``;`` or given as several --in
     nan:rank=R,step=S                  rank R writes NaN into a gradient after the compute
                                        of step S (``check_finite=True`` names it)
 
-The hooks sit in ``Strategy.forward_backward`` (pdist/parallel/base.py): one check of
-``ACTIVE[0]`` (None) per step when nothing is injected. Each fault, when it fires, prints
+The faults of the step are a step hook (pdist/measure/hooks.py) around the phases of
+``Strategy.forward_backward``: ``set`` subscribes the Injector (order 10, inside the
+straggler detector and the trace), ``clear`` removes it; nothing injected, nothing
+subscribed. Each fault, when it fires, prints
 ``[inject] rank R step S: ...`` with its wall-clock time (time.time(), so a parent can
 measure the time to detection) and adds an instant event to the trace (cat "fault").
 """
@@ -35,9 +37,9 @@ import random
 import sys
 import time
 
-from pdist.measure import trace
+from pdist.measure import hooks, trace
 
-ACTIVE = [None]      # the Injector, or None (base.py checks this once per step)
+ACTIVE = [None]      # the subscribed Injector, or None
 
 KINDS = {"straggler": {"rank": int, "slowdown": float},
          "uneven-shard": {"rank": int, "extra": float, "p": float},
@@ -92,8 +94,13 @@ def _rank():
     return comm.get_world().rank
 
 
-class Injector:
-    """The faults this rank takes part in (parsed once; the hooks are plain lookups)."""
+class Injector(hooks.StepHook):
+    """The faults this rank takes part in (parsed once; the hooks are plain lookups).
+    As a step hook: ``before_step`` at the start, ``after_compute`` after the compute
+    (with its seconds; the uneven shard's token scale goes to the detector's record),
+    and ``skip_sync`` skips the gradient synchronization."""
+
+    order = 10           # inside the detector and the trace: an injected delay counts as compute
 
     def __init__(self, faults, rank):
         self.faults, self.rank = faults, rank
@@ -104,6 +111,21 @@ class Injector:
         self.token_scale = 1.0
         for k, kv in mine:       # the trace marks when each fault was switched on
             trace.instant(f"inject {k}", cat="fault", **{a: str(v) for a, v in kv.items()})
+
+    def begin(self, s):
+        self.before_step(s.step)
+
+    def enter(self, s, phase):
+        if phase == "compute":
+            self._t = time.perf_counter()
+
+    def exit(self, s, phase):
+        if phase == "compute":
+            self.after_compute(s.model, s.step, time.perf_counter() - self._t)
+            s.tokens *= self.token_scale
+
+    def skip(self, s, phase):
+        return phase == "grad_sync" and self.skip_sync(s.step)
 
     def _say(self, step, what, **args):
         print(f"[inject] rank {self.rank} step {step}: {what} at t={time.time():.6f}", flush=True)
@@ -147,11 +169,17 @@ def set(spec):
     from pdist.comm import topology
     topology.set_slow_links([(kv["ranks"], kv["gbps"], kv.get("us", 10.0)) for k, kv in faults
                              if k == "slow-link"])
+    if ACTIVE[0] is not None:
+        hooks.unsubscribe(ACTIVE[0])
     ACTIVE[0] = Injector(faults, _rank()) if any(k != "slow-link" for k, _ in faults) else None
+    if ACTIVE[0] is not None:
+        hooks.subscribe(ACTIVE[0])
     return faults
 
 
 def clear():
+    if ACTIVE[0] is not None:
+        hooks.unsubscribe(ACTIVE[0])
     ACTIVE[0] = None
     from pdist.comm import topology
     topology.set_slow_links([])

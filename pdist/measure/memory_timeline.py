@@ -7,9 +7,12 @@ Rajbhandari et al., 2020, describe in words: stage 3 gathers a unit, uses it, fr
     tl.samples          # [(t, event, unit, params, grads, optim, activations, rss)]
     memory_timeline.plot(world.gather_object(tl.samples), "step.png")   # matplotlib, optional
 
-Each sample is taken at an *event* (ZeRO calls ``mark``: ``all-gather`` when a unit's
-parameters arrive, ``free`` when they are dropped, ``reduce-scatter`` when a unit's
-gradient shard is reduced, ``all-reduce`` at stage 0) and at the step's start and end:
+Each sample is taken at an *event* (ZeRO announces them through the step hooks,
+pdist/measure/hooks.py ``event``: ``all-gather`` when a unit's parameters arrive,
+``free`` when they are dropped, ``reduce-scatter`` when a unit's gradient shard is
+reduced, ``all-reduce`` at stage 0), at the end of each phase of the step (event
+``zero_grad``, ``compute``, ``grad_sync``, ``stats``) and at the record's start and end.
+The record subscribes to the step hooks on entry and leaves on exit: no timeline, no cost.
 
     params, grads, optim   pdist.measure.memory.model_state_bytes (live buffers, each once)
     activations            tracemalloc's current bytes - (params + grads + optim) -
@@ -26,18 +29,28 @@ for timing.
 import time
 import tracemalloc
 
-from pdist.measure import trace
+from pdist.measure import hooks, trace
 from pdist.measure.memory import model_state_bytes, rss_bytes
 
-_active = [None]
 EVENTS = ("all-gather", "free", "reduce-scatter", "all-reduce")
 
 
 def mark(event, unit=None):
-    """A memory event (called by the strategies; a no-op unless a timeline is recording)."""
-    tl = _active[0]
-    if tl is not None:
-        tl.sample(event, unit)
+    """A memory event: ``hooks.event`` (a no-op unless a timeline is recording)."""
+    hooks.event(event, unit)
+
+
+class _Sampler(hooks.StepHook):
+    """The record's step hook: a sample at every memory event and after every phase."""
+
+    def __init__(self, tl):
+        self.tl = tl
+
+    def event(self, name, unit=None):
+        self.tl.sample(name, unit)
+
+    def exit(self, s, phase):
+        self.tl.sample(phase)
 
 
 class record:
@@ -45,6 +58,7 @@ class record:
 
     def __init__(self, model, optimizer=None):
         self.model, self.optimizer, self.samples = model, optimizer, []
+        self._hook = _Sampler(self)
 
     def sample(self, event, unit=None):
         st = model_state_bytes(self.model, self.optimizer)
@@ -67,11 +81,11 @@ class record:
         self._states0 = st["params_bytes"] + st["grads_bytes"] + st["optim_bytes"]
         self._traced0 = tracemalloc.get_traced_memory()[0]
         self.sample("start")
-        _active[0] = self
+        hooks.subscribe(self._hook)
         return self
 
     def __exit__(self, *exc):
-        _active[0] = None
+        hooks.unsubscribe(self._hook)
         self.sample("end")
         return False
 

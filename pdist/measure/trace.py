@@ -16,9 +16,9 @@ Tracks (one Chrome "thread" per category, so a straggler reads at a glance):
 ``wait`` (tid 2: polled waits for other ranks, longer than 50 us, pdist/comm/mpi.py;
 only with ``set_detail(True)``, which lessons' ``--trace`` turns on, or PDIST_TRACE_DETAIL=1),
 ``link`` (tid 3: the simulated link time of pdist/comm/topology.py), ``step``
-(tid 4: the phases of ``forward_backward``, pdist/parallel/base.py; with detail too),
-``device`` (tid 5: on a GPU, with detail, when the device ran each forward and backward,
-measured with CUDA events: ``device_mark``); an
+(tid 4: the compute and grad_sync phases of ``forward_backward``, pdist/parallel/base.py;
+with detail too), ``device`` (tid 5: on a GPU, with detail, when the device ran each
+forward and backward, measured with CUDA events: ``device_mark``); an
 ``instant(name, cat="fault")`` (an injected fault, pdist/faults/inject.py) is an
 instant event (``"ph": "i"``, ``"s": "p"``) across the rank's tracks; a ``counter(name, **values)``
 is a counter sample (``"ph": "C"``: the memory timeline's bytes by category, pdist/measure/memory_timeline.py).
@@ -28,10 +28,15 @@ leaves, and rank r's times become ``t - t_barrier_r``: the ranks' clocks are
 aligned at the barrier exit (error: the barrier's exit skew, microseconds on one
 node), which also works across nodes whose clocks differ.
 
+The step's spans come through step hooks (pdist/measure/hooks.py): while recording,
+the trace subscribes a span around each micro-batch's forward and backward (cat
+"compute", args mb); with detail also the phases (cat "step").
+
 Cost. Recording is on by default and costs about a microsecond (one tuple
 appended); the buffer keeps the newest ``PDIST_TRACE_MAX`` events (default
 200000), so a long run never grows without bound. ``disable()`` makes ``span``
-and ``record`` a single flag check; ``PDIST_TRACE=0`` starts disabled.
+and ``record`` a single flag check and unsubscribes the step hooks;
+``PDIST_TRACE=0`` starts disabled.
 """
 import collections
 import json
@@ -39,6 +44,7 @@ import os
 import time
 
 from pdist.engine.backend import device_event, elapsed_seconds, env_flag, synchronize
+from pdist.measure import hooks
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
 DETAIL = [env_flag("PDIST_TRACE_DETAIL", False)]   # also the waits and the step phases (see below)
@@ -55,15 +61,18 @@ def set_world(group):
 
 def enable():
     _cfg["on"] = True
+    _subscribe()
 
 
 def disable():
     _cfg["on"] = False
+    _subscribe()
 
 
 def set_detail(flag=True):
     """Also record every wait longer than 50 us and each step's phases (lessons' --trace)."""
     DETAIL[0] = bool(flag)
+    _subscribe()
 
 
 def enabled():
@@ -151,6 +160,38 @@ class device_span(span):
         return span.__exit__(self, *exc)
 
 
+class _Passes(hooks.StepHook):
+    """Each micro-batch's forward and backward: a "compute" span (and its device time)."""
+
+    def span(self, name, **args):
+        return device_span(name, cat="compute", **args)
+
+
+class _Phases(hooks.StepHook):
+    """Detail: the compute and grad_sync phases on the "step" track, recorded at the
+    step's end, each from the end of the phase before it to its own end."""
+
+    def begin(self, s):
+        self.ends = {}
+
+    def exit(self, s, phase):
+        self.ends[phase] = now()
+
+    def end(self, s):
+        e = self.ends
+        record("compute", "step", e["zero_grad"], e["compute"], step=s.step)
+        record("grad_sync", "step", e["compute"], e["grad_sync"], step=s.step)
+
+
+_PASSES, _PHASES = _Passes(), _Phases()
+
+
+def _subscribe():
+    """The step hooks this state asks for: passes while recording, phases with detail too."""
+    for hook, on in ((_PASSES, _cfg["on"]), (_PHASES, _cfg["on"] and DETAIL[0])):
+        (hooks.subscribe if on else hooks.unsubscribe)(hook)
+
+
 def _device_events():
     """The device spans on the host clock (waits for the last one's kernels)."""
     if not _device:
@@ -167,6 +208,7 @@ def events():
             + _device_events())
 
 
+_subscribe()
 TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4, "device": 5}
 
 

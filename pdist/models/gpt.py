@@ -23,19 +23,19 @@ N(0, 0.02 / sqrt(2 n_layer)), biases 0, LayerNorm 1 and 0; each parameter from
 its own generator seeded by (seed, crc32(name)) -- ``gpt_init``.
 """
 import math
-import zlib
 from dataclasses import dataclass
+from typing import ClassVar
 
 import numpy as np
 
-from pdist.engine import attention
-from pdist.engine import functional as F
 from pdist import nn
-from pdist.engine import precision
-from pdist.engine.autograd import Tensor
-from pdist.engine.backend import asarray, default_dtype, xp
-from pdist.engine.meta import MetaArray, RowStream, materialize_whole
+from pdist.engine import attention, precision
+from pdist.engine import functional as F
+from pdist.engine.backend import xp
 from pdist.engine.recompute import check_mode, checkpoint
+from pdist.models.causal_lm import ZEROS as _ZEROS
+from pdist.models.causal_lm import CausalLM, CrossEntropyLoss, check_device, init_stream, normal_init
+from pdist.models.gpt_plan import gpt_plan
 
 
 @dataclass
@@ -48,6 +48,7 @@ class GPTConfig:
     dropout: float = 0.0
     dtype: str = "float32"
     recompute: str = "none"     # "none" | "selective" | "full": pdist/engine/recompute.py, docs/recompute.md
+    model_type: ClassVar[str] = "gpt2"   # Hugging Face's name (not a field: not in asdict, not in checkpoints' config)
 
     def __post_init__(self):
         for k in ("vocab_size", "block_size", "n_layer", "n_head", "n_embd"):
@@ -78,6 +79,14 @@ class GPTConfig:
         """Ψ: the number of parameters (the tied lm_head counted once, as wte)."""
         return sum(math.prod(s) for s in self.param_shapes().values())
 
+    def parallel_plan(self):
+        """How each layer is cut by the strategies (pdist/models/gpt_plan.py)."""
+        return gpt_plan(self)
+
+
+def _gpt_std(cfg, name):
+    return 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
+
 
 def gpt_init(cfg, name, seed):
     """The full float64 NumPy value of parameter ``name`` for (cfg, seed).
@@ -87,9 +96,7 @@ def gpt_init(cfg, name, seed):
         return np.zeros(shape)
     if ".ln_" in name:
         return np.ones(shape)
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
-    rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-    return rng.standard_normal(shape) * std
+    return normal_init(shape, name, seed, _gpt_std(cfg, name))
 
 
 def gpt_init_stream(cfg, name, seed):
@@ -97,16 +104,9 @@ def gpt_init_stream(cfg, name, seed):
     drawn in chunks, bit-identical to the whole array (a Generator's normals come in
     the same order however many are asked at a time)."""
     shape = cfg.param_shapes()[name]
-    inner = shape[1:]
     if name.endswith("bias") or ".ln_" in name:
-        const = 0.0 if name.endswith("bias") else 1.0
-        return RowStream(shape, lambda: (lambda n: np.full((n,) + inner, const)))
-    std = 0.02 / math.sqrt(2 * cfg.n_layer) if name.endswith("c_proj.weight") else 0.02
-
-    def restart():
-        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
-        return lambda n: rng.standard_normal((n,) + inner) * std
-    return RowStream(shape, restart)
+        return init_stream(shape, name, seed, const=0.0 if name.endswith("bias") else 1.0)
+    return init_stream(shape, name, seed, std=_gpt_std(cfg, name))
 
 
 def causal_self_attention(qkv, n_head):
@@ -116,19 +116,6 @@ def causal_self_attention(qkv, n_head):
     holds (a tensor-parallel rank holds n_head / tp of them). qkv: (B, T, 3 n_head hs).
     One fused Function (pdist.engine.attention): q, k, v stay views of qkv, no head transposes."""
     return attention.causal_self_attention(qkv, n_head)  # (B, T, C)
-
-
-class _ZerosRng:
-    """Placeholder generator: GPT's modules are filled by gpt_init right after. Its zeros
-    are a broadcast view of one element (no memory), so a meta GPT never allocates."""
-    def uniform(self, lo, hi, shape):
-        return np.broadcast_to(np.zeros((), default_dtype()), shape)
-
-    def standard_normal(self, shape):
-        return np.broadcast_to(np.zeros((), default_dtype()), shape)
-
-
-_ZEROS = _ZerosRng()
 
 
 class Attention(nn.Module):
@@ -191,6 +178,8 @@ class LMHead(nn.Module):
     embedding's own Parameter (so it is listed once, as ``transformer.wte.weight``),
     or, on a pipeline's last stage, a copy kept equal to it (``lm_head.weight``)."""
 
+    layout, bias = "out_in", None      # W stored (V, C): y = x W^T (what tensor parallelism cuts)
+
     def __init__(self, weight):
         super().__init__()
         self.weight = weight
@@ -199,81 +188,40 @@ class LMHead(nn.Module):
         return precision.linear(x, self.weight.T)  # (B, T, V)
 
 
-class CrossEntropyLoss(nn.Module):
-    """loss = mean_n -log softmax(z_n)[y_n] over every token (PyTorch's name)."""
-
-    def forward(self, logits, targets):
-        return F.cross_entropy(logits, targets)
-
-
-class GPT(nn.Module):
+class GPT(CausalLM):
     """GPT-2; see the module docstring. ``GPT(cfg, seed)`` draws every weight with gpt_init.
 
     ``device="meta"``: shapes only (pdist.engine.meta.MetaArray, no memory); a strategy fills
     this rank's pieces from ``init_rows`` (FSDP's meta-device init), or ``materialize()``."""
 
     def __init__(self, cfg, seed=0, device=None):
-        if device not in (None, "meta"):
-            raise ValueError(f"GPT device must be None or 'meta', got {device!r}")
+        check_device(device, "GPT")
         super().__init__()
-        self.config, self.seed, self._streams = cfg, seed, {}
+        self.config, self.seed = cfg, seed
         self.transformer = Transformer(cfg)
         self.drop = nn.Dropout(cfg.dropout, seed=seed)
-        for name, p in self.named_parameters():
-            p.data = (MetaArray(p.data.shape, cfg.dtype) if device == "meta"
-                      else asarray(gpt_init(cfg, name, seed), dtype=cfg.dtype))
-            p.name = name
+        self.init_parameters(device)
         self.lm_head = LMHead(self.transformer.wte.weight)
         self.loss_fn = CrossEntropyLoss()
 
-    def init_rows(self, name, a, b):
-        """Rows [a, b) of ``gpt_init(cfg, name, seed)`` (float64), drawn as a stream."""
-        if name not in self._streams:
-            self._streams[name] = gpt_init_stream(self.config, name, self.seed)
-        return self._streams[name].rows(a, b)
+    blocks = property(lambda self: self.transformer.h)
 
-    def materialize(self):
-        """Fill every meta parameter with its whole gpt_init value (one process)."""
-        materialize_whole(self.named_parameters(), self.init_rows)
-        self._streams.clear()
+    def init_value(self, name):
+        return gpt_init(self.config, name, self.seed)
+
+    def init_stream(self, name):
+        return gpt_init_stream(self.config, name, self.seed)
 
     def embed(self, idx):
         """x_0 = drop(wte[idx] + wpe[0..T)) -> (B, T, C)"""
-        idx = idx.data if isinstance(idx, Tensor) else xp.asarray(idx)
+        idx = self.tokens(idx)
         T = idx.shape[-1]
-        if T > self.config.block_size:
-            raise ValueError(f"sequence length {T} exceeds block_size {self.config.block_size}")
         return self.drop(self.transformer.wte(idx) + self.transformer.wpe(xp.arange(T)))  # (B, T, C)
 
     def head(self, x):
         """logits = ln_f(x) wte^T -> (B, T, V)"""
         return self.lm_head(self.transformer.ln_f(x))
 
-    def forward(self, idx, targets=None):
-        x = self.embed(idx)
-        for block in self.transformer.h:
-            x = block(x)
-        logits = self.head(x)
-        if targets is None:
-            return logits
-        return logits, self.loss_fn(logits, targets)
-
     def load_state_dict(self, state_dict, strict=True, ignore=("lm_head.weight", ".attn.bias",
                                                                ".attn.masked_bias")):
         return super().load_state_dict(state_dict, strict=strict, ignore=ignore)
-
-    def generate(self, idx, n_new, temperature=1.0, seed=0):
-        """Sample n_new tokens after idx (B, T) -> (B, T + n_new) NumPy ints."""
-        from pdist.engine.autograd import no_grad
-        from pdist.engine.backend import to_numpy
-        rng = np.random.default_rng(seed)
-        idx = np.array(idx)
-        with no_grad():
-            for _ in range(n_new):
-                ctx = idx[:, -self.config.block_size:]
-                z = to_numpy(self(xp.asarray(ctx)).data[:, -1, :]).astype(np.float64) / temperature
-                p = np.exp(z - z.max(axis=1, keepdims=True))
-                p /= p.sum(axis=1, keepdims=True)
-                nxt = [rng.choice(p.shape[1], p=row) for row in p]
-                idx = np.concatenate([idx, np.array(nxt)[:, None]], axis=1)
-        return idx

@@ -14,24 +14,23 @@ one ``nn.Module`` in place (``model.module``); DP and ZeRO hook its gradients.
 chain through the wrappers:
 
     zero_grad()          inner first, then this wrapper (DDP re-points its bucket views)
-    compute(x, y, S)     the innermost runner: Local's micro-batch loop, or the pipeline schedule
-                         (S: fp16's loss scale, handed down as an argument; 1 otherwise)
+    compute(x, y, S)     the innermost runner: Local's micro-batch loop, or the pipeline schedule (S: fp16's loss scale)
     finish_grad_sync()   inner first: TP's sequence-parallel grads, PP's tied embedding, then DP/ZeRO
     reduce_stats(v)      v = [loss, #non-finite]: each wrapper weights the loss and sums over its group
     check                every rank raises NonFiniteError together when any count is non-zero
 
 so L = (1/B) Σ_i l_i and every gradient equal single-process training on the global
-batch. ``pieces()`` says where each piece of each single-process tensor lives
+batch. The instruments (straggler detector, fault injection, trace, memory timeline)
+subscribe to step hooks around the phases (pdist/measure/hooks.py); this file imports
+none of them. ``pieces()`` says where each piece of each single-process tensor lives
 (layout.py): ``full_state_dict``, ``load_full_state_dict`` and
-``sharded_state_dict`` follow from it for every layout. Mixed precision is a policy
-(pdist/engine/precision.py) that ``Local`` holds and every wrapper reads (``policy``):
-the phases call its keepers and never ask which dtype they hold.
+``sharded_state_dict`` follow from it for every layout. The precision is a policy that
+``Local`` holds and wrappers read (``policy``, pdist/engine/precision.py).
 """
 import numpy as np
 
 from pdist import comm
-from pdist.faults import debug, inject
-from pdist.measure import trace
+from pdist.measure import hooks
 from pdist.engine.backend import to_numpy, xp
 from pdist.errors import NonFiniteError
 from pdist.engine.index_checks import deferred_index_checks
@@ -60,6 +59,20 @@ class Strategy:
         """What this rank's optimizer updates (``named_parameters()``, without the names)."""
         return [t for _, t in self.named_parameters()]
 
+    def chain(self):
+        """The strategies from this one, the outermost, to ``Local``, the innermost (last):
+        ``[DataParallel, PipelineParallel, TensorParallel, Local]``."""
+        out, s = [], self
+        while s is not None:
+            out.append(s)
+            s = getattr(s, "inner", None)
+        return out
+
+    def find(self, kind):
+        """The first (outermost) strategy in ``chain()`` that is a ``kind``, or None:
+        ``model.find(ZeRO)``, ``model.find(Local).microbatches``."""
+        return next((s for s in self.chain() if isinstance(s, kind)), None)
+
     def materialize(self):
         """Fill this rank's meta parameters (``GPT(cfg, seed, device="meta")``) piece by piece
         from the model's ``init_rows`` (pdist/engine/meta.py); a no-op when nothing is meta."""
@@ -72,39 +85,31 @@ class Strategy:
         tensor in ``parameters()`` holds its gradient of that loss, synchronized.
         ``step``: the training step (the one loop passes it; default: one more than the
         last), stamped into every collective's check, so a rank that skips or repeats a
-        step raises CollectiveMismatchError on every rank, naming the steps."""
+        step raises CollectiveMismatchError on every rank, naming the steps. The
+        instruments (straggler detector, fault injection, trace, memory timeline) subscribe
+        to the phases (pdist/measure/hooks.py); with none, each phase is its plain call."""
         if step is not None:
             self.steps = int(step)
         if self.stamps_step:        # collectives carry the step: a rank that skips one is caught
             comm.set_step(self.steps)
-        inj, now, waited = inject.ACTIVE[0], debug.now, debug.WAITED   # inj: None unless --inject
-        if inj is not None:
-            inj.before_step(self.steps)
-        t0, w0, l0 = now(), waited[0], debug.LINK[0]       # the straggler detector's clocks (debug.py)
-        self.zero_grad()
-        t1, w1 = now(), waited[0]
-        with deferred_index_checks():     # a GPU's token-id checks: one host read per step
-            local = self.compute(x, y)
-        if inj is not None:
-            inj.after_compute(self, self.steps, now() - t1)
-        t2, w2 = now(), waited[0]
-        if inj is None or not inj.skip_sync(self.steps):
-            self.finish_grad_sync()
-        t3, w3 = now(), waited[0]
+        run = hooks.step(self, x)   # the subscribed instruments around each phase (pdist/measure/hooks.py)
+        run("zero_grad", self.zero_grad)
+        local = run("compute", self._compute_checked, x, y)
+        run("grad_sync", self.finish_grad_sync)
         bad = self._nonfinite(local) if self.check_finite else []
-        v = self.reduce_stats(np.array([local, float(len(bad))]))
-        t4, w4 = now(), waited[0]
-        debug.note((self.steps, t1 - t0, t2 - t1, t3 - t2, t4 - t3, w1 - w0, w2 - w1, w3 - w2, w4 - w3,
-                    debug.LINK[0] - l0, getattr(x, "size", 0) * (inj.token_scale if inj is not None else 1)))
-        if trace.DETAIL[0]:
-            trace.record("compute", "step", t1, t2, step=self.steps)
-            trace.record("grad_sync", "step", t2, t3, step=self.steps)
+        v = run("stats", self.reduce_stats, np.array([local, float(len(bad))]))
+        run.end()
         if v[1] > 0:
             self._raise_nonfinite(bad)
         self.steps += 1
         return float(v[0])
 
     steps = 0
+
+    def _compute_checked(self, x, y):
+        """``compute(x, y)`` with a GPU's token-id checks deferred to one host read."""
+        with deferred_index_checks():
+            return self.compute(x, y)
 
     def _nonfinite(self, loss):
         """Names of what is non-finite on this rank: "loss", and the single-process names
@@ -188,7 +193,8 @@ class Strategy:
 
     def load_full_state_dict(self, state_dict):
         """The inverse of ``full_state_dict``: each rank copies its pieces out of the full
-        arrays (HF GPT-2 names; ``lm_head.weight`` and attention masks are ignored).
+        arrays (the model's own names; keys no piece needs, such as a tied head's copy or
+        attention masks, are ignored).
         Raises one error listing missing or misshaped keys before anything is written."""
         pieces = self.pieces()
         problems = sorted({f"missing {p.name}" for p in pieces if p.name not in state_dict} |
@@ -210,9 +216,8 @@ class Local(Strategy):
     """The end of every chain: the plain model on this process. ``compute`` runs
     ``microbatches`` forward/backward passes, each on 1/k of the rows with its loss
     scaled by 1/k (gradient accumulation: the sum is the gradient of the mean).
-    Alone it talks to no rank, so it leaves the process's step stamp alone. ``policy``:
-    the precision policy (pdist/engine/precision.py); default: the one the parameters'
-    dtypes say, read here once (``parallelize`` and ``MixedPrecision`` hand theirs in)."""
+    Alone it talks to no rank, so it leaves the process's step stamp alone. ``policy``
+    (precision.py): by default what the parameters' dtypes say, read once here."""
 
     stamps_step = False
 
@@ -222,8 +227,7 @@ class Local(Strategy):
         self.module, self.microbatches, self.inner = module, microbatches, None
         self.policy = policy_of(self.parameters()) if policy is None else policy
 
-    def set_policy(self, policy):
-        """Use ``policy`` (before the first step and any DDP/ZeRO wrapper: they read has_late_grads)."""
+    def set_policy(self, policy):     # (before the first step and any DDP/ZeRO: they read has_late_grads)
         self.policy = policy
 
     def named_parameters(self):
@@ -233,7 +237,7 @@ class Local(Strategy):
         out = []
         for name, p in self.named_parameters():
             out += whole(getattr(p, "global_name", name), p, getattr(p, "global_shape", None),
-                         getattr(p, "local_pieces", None))
+                         getattr(p, "cut", None))
         return out
 
     def local_batch(self, x, y):
@@ -258,9 +262,9 @@ class Local(Strategy):
         acc = self.policy.accumulator(self.parameters(), k)     # fp32: a no-op; bf16/fp16: fp32 sums
         b, losses, s = len(x) // k, [], acc.backward_scale(loss_scale)   # fp32: S/k; bf16/fp16, k > 1: S
         for i in range(k):
-            with trace.device_span("forward", cat="compute", mb=i):
+            with hooks.span("forward", mb=i):
                 _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
-            with trace.device_span("backward", cat="compute", mb=i):
+            with hooks.span("backward", mb=i):
                 (loss * s).backward() if s != 1.0 else loss.backward()
             acc.add()
             losses.append(loss.data)
@@ -321,7 +325,9 @@ class ParallelModule(Strategy):
         return self.inner.pieces()
 
     def span_group(self):
-        return self.group if isinstance(self.inner, Local) else comm.get_world()
+        """This strategy's group when it alone wraps ``Local`` (its ranks hold the whole
+        model together), else the world."""
+        return self.group if len(self.chain()) == 2 else comm.get_world()
 
     def local_batch(self, x, y):
         return self.inner.local_batch(x, y)

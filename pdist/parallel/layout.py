@@ -12,7 +12,7 @@ ZeRO flat shard) and ``view`` cuts the piece out of it:
 * one process, data parallel, a pipeline stage: one piece per parameter, the
   whole tensor (``start = 0``, ``box = shape``, full slices);
 * tensor parallel: ``slices`` keep this rank's rows or columns (three pieces for
-  the fused ``c_attn``, one per Q, K, V block);
+  a fused [Q | K | V] matrix, one per block: ``Cut`` records the cut on the parameter);
 * ZeRO: a flat shard holds a contiguous range of each parameter's flattened
   elements; ``flat_boxes`` cuts the range into rectangular boxes (a partial first
   row, whole rows, a partial last row), each a view of the shard. Padding is in no
@@ -25,9 +25,41 @@ mechanism gives ``full_state_dict``, ``load_full_state_dict`` and
 import math
 from collections import namedtuple
 
-from pdist.engine.backend import to_numpy
+from pdist.engine.backend import array_module, to_numpy
 
 Shard = namedtuple("Shard", ["data", "global_shape", "offsets"])
+
+
+class Cut(namedtuple("Cut", ["dim", "rank", "size", "stride"])):
+    """Where a tensor-parallel layer cut its parameter (Megatron's ``partition_dim`` and
+    ``partition_stride``, recorded on the parameter by the layer that makes the cut): the
+    tensor's axis ``dim`` is cut into ``stride`` equal groups (3 for a fused [Q|K|V]), each
+    group into ``size`` chunks; rank ``rank`` keeps chunk ``rank`` of every group, in order."""
+
+    def blocks(self, global_shape):
+        """[(local slices, global offsets)]: the ``stride`` blocks this rank holds."""
+        n = global_shape[self.dim]
+        if n % (self.size * self.stride):
+            raise ValueError(f"axis {self.dim} of a {tuple(global_shape)} tensor does not split into "
+                             f"{self.size} ranks x {self.stride} fused parts; choose sizes divisible by "
+                             f"{self.size * self.stride}")
+        c, out = n // (self.size * self.stride), []
+        for j in range(self.stride):
+            sl = [slice(0, d) for d in global_shape]
+            sl[self.dim] = slice(j * c, (j + 1) * c)
+            off = [0] * len(global_shape)
+            off[self.dim] = j * (n // self.stride) + self.rank * c
+            out.append((tuple(sl), tuple(off)))
+        return out
+
+    def take(self, a):
+        """This rank's part of the full array ``a``: its blocks, concatenated along ``dim``."""
+        parts = []
+        for sl, off in self.blocks(a.shape):
+            box = list(sl)
+            box[self.dim] = slice(off[self.dim], off[self.dim] + sl[self.dim].stop - sl[self.dim].start)
+            parts.append(a[tuple(box)])
+        return parts[0].copy() if len(parts) == 1 else array_module(a).concatenate(parts, axis=self.dim)
 Shard.__doc__ = "One rank's piece of a tensor: a NumPy array, the tensor's full shape, the piece's start per axis."
 
 
@@ -56,12 +88,12 @@ class Piece:
         return f"<Piece {self.name}{list(self.global_shape)} at {list(self.offsets)} shape {list(self.shape)}>"
 
 
-def whole(name, tensor, global_shape=None, local=None):
-    """Pieces of a parameter that holds ``local`` = [(slices into it, global offsets)]
-    of ``name`` (default: the whole tensor, at offset 0)."""
+def whole(name, tensor, global_shape=None, cut=None):
+    """Pieces of a parameter of ``name`` that holds the blocks of ``cut`` (a Cut of the
+    tensor of ``global_shape``; default: the whole tensor, at offset 0)."""
     shape = tuple(tensor.shape)
     gshape = tuple(global_shape or shape)
-    local = local or [(tuple(slice(0, d) for d in shape), (0,) * len(shape))]
+    local = cut.blocks(gshape) if cut is not None else [(tuple(slice(0, d) for d in shape), (0,) * len(shape))]
     return [Piece(name, gshape, off, tensor, 0, shape, sl) for sl, off in local]
 
 
@@ -132,4 +164,4 @@ def shards_of(pieces, optimizer=None):
     return out
 
 
-__all__ = ["Piece", "Shard", "whole", "flat_boxes", "reshard_flat", "box_slices", "shards_of"]
+__all__ = ["Piece", "Shard", "Cut", "whole", "flat_boxes", "reshard_flat", "box_slices", "shards_of"]

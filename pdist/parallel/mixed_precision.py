@@ -31,7 +31,7 @@ from contextlib import nullcontext
 import numpy as np
 
 from pdist.engine.grad_scaler import GradScaler
-from pdist.parallel.base import Local, Strategy
+from pdist.parallel.base import Strategy
 from pdist.parallel.layout import Piece
 from pdist.engine.precision import MixedPrecisionPolicy, low_dtype
 
@@ -88,12 +88,6 @@ class MixedPrecision(Strategy):
 
     def local_batch(self, x, y):
         return self.inner.local_batch(x, y)
-
-    def _local(self):
-        s = self.inner
-        while not isinstance(s, Local):
-            s = s.inner
-        return s
 
     # ------------------------------------------------------------ the phases
     def refresh(self):

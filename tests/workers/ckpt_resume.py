@@ -8,7 +8,13 @@ DIR/step-<n> with keep=3. ``resume``: for each layout, a fresh model and optimiz
 DIR/step-<k>, save it again as DIR/reloaded-<tag> (the test compares it with step-<k>:
 the transfer must be exact), train K - k steps from step k and save DIR/resumed-<tag>
 (the test compares it with step-<K>). A layout is ``dp=,tp=,pp=,zero=,sp=,mb=,schedule=``,
-or ``local`` (one process, no mesh). Reports JSON per layout."""
+``local`` (one process, no mesh) or ``plain`` (the GPT itself, no strategy). Reports JSON per layout.
+
+    mpiexec -n 1 python tests/workers/ckpt_resume.py plain DIR
+    mpiexec -n 2 python tests/workers/ckpt_resume.py transfer --copy tp=2 SRC DST
+
+``plain``: a plain GPT trained k steps by hand (no strategy), saved as DIR. ``transfer``:
+for each ``--copy LAYOUT SRC DST``, a fresh model in LAYOUT loads SRC and saves DST."""
 import argparse
 import os
 
@@ -22,9 +28,10 @@ from pdist.testing import report
 from pdist.training import train
 
 p = argparse.ArgumentParser()
-p.add_argument("phase", choices=["save", "resume"])
-p.add_argument("dir")
+p.add_argument("phase", choices=["save", "resume", "plain", "transfer"])
+p.add_argument("dir", nargs="?")
 p.add_argument("--layout", action="append", default=[])
+p.add_argument("--copy", nargs=3, action="append", default=[], metavar=("LAYOUT", "SRC", "DST"))
 p.add_argument("--k", type=int, default=2)
 p.add_argument("--K", type=int, default=4)
 args = p.parse_args()
@@ -40,6 +47,8 @@ batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 def build(spec):
     if spec == "local":
         return Local(GPT(cfg, SEED))
+    if spec == "plain":                 # no strategy: the checkpoint treats it as one process
+        return GPT(cfg, SEED)
     kw = dict(kv.split("=") for kv in spec.split(","))
     mesh = comm.DeviceMesh(dp=int(kw.get("dp", 1)), tp=int(kw.get("tp", 1)), pp=int(kw.get("pp", 1)))
     return parallelize(GPT(cfg, SEED), mesh, zero_stage=int(kw.get("zero", 0)),
@@ -66,6 +75,22 @@ if args.phase == "save":
                         extra={"seed": SEED, "data_step": step + 1}, keep=3)
     losses = train(model, opt, batch, args.K, on_step=on_step)
     report(rank=world.rank, phase="save", layout=spec, losses=losses)
+elif args.phase == "plain":
+    model = build("plain")
+    opt = optimizer(model)
+    for s in range(args.k):
+        _, loss = model(*batch(s))
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+    checkpoint.save(model, opt, args.dir, args.k, extra={"seed": SEED})
+elif args.phase == "transfer":
+    for spec, src, dst in args.copy:
+        model = build(spec)
+        opt = optimizer(model)
+        step, extra = checkpoint.load(model, opt, src)
+        checkpoint.save(model, opt, dst, step, extra=extra)
+        report(rank=world.rank, phase="transfer", layout=spec, step=step)
 else:
     src = os.path.join(args.dir, f"step-{args.k:06d}")
     for spec in args.layout:

@@ -1,13 +1,14 @@
-"""One layout of the one shape equals single-process training (float64).
+"""One layout of the one shape equals single-process training (float64), for every model.
 
-    mpiexec -n 8 python tests/workers/layout_equiv.py --dp 2 --tp 2 --pp 2 --zero 1 --sp
+    mpiexec -n 8 python tests/workers/layout_equiv.py --dp 2 --tp 2 --pp 2 --zero 1 --sp --model gpt2,llama
 
-K AdamW steps through ``pdist.training.train`` (the one loop) on the same global
-batches as one process. Checked on every rank, reported as JSON (pdist.testing.report):
-the loss of every step (rtol 1e-9), every piece of every parameter and of Adam's
-m and v in ``sharded_state_dict`` against the same box of the single-process tensors
-(rtol 1e-9: shard by shard), ``full_state_dict`` against the single-process
-state_dict, and ``load_full_state_dict`` of the reference restoring it exactly."""
+For each model named by ``--model``: K AdamW steps through ``pdist.training.train`` (the
+one loop) on the same global batches as one process. Checked on every rank, reported as
+JSON (pdist.testing.report, one report per model): the loss of every step (rtol 1e-9),
+every piece of every parameter and of Adam's m and v in ``sharded_state_dict`` against the
+same box of the single-process tensors (rtol 1e-9: shard by shard), ``full_state_dict``
+against the single-process state_dict, and ``load_full_state_dict`` of the reference
+restoring it exactly."""
 import argparse
 
 import numpy as np
@@ -17,6 +18,7 @@ from pdist.course import lesson
 from pdist.engine import meta
 from pdist.engine.backend import set_default_dtype, to_numpy
 from pdist.models.gpt import GPT
+from pdist.models.llama import Llama, LlamaConfig
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.parallel.layout import box_slices
@@ -29,22 +31,26 @@ for k in ("dp", "tp", "pp", "zero", "microbatches", "chunks", "steps"):
 p.add_argument("--sp", action="store_true")
 p.add_argument("--schedule", default="1f1b")
 p.add_argument("--naive", action="store_true")
-p.add_argument("--meta", action="store_true", help="build GPT(cfg, seed, device='meta'): each rank draws its pieces")
+p.add_argument("--meta", action="store_true", help="build the model on device='meta': each rank draws its pieces")
 p.add_argument("--n-layer", type=int, default=4)
 p.add_argument("--batch-size", type=int, default=8)
+p.add_argument("--model", default="gpt2", help="comma-separated: gpt2, llama")
 args = p.parse_args()
 set_default_dtype("float64")
 world = comm.init()
 B, T, SEED, TOL = args.batch_size, 8, 3, dict(rtol=1e-9, atol=1e-12)
 tokens, tok = data.char_dataset(50_000)
-cfg = lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=args.n_layer, n_head=4, n_embd=32)
+CONFIGS = {"gpt2": lambda: lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=args.n_layer, n_head=4,
+                                              n_embd=32),
+           "llama": lambda: LlamaConfig(vocab_size=96, block_size=T, n_layer=args.n_layer, n_head=4, n_kv_head=2,
+                                        n_embd=32, intermediate_size=48, dtype="float64")}
+MODELS = {"gpt2": GPT, "llama": Llama}
+batch = data.batch_fn(tokens, B, T, SEED, 96)
 
-batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 
-
-def reference(steps):
+def reference(make, steps):
     """Single-process training and its optimizer state, by name."""
-    model = GPT(cfg, SEED)
+    model = make()
     opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS,
                 weight_decay=lesson.WEIGHT_DECAY)
     losses = []
@@ -59,56 +65,70 @@ def reference(steps):
     return losses, model.state_dict(), states
 
 
-mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
-meta.CHUNK_ELEMS = 37 if args.meta else meta.CHUNK_ELEMS   # chunks that cut rows: the stream must still match
-model = parallelize(GPT(cfg, SEED, device="meta" if args.meta else None), mesh, zero_stage=args.zero, sequence_parallel=args.sp,
-                    schedule=args.schedule, microbatches=args.microbatches, chunks=args.chunks,
-                    data_parallel="naive" if args.naive else "bucketed")
-opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
-if args.meta:       # the materialized pieces are the same slices of GPT(cfg, seed), to the bit
-    init_sd = GPT(cfg, SEED).state_dict()
+def check_shards(shards, ref_sd, ref_state):
+    """Every piece of every parameter and Adam state equals the same box of one process's."""
+    checked = 0
+    for key, pieces in shards.items():
+        if key.startswith("optimizer.step."):
+            assert all(int(to_numpy(s.data)) == args.steps for s in pieces), (key, pieces)
+            continue
+        if key.startswith("optimizer."):
+            _, state, name = key.split(".", 2)
+            full = to_numpy(ref_state[name][state])
+        else:
+            full = to_numpy(ref_sd[key])
+        for s in pieces:
+            assert tuple(s.global_shape) == full.shape, (key, s.global_shape, full.shape)
+            want = full[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.data.shape))]
+            np.testing.assert_allclose(to_numpy(s.data), want, err_msg=f"{key} at {s.offsets}", **TOL)
+            checked += 1
+    return checked
+
+
+def check_full(model, shards, ref_sd, make):
+    """full_state_dict is one process's; every element is held; load_full_state_dict inverts it."""
+    covered = {k: 0 for k in ref_sd}
+    for k, pieces in shards.items():
+        if k in covered:
+            covered[k] += sum(int(np.prod(s.data.shape)) for s in pieces)
+    held = world.all_gather_object(covered)
+    full = model.full_state_dict()
+    assert sorted(full) == sorted(ref_sd), sorted(set(full) ^ set(ref_sd))
+    for k in ref_sd:
+        np.testing.assert_allclose(to_numpy(full[k]), to_numpy(ref_sd[k]), err_msg=k, **TOL)
+        assert sum(h[k] for h in held) >= ref_sd[k].size, f"{k}: only {sum(h[k] for h in held)} elements held"
+    init = make().state_dict()           # the inverse: load the initial weights back, every piece equals them
+    model.load_full_state_dict(init)
     for pc in model.pieces():
-        assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), init_sd[pc.name][box_slices(pc)]), pc
-rows = len(model.local_batch(*batch(0))[0])
-assert rows == B // args.dp, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
-losses = train(model, opt, batch, args.steps)
-ref_losses, ref_sd, ref_state = reference(args.steps)
-np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg="losses")
+        assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), to_numpy(init[pc.name][box_slices(pc)])), pc
+    again = model.full_state_dict()
+    assert all(np.array_equal(to_numpy(again[k]), to_numpy(init[k])) for k in init)
 
-shards = model.sharded_state_dict(opt)
-checked = 0
-for key, pieces in shards.items():
-    if key.startswith("optimizer.step."):
-        assert all(int(to_numpy(s.data)) == args.steps for s in pieces), (key, pieces)
-        continue
-    if key.startswith("optimizer."):
-        _, state, name = key.split(".", 2)
-        full = to_numpy(ref_state[name][state])
-    else:
-        full = to_numpy(ref_sd[key])
-    for s in pieces:
-        assert tuple(s.global_shape) == full.shape, (key, s.global_shape, full.shape)
-        want = full[tuple(slice(o, o + n) for o, n in zip(s.offsets, s.data.shape))]
-        np.testing.assert_allclose(to_numpy(s.data), want, err_msg=f"{key} at {s.offsets}", **TOL)
-        checked += 1
-# every element of every parameter is held by some rank (padding never appears)
-covered = {k: 0 for k in ref_sd}
-for k, pieces in shards.items():
-    if k in covered:
-        covered[k] += sum(int(np.prod(s.data.shape)) for s in pieces)
-held = world.all_gather_object(covered)
 
-full = model.full_state_dict()
-assert sorted(full) == sorted(ref_sd), sorted(set(full) ^ set(ref_sd))
-for k in ref_sd:
-    np.testing.assert_allclose(to_numpy(full[k]), to_numpy(ref_sd[k]), err_msg=k, **TOL)
-    assert sum(h[k] for h in held) >= ref_sd[k].size, f"{k}: only {sum(h[k] for h in held)} elements held"
-# the inverse: load the initial weights back and every piece equals them exactly
-init = GPT(cfg, SEED).state_dict()
-model.load_full_state_dict(init)
-for pc in model.pieces():
-    assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), to_numpy(init[pc.name][box_slices(pc)])), pc
-again = model.full_state_dict()
-assert all(np.array_equal(to_numpy(again[k]), to_numpy(init[k])) for k in init)
-report(rank=world.rank, coords=list(mesh.coords), layout=vars(args), steps=args.steps, checked_pieces=checked,
-       losses=losses)
+def run(name):
+    cfg, cls = CONFIGS[name](), MODELS[name]
+    mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
+    meta.CHUNK_ELEMS = 37 if args.meta else 1 << 16    # chunks that cut rows: the stream must still match
+    model = parallelize(cls(cfg, SEED, device="meta" if args.meta else None), mesh, zero_stage=args.zero,
+                        sequence_parallel=args.sp, schedule=args.schedule, microbatches=args.microbatches,
+                        chunks=args.chunks, data_parallel="naive" if args.naive else "bucketed")
+    opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS,
+                weight_decay=lesson.WEIGHT_DECAY)
+    if args.meta:       # the materialized pieces are the same slices of the model built whole, to the bit
+        init_sd = cls(cfg, SEED).state_dict()
+        for pc in model.pieces():
+            assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), init_sd[pc.name][box_slices(pc)]), pc
+    rows = len(model.local_batch(*batch(0))[0])
+    assert rows == B // args.dp, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
+    losses = train(model, opt, batch, args.steps)
+    ref_losses, ref_sd, ref_state = reference(lambda: cls(cfg, SEED), args.steps)
+    np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg=f"{name}: losses")
+    shards = model.sharded_state_dict(opt)
+    checked = check_shards(shards, ref_sd, ref_state)
+    check_full(model, shards, ref_sd, lambda: cls(cfg, SEED))
+    report(rank=world.rank, model=name, coords=list(mesh.coords), layout=vars(args), steps=args.steps,
+           checked_pieces=checked, losses=losses)
+
+
+for model_name in args.model.split(","):
+    run(model_name)

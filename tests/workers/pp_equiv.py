@@ -18,6 +18,7 @@ from pdist.engine.backend import set_default_dtype
 from pdist.models.gpt import GPT
 from pdist.parallel import PipelineParallel, parallelize
 from pdist.parallel.pipeline import schedules as S
+from pdist.parallel.pipeline import simulate as sim
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline.pipeline_parallel import partition_layers
 from pdist.testing import report
@@ -43,9 +44,7 @@ def reference(cfg):
 
 
 def pipe_of(model):
-    while not isinstance(model, PipelineParallel):
-        model = model.inner
-    return model
+    return model.find(PipelineParallel)
 
 
 def check_gpt(mesh, schedule, m, v=1, n_layer=None, partition=None):
@@ -70,7 +69,7 @@ def check_gpt(mesh, schedule, m, v=1, n_layer=None, partition=None):
     held = sorted(k for ks in names for k in ks)
     want = sorted(cfg.param_shapes()) + (["lm_head.weight"] if p > 1 else [])
     assert held == sorted(want), f"{what}: stages hold {held}"
-    planned = S.check_schedule(S.make_schedule(schedule, p, m, v), m)[mesh.pp_rank]
+    planned = sim.check_schedule(S.make_schedule(schedule, p, m, v), m)[mesh.pp_rank]
     assert pipe.peak_stash == planned, f"{what}: stashed {pipe.peak_stash} micro-batches, plan says {planned}"
     if schedule == "gpipe":
         assert pipe.peak_stash == m

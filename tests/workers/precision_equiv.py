@@ -27,6 +27,7 @@ from pdist.engine.backend import set_default_dtype
 from pdist.models.gpt import GPT
 from pdist.engine.grad_scaler import GradScaler
 from pdist.parallel import Local, MixedPrecision, parallelize
+from pdist.parallel.base import ParallelModule
 from pdist.testing import check_shards, report
 from pdist.training import train
 
@@ -63,7 +64,8 @@ mesh = comm.DeviceMesh(dp=N, tp=args.tp)
 model = parallelize(GPT(cfg, SEED), mesh, zero_stage=args.zero, precision=args.precision, scaler=scaler(),
                     data_parallel="naive" if args.naive else "bucketed")
 opt = lesson.make_adamw(model.parameters())
-world_stats = model.inner.group
+dp = model.find(ParallelModule)                       # the outermost parallel strategy: DP or ZeRO
+world_stats = dp.group
 world_stats.reset_stats()
 losses = train(model, opt, batch, args.steps)
 sent = world_stats.bytes_sent() / args.steps
@@ -73,7 +75,7 @@ if model.scaler is not None:
 
 # memory by category: the paper's mixed-precision formulas (ZeRO pads Ψ: Σ_units Ψ_pad)
 row = memory.model_state_bytes(model, opt)
-psi = model.inner.numel_padded if args.zero else sum(q.size for q in model.inner.parameters())
+psi = dp.numel_padded if args.zero else sum(q.size for q in dp.parameters())
 want = {0: (2 * psi, 2 * psi, 12 * psi), 1: (2 * psi, 2 * psi, 12 * psi // N),
         2: (2 * psi, 2 * psi // N, 12 * psi // N), 3: (2 * psi // N, 2 * psi // N, 12 * psi // N)}[args.zero]
 got = (row["params_bytes"], row["grads_bytes"], row["optim_bytes"])

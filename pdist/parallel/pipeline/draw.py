@@ -2,7 +2,7 @@
 
 Both drawings read the same data: per rank a list of ``(Instr, start, end)``
 for its FORWARD/BACKWARD computes -- the *planned* timeline from
-``schedules.simulate(schedule)`` (unit costs t_f = 1, t_b = 2) or the *measured*
+``simulate.simulate(schedule)`` (unit costs t_f = 1, t_b = 2) or the *measured*
 one from ``PipelineParallel.timeline`` gathered with ``gather_timeline``
 (seconds, clocks aligned at a barrier). Anything else in a row (waits for a
 message, idle) is the bubble and is drawn empty.
@@ -11,7 +11,8 @@ message, idle) is the bubble and is drawn empty.
     stage 0 |F0 F1 F2 F3 ......B0    F4 B1    F5 ...
     plot_timeline([planned, measured], ["planned", "measured"], "pp.png")  # needs matplotlib
 """
-from pdist.parallel.pipeline.schedules import BACKWARD, COMPUTE, FORWARD, bubble_fraction
+from pdist.parallel.pipeline.schedules import BACKWARD, COMPUTE, FORWARD
+from pdist.parallel.pipeline.simulate import bubble_fraction
 
 FILL = {FORWARD: "-", BACKWARD: "="}
 

@@ -12,25 +12,25 @@ Narayanan et al., 2021). The order of the work is a schedule (schedules.py);
 ``PipelineParallel`` only executes it, one instruction at a time, through a table
 ``{op: method}``.
 
-The one GPT as a sequence: [embed (wte, wpe, dropout)] + blocks h.0 .. h.{L-1} +
-[head (ln_f, lm_head)]. The blocks are split over the V virtual stages (evenly, the
-first L mod V stages one more, or by a given ``partition``); the embedding joins the
-first stage, the head and the loss the last. ``PipelineParallel(GPT(cfg, seed),
-pp_group)`` keeps only this rank's part of the model: its blocks (names unchanged,
-``transformer.h.3...``), the embedding on the first stage, ln_f and the head on the
-last. The head is tied to ``wte``: the last stage holds a copy, ``lm_head.weight``
-(Megatron's "embedding group"): in ``finish_grad_sync`` the first and last stage
-all-reduce (sum) the two copies' gradients, so both get the full gradient
-dL/dwte = (embedding part) + (head part) and the same update -- the copies stay equal.
-An ``nn.Sequential`` pipelines too: its children are the layers, with ``loss_fn``
-and ``act_shape``.
+The model as a sequence, as its plan cuts it (``ModelPlan.pipeline``,
+pdist/models/plan.py): [first part (the embedding)] + blocks 0 .. L-1 + [last part (the
+final norm and the head)]. The blocks are split over the V virtual stages (evenly, the
+first L mod V stages one more, or by a given ``partition``); the first part joins the
+first stage, the last part and the loss the last. ``PipelineParallel(model, pp_group)``
+keeps only this rank's part of the model: its blocks (names unchanged), the first part's
+modules on the first stage, the last part's on the last. A head tied to the embedding
+(the plan's ``tied`` pairs) gets its own copy on the last stage (Megatron's "embedding
+group"): in ``finish_grad_sync`` the first and last stage all-reduce (sum) the two
+copies' gradients, so both get the full gradient dL/dW = (embedding part) + (head
+part) and the same update -- the copies stay equal. An ``nn.Sequential`` pipelines too
+(the trivial plan): its children are the blocks, with ``loss_fn`` and ``act_shape``.
 
 The gradients of a step are kept by the precision policy's ``pipeline_grads``
 (pdist/engine/grad_rounding.py): fp32, backward on S·loss(micro-batch)/m, sums in
 ``.grad`` and one all-reduce of the tied copies; bf16/fp16 (``parallelize(...,
 precision=...)``), backward on S·loss (S: fp16's loss scale, ``compute``'s argument;
 no 1/m), each stage's rounded micro-batch gradients summed in fp32 and the mean rounded
-once, the tied wte's parts combined per micro-batch: one process's rounding points, bit
+once, a tied embedding's parts combined per micro-batch: one process's rounding points, bit
 for bit. Activations travel in the compute dtype. An fp16 overflow on any stage reaches
 every rank through the [loss, #non-finite] all-reduce, and every rank skips the step
 (mixed_precision.py).
@@ -41,6 +41,7 @@ from pdist import nn
 from pdist.measure import trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
+from pdist.models.plan import get, plan_of, put
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
@@ -83,36 +84,42 @@ class Chunk:
         return x
 
 
-def _gpt_chunks(gpt, p, s, v, partition):
-    """This rank's v chunks of the GPT; prunes what it does not hold from ``gpt``."""
-    V, h = p * v, gpt.transformer.h
+def _copy_of(w, name):
+    """A stage's own Parameter equal to ``w`` (same piece of the same tensor; a meta ``w``
+    gives a meta copy): the last stage's copy of a tied weight (Megatron's embedding group)."""
+    copy = nn.Parameter(xp.zeros(0, dtype=w.dtype), name=name)
+    copy.data = w.data.copy()
+    copy.global_name = getattr(w, "global_name", w.name)
+    copy.global_shape = getattr(w, "global_shape", tuple(w.shape))
+    if getattr(w, "cut", None) is not None:
+        copy.cut = w.cut
+    return copy
+
+
+def stage_chunks(model, pplan, p, s, v, partition):
+    """This rank's v chunks of ``model`` as its plan cuts it ([first] + blocks + [last],
+    pdist/models/plan.py); prunes from ``model`` what this rank does not hold. Returns the
+    chunks and this rank's side of every tied pair (first and last stage, p > 1)."""
+    V, h = p * v, get(model, pplan.blocks)
     blocks = list(h)
     spans = partition_layers(len(blocks), V, partition)
     mine = [virtual_stage(c, p, s) for c in range(v)]
-    chunks = []
-    for k in mine:
-        a, b = spans[k]
-        chunks.append(Chunk(([gpt.embed] if k == 0 else []) + blocks[a:b] + ([gpt.head] if k == V - 1 else [])))
+    head = [getattr(model, pplan.first)] if pplan.first else []
+    tail = [getattr(model, pplan.last)] if pplan.last else []
+    chunks = [Chunk((head if k == 0 else []) + blocks[slice(*spans[k])] + (tail if k == V - 1 else []))
+              for k in mine]
     keep = {str(i) for k in mine for i in range(*spans[k])}
     for name in [n for n in h._modules if n not in keep]:
         _remove(h, name)
-    first, last = 0 in mine, V - 1 in mine
-    tr = gpt.transformer
-    if last and not first:                           # the head's own copy of the tied wte
-        w = tr.wte.weight
-        copy = nn.Parameter(xp.zeros(0, dtype=w.dtype), name="lm_head.weight")
-        copy.data = w.data.copy()                    # a meta wte gives a meta copy
-        copy.global_name = getattr(w, "global_name", w.name)
-        copy.global_shape = getattr(w, "global_shape", tuple(w.shape))
-        copy.local_pieces = getattr(w, "local_pieces", None)
-        gpt.lm_head.weight = copy
-    if not first:
-        _remove(tr, "wte")
-        _remove(tr, "wpe")
-    if not last:
-        _remove(tr, "ln_f")
-        _remove(gpt, "lm_head")
-    tied = [tr.wte.weight] if first and p > 1 else [gpt.lm_head.weight] if last and p > 1 else []
+    first, last, tied = 0 in mine, V - 1 in mine, []
+    for dst, src in pplan.tied.items():
+        if last and not first:
+            put(model, dst, _copy_of(get(model, src), dst))
+        if p > 1 and (first or last):
+            tied.append(get(model, src if first else dst))
+    for path in (pplan.first_modules if not first else ()) + (pplan.last_modules if not last else ()):
+        parent, _, name = path.rpartition(".")
+        _remove(get(model, parent), name)
     return chunks, tied
 
 
@@ -146,27 +153,23 @@ class PipelineParallel(ParallelModule):
                              f"exceed the MPI tag space")
         if self.inner.microbatches != 1:
             raise ValueError("pipeline: give the micro-batches to PipelineParallel, not to the model inside")
-        if isinstance(self.module, nn.Sequential):
-            layers = list(self.module)
-            spans = partition_layers(len(layers), self.num_virtual_stages, partition)
-            ks = [virtual_stage(c, g.size, g.rank) for c in range(chunks)]
-            self.chunks = [Chunk(layers[slice(*spans[k])]) for k in ks]
-            keep = {str(i) for k in ks for i in range(*spans[k])}
-            for name in [n for n in self.module._modules if n not in keep]:
-                _remove(self.module, name)
-            self.tied, self.loss_fn, self.act_shape = [], loss_fn, act_shape
-            if self.num_virtual_stages > 1 and act_shape is None:
-                raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
-        else:
-            cfg = self.module.config
-            if cfg.dropout:
-                raise ValueError("pipeline: dropout must be 0 (the micro-batches' masks would differ from "
-                                 "the single-process run); set GPTConfig(dropout=0.0)")
-            partition_layers(cfg.n_layer, self.num_virtual_stages, partition)   # too many stages: raise now
-            self.chunks, self.tied = _gpt_chunks(self.module, g.size, g.rank, chunks, partition)
-            self.loss_fn = loss_fn or (self.module.loss_fn if self.pp_is_last_stage else None)
-            shards = self.inner.seq_shards
-            self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, cfg.n_embd))
+        pplan = plan_of(self.module).pipeline
+        if getattr(getattr(self.module, "config", None), "dropout", 0):
+            raise ValueError("pipeline: dropout must be 0 (the micro-batches' masks would differ from the "
+                             "single-process run); set dropout=0.0 in the model's config")
+        if not isinstance(get(self.module, pplan.blocks), nn.ModuleList):
+            raise TypeError(f"pipeline: {type(self.module).__name__} has no blocks to split (its plan's "
+                            f"pipeline.blocks = {pplan.blocks!r} is not a module list); give the model a "
+                            "parallel plan (docs/design.md) or use an nn.Sequential")
+        if loss_fn is None and pplan.loss is None:
+            raise ValueError("pipeline: the last stage needs a loss; pass loss_fn(out, target)")
+        if self.num_virtual_stages > 1 and act_shape is None and not pplan.hidden:
+            raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
+        partition_layers(len(get(self.module, pplan.blocks)), self.num_virtual_stages, partition)  # raise now
+        self.chunks, self.tied = stage_chunks(self.module, pplan, g.size, g.rank, chunks, partition)
+        self.loss_fn = loss_fn or (get(self.module, pplan.loss) if self.pp_is_last_stage else None)
+        shards = self.inner.seq_shards
+        self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, pplan.hidden))
         params = self.inner.parameters()             # activations travel in the compute dtype
         self.dtype = getattr(params[0], "compute_dtype", params[0].dtype) if params else default_dtype()
         self.embedding_group = None
@@ -219,7 +222,7 @@ class PipelineParallel(ParallelModule):
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
     def finish_grad_sync(self):
-        """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dwte =
+        """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dW =
         embedding part + head part on the first and last stage."""
         self.inner.finish_grad_sync()
         if self.embedding_group is not None:
@@ -321,4 +324,4 @@ def gather_timeline(pipe):
     return pipe.group.gather_object(pipe.timeline, dst=0)
 
 
-__all__ = ["PipelineParallel", "partition_layers", "gather_timeline", "Chunk"]
+__all__ = ["PipelineParallel", "partition_layers", "gather_timeline", "Chunk", "stage_chunks"]

@@ -22,6 +22,8 @@ split the vocabulary so that no rank ever holds the full logits.
 
 ``TensorParallel`` (tensor_parallel.py) swaps the one GPT's layers for these.
 """
+import weakref
+
 import numpy as np
 
 from pdist import nn
@@ -30,6 +32,7 @@ from pdist.engine.autograd import Function, Tensor
 from pdist.engine.backend import asarray, default_dtype, scatter_add, xp
 from pdist.engine.index_checks import check_indices
 from pdist.parallel.base import default_group
+from pdist.parallel.layout import Cut
 from pdist.parallel.tensor.regions import (  # noqa: F401  (re-exported: the public API)
     SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
@@ -53,6 +56,46 @@ def _uniform(fan_in):
     return lambda rng, shape: rng.uniform(-k, k, shape)
 
 
+def _shard(full, cut, dtype):
+    """This rank's Parameter of the full host array ``full``, recording its ``cut`` and the full
+    shape on the parameter (Megatron's partition_dim): ``pieces()`` reads them (layout.py)."""
+    p = nn.Parameter(asarray(cut.take(np.asarray(full)) if cut is not None else np.asarray(full), dtype=dtype))
+    p.global_shape = tuple(np.shape(full))
+    if cut is not None:
+        p.cut = cut
+    return p
+
+
+class SharedInput:
+    """One f region (SP: one all-gather) for the column-parallel layers of a block that read
+    the same input, as Megatron's fused [Q | K | V] and [gate | up] GEMMs share theirs: the
+    first layer to see an input applies the region, the others reuse its output, so backward
+    sums their dX and all-reduces (SP: reduce-scatters) once. Holds weak references only."""
+
+    def __init__(self, group, sequence_parallel):
+        self.group, self.sequence_parallel, self._x, self._y = group, sequence_parallel, None, None
+
+    def __call__(self, x):
+        if self._x is None or self._x() is not x or self._y() is None:
+            y = (gather_from_sequence_parallel_region if self.sequence_parallel
+                 else copy_to_tensor_parallel_region)(x, self.group)
+            self._x, self._y = weakref.ref(x), weakref.ref(y)
+            return y
+        return self._y()
+
+
+def _linear(x, w, b, layout):
+    """y = x W + b (W stored (in, out)) or x W^T + b (W stored (out, in))."""
+    return precision.linear(x, w if layout == "in_out" else w.T, b)
+
+
+def _check_layout(layout):
+    if layout not in ("in_out", "out_in"):
+        raise ValueError(f"layout must be 'in_out' (W stored (in, out)) or 'out_in' (W stored (out, in)), "
+                         f"got {layout!r}")
+    return layout
+
+
 class ColumnParallelLinear(nn.Module):
     """Y = X A + b, A (in, out) split by columns: rank i holds A_i (in, out/t) and b_i and
     computes Y_i = X A_i + b_i (Megatron-LM, Shoeybi et al. 2019, section 3).
@@ -61,33 +104,39 @@ class ColumnParallelLinear(nn.Module):
     with ``sequence_parallel`` as sequence shards (B, T/t, in) that are all-gathered
     (backward: reduce-scatter; Korthikanti et al. 2022). ``gather_output`` all-gathers
     Y = [Y_1 ... Y_t]; otherwise the output stays (..., out/t) for a RowParallelLinear.
-    ``stride`` > 1 splits each of ``stride`` column groups separately (fused [Q|K|V])."""
+    ``stride`` > 1 splits each of ``stride`` column groups separately (fused [Q|K|V]).
+    ``layout="out_in"`` stores A^T (out, in) as PyTorch does (the cut is then on axis 0).
+    ``weight``: an existing Parameter holding this rank's (out/t, in) or (in, out/t) shard
+    to share (a head tied to a vocab-parallel embedding); no master weight is drawn then.
+    ``shared_input``: a SharedInput that several column layers of one block read through."""
 
     def __init__(self, in_features, out_features, bias=True, gather_output=True, group=None,
                  sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None,
-                 dtype=None):
+                 dtype=None, layout="in_out", weight=None, shared_input=None):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
         divide(out_features, t * stride, "out_features" + (f" / {stride} fused parts" if stride > 1 else ""))
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
-        rng = rng or np.random.default_rng(0)
-        dtype = dtype or default_dtype()
-        w = _master((in_features, out_features), master_weight, _uniform(in_features), rng)
-        w = partition(np.asarray(w), 1, r, t, stride)  # (in, out/t)
-        self.weight = nn.Parameter(asarray(w, dtype=dtype))
+        self.layout, self.shared_input = _check_layout(layout), shared_input
+        dim = 1 if layout == "in_out" else 0
+        shape = (in_features, out_features) if dim == 1 else (out_features, in_features)
+        rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
+        self.weight = weight if weight is not None else _shard(
+            _master(shape, master_weight, _uniform(in_features), rng), Cut(dim, r, t, stride), dtype)  # A_i
         self.bias = None
         if bias:
             b = _master((out_features,), master_bias, _uniform(in_features), rng)
-            b = partition(np.asarray(b), 0, r, t, stride)  # (out/t,)
-            self.bias = nn.Parameter(asarray(b, dtype=dtype))
+            self.bias = _shard(b, Cut(0, r, t, stride), dtype)  # (out/t,)
 
     def forward(self, x):
-        if self.sequence_parallel:
+        if self.shared_input is not None:
+            x = self.shared_input(x)  # (..., in): the block's one f / all-gather
+        elif self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
-        y = precision.linear(x, self.weight, self.bias)  # (..., out/t)
+        y = _linear(x, self.weight, self.bias, self.layout)  # (..., out/t)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -96,10 +145,12 @@ class RowParallelLinear(nn.Module):
     Y = sum_i X_i A_i + b. Rank i holds A_i (in/t, out); the sum is one all-reduce (g),
     or with ``sequence_parallel`` a reduce-scatter to (B, T/t, out) (Korthikanti et al. 2022).
     The bias is replicated and added once, after the reduction. ``input_is_parallel=False``
-    takes the full X and keeps this rank's columns (backward all-gathers dX)."""
+    takes the full X and keeps this rank's columns (backward all-gathers dX).
+    ``layout="out_in"`` stores A^T (out, in) (the cut is then on axis 1)."""
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=False, group=None,
-                 sequence_parallel=False, master_weight=None, master_bias=None, rng=None, dtype=None):
+                 sequence_parallel=False, master_weight=None, master_bias=None, rng=None, dtype=None,
+                 layout="in_out"):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
@@ -108,19 +159,21 @@ class RowParallelLinear(nn.Module):
             raise ValueError("RowParallelLinear(sequence_parallel=True) needs input_is_parallel=True "
                              "(its input is the output of a ColumnParallelLinear)")
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
-        rng = rng or np.random.default_rng(0)
-        dtype = dtype or default_dtype()
-        w = _master((in_features, out_features), master_weight, _uniform(in_features), rng)
-        self.weight = nn.Parameter(asarray(partition(np.asarray(w), 0, r, t), dtype=dtype))  # (in/t, out)
+        self.layout = _check_layout(layout)
+        dim = 0 if layout == "in_out" else 1
+        shape = (in_features, out_features) if dim == 0 else (out_features, in_features)
+        rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
+        self.weight = _shard(_master(shape, master_weight, _uniform(in_features), rng), Cut(dim, r, t, 1),
+                             dtype)  # A_i: (in/t, out)
         self.bias = None
         if bias:
-            b = _master((out_features,), master_bias, _uniform(in_features), rng)
-            self.bias = nn.Parameter(asarray(np.asarray(b), dtype=dtype))  # (out,) replicated
+            self.bias = _shard(_master((out_features,), master_bias, _uniform(in_features), rng), None,
+                               dtype)  # (out,) replicated
 
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)  # (..., in) -> (..., in/t)
-        y = precision.linear(x, self.weight)  # (..., out) partial sum
+        y = _linear(x, self.weight, None, self.layout)  # (..., out) partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, out)
         else:
@@ -161,7 +214,7 @@ class VocabParallelEmbedding(nn.Module):
         self.vocab_start_index, self.vocab_end_index = r * n, (r + 1) * n
         w = _master((num_embeddings, embedding_dim), master_weight, lambda g, s: g.standard_normal(s),
                     rng or np.random.default_rng(0))
-        self.weight = nn.Parameter(asarray(partition(np.asarray(w), 0, r, t), dtype=dtype or default_dtype()))
+        self.weight = _shard(w, Cut(0, r, t, 1), dtype or default_dtype())  # (V/t, C)
 
     def forward(self, idx):
         idx = idx.data if isinstance(idx, Tensor) else xp.asarray(idx)

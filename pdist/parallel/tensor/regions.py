@@ -20,6 +20,7 @@ branches of the graph (Add's backward hands the same array to both inputs).
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
+from pdist.parallel.layout import Cut
 
 SEQ_AXIS = 1  # activations are (B, T, C)
 
@@ -35,15 +36,13 @@ def divide(n, t, what, fix=""):
 
 
 def partition(a, axis, rank, n, stride=1):
-    """Rank's block of ``a`` along ``axis``. The axis is first cut into ``stride`` equal
-    parts (3 for GPT-2's fused [Q | K | V] columns), each part into n chunks; the rank
-    keeps chunk ``rank`` of every part, in order. stride=1: a contiguous 1/n slice."""
+    """Rank's block of ``a`` along ``axis``: ``Cut(axis, rank, n, stride).take(a)`` (the one
+    cut, pdist/parallel/layout.py). The axis is cut into ``stride`` equal parts (3 for
+    GPT-2's fused [Q | K | V] columns), each part into n chunks; the rank keeps chunk
+    ``rank`` of every part, in order. stride=1: a contiguous 1/n slice."""
     axis %= a.ndim
-    size = a.shape[axis]
-    chunk = divide(size, n * stride, f"axis {axis} of a {tuple(a.shape)} array (/{stride} parts)")
-    b = a.swapaxes(axis, -1)
-    b = b.reshape(b.shape[:-1] + (stride, n, chunk))[..., rank, :]  # (..., stride, chunk)
-    return b.reshape(b.shape[:-2] + (stride * chunk,)).swapaxes(axis, -1).copy()
+    divide(a.shape[axis], n * stride, f"axis {axis} of a {tuple(a.shape)} array (/{stride} parts)")
+    return Cut(axis, rank, n, stride).take(a)
 
 
 def _copy(a):

@@ -1,78 +1,62 @@
 """Tensor parallelism (Megatron-LM, Shoeybi et al. 2019), optionally sequence-parallel
-(Korthikanti et al. 2022): ``TensorParallel(model, tp_group)`` transforms the one
-``pdist.models.gpt.GPT`` in place, swapping its layers for the parallel ones (tp_layers.py).
+(Korthikanti et al. 2022): ``TensorParallel(model, tp_group)`` transforms the one model in
+place, swapping each layer its plan names (``ModelPlan.tensor``, pdist/models/plan.py) for
+the parallel one (layers.py). The strategy names no layer; the plan says, e.g. for GPT-2
+(pdist/models/gpt_plan.py), per block on tp rank i of t (activations (B, T, C); f and g
+are Megatron's conjugate regions, regions.py):
 
-Per block, on tp rank i of t (activations (B, T, C), C = n_head * hs; f and g are
-Megatron's conjugate regions, tp_regions.py):
-
-    h     = ln_1(x)                                 replicated LayerNorm
-    qkv_i = f(h) [Wq_i | Wk_i | Wv_i] + b_i         column parallel: heads [i nh/t, (i+1) nh/t)
+    h     = norm(x)                                 replicated
+    qkv_i = f(h) [Wq_i | Wk_i | Wv_i] + b_i         Column(stride=3): heads [i nh/t, (i+1) nh/t)
     a_i   = attention(qkv_i, n_head / t)            (B, T, C/t), no communication
-    x     = x + g(a_i Wo_i) + bo                    row parallel: one all-reduce, bias once
-    x     = x + g(gelu(f(ln_2(x)) W1_i + b1_i) W2_i) + b2
+    x     = x + g(a_i Wo_i) + bo                    Row: one all-reduce, bias once
+    x     = x + g(act(f(norm(x)) W1_i + b1_i) W2_i) + b2     Column, then Row
 
-The embedding becomes vocab-parallel (one all-reduce), the tied head reuses the wte
-shard (logits_i = f(ln_f(x)) wte_i^T, (B, T, V/t)) and the loss becomes the
-vocab-parallel cross-entropy: no rank ever holds the full logits. All-reduces per
+The embedding becomes vocab-parallel (Vocab, one all-reduce), the head is Column over the
+vocabulary (a tied head shares the embedding's shard), logits_i = f(norm(x)) W_i^T
+(B, T, V/t), and the loss becomes the vocab-parallel cross-entropy (VocabLoss): no rank
+ever holds the full logits. The plan's ``heads`` are divided by t. All-reduces per
 training step: 2 per layer forward + 2 per layer backward (Megatron's count), plus 1
 (embedding, forward), 1 (the head's f, backward) and 2 (loss: max, sums) = 4L + 4.
 
-``sequence_parallel=True``: the residual stream, LayerNorms and dropout hold T/t tokens
+``sequence_parallel=True``: the residual stream, norms and dropout hold T/t tokens
 (B, T/t, C); f becomes an all-gather along T (backward: reduce-scatter), g a
-reduce-scatter (backward: all-gather). Per step 4L + 2 all-gathers, 4L + 2
-reduce-scatters and 3 all-reduces: the loss's 2, and in ``finish_grad_sync`` one for
-the replicated parameters that saw only this rank's tokens (LayerNorms, row-parallel
-biases, wpe), whose grads are partial sums.
+reduce-scatter (backward: all-gather); the plan's ``sequence`` modules (positions,
+dropout) read this rank's tokens. Per step 4L + 2 all-gathers, 4L + 2 reduce-scatters
+and 3 all-reduces: the loss's 2, and in ``finish_grad_sync`` one for the replicated
+parameters that saw only this rank's tokens (the plan's ``sequence_partial``: norms,
+row-parallel biases, learned positions), whose grads are partial sums. Attention sees
+the whole sequence (between f and g), so rotary positions need nothing.
 
 Every shard is sliced from the model's own full weights, so the layout never
-changes the initial values; each parameter records where it sits in the full tensor
-(``local_pieces``, layout.py). A meta model (``GPT(cfg, seed, device="meta")``) stays
-meta: the shards get shapes only, and ``materialize()`` (``parallelize`` calls it) draws
-this rank's pieces alone (pdist/engine/meta.py).
+changes the initial values; each layer records its cut on its parameters (``Cut``,
+layout.py), which ``pieces()`` reads. A meta model (``device="meta"``) stays meta: the
+shards get shapes only, and ``materialize()`` (``parallelize`` calls it) draws this
+rank's pieces alone (pdist/engine/meta.py).
 """
 from pdist import nn
 from pdist.engine import precision
 from pdist.engine.autograd import Function
 from pdist.engine.backend import array_module, to_numpy
 from pdist.engine.meta import MetaArray, is_meta, zeros_view
+from pdist.models.plan import Column, PositionShard, Row, Vocab, VocabLoss, get, plan_of, put, select
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.tensor.layers import (
-    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, copy_to_tensor_parallel_region, divide,
-    gather_from_sequence_parallel_region, vocab_parallel_cross_entropy)
+    ColumnParallelLinear, RowParallelLinear, SharedInput, VocabParallelEmbedding, divide,
+    vocab_parallel_cross_entropy)
 
-# replicated parameters whose grads are partial (one sequence shard each) under sequence parallelism
-SEQUENCE_PARTIAL = ("ln_1.weight", "ln_1.bias", "ln_2.weight", "ln_2.bias", "ln_f.weight", "ln_f.bias",
-                    "attn.c_proj.bias", "mlp.c_proj.bias", "wpe.weight")
-
-
-def check_tp_config(cfg, tp_world_size):
-    """Raise one ValueError listing every size that does not divide by the tp size (call on
-    every rank before any collective: the config is the same everywhere, so all raise)."""
-    t = tp_world_size
-    bad = [f"{what} = {n}" for what, n in (("n_head", cfg.n_head), ("n_embd", cfg.n_embd),
-                                           ("4*n_embd", 4 * cfg.n_embd), ("vocab_size", cfg.vocab_size))
-           if n % t]
+def check_tp_config(model, tp_world_size):
+    """Raise one ValueError listing every size of ``model`` (a model or its config) that does
+    not divide by the tp size: the plan's ``tp_sizes`` (pdist/models/plan.py). Call on every
+    rank before any collective: the config is the same everywhere, so all raise."""
+    t, sizes = tp_world_size, plan_of(model).tp_sizes
+    bad = [f"{what} = {n}" for what, n in sizes.items() if n % t]
     if bad:
+        heads = ", ".join(f"{k} = {n}" for k, n in sizes.items() if "head" in k)
         pad = (f" Pad the vocabulary to a multiple of {t} (GPT-2 pads 50257 to 50304); the padded model is "
-               "then the single-process reference." if cfg.vocab_size % t else "")
-        raise ValueError(f"tensor parallelism over {t} ranks needs n_head, n_embd, 4*n_embd and vocab_size "
-                         f"divisible by {t}; not divisible: {', '.join(bad)}. Use a tp size that divides "
-                         f"them (heads are split whole: n_head = {cfg.n_head}), or change the model.{pad}")
-
-
-def split_pieces(global_shape, axis, rank, t, stride=1):
-    """[(local slices, global offsets)] of a tensor split along ``axis`` into t parts, each
-    of ``stride`` column groups split separately (the fused [Q|K|V] has stride 3)."""
-    n = global_shape[axis]
-    c = n // (t * stride)
-    out = []
-    for j in range(stride):
-        sl = [slice(0, d) for d in global_shape]
-        sl[axis] = slice(j * c, (j + 1) * c)
-        off = [0] * len(global_shape)
-        off[axis] = j * (n // stride) + rank * c
-        out.append((tuple(sl[:axis]) + (sl[axis],) + tuple(sl[axis + 1:]), tuple(off)))
-    return out
+               "then the single-process reference." if sizes.get("vocab_size", 0) % t else "")
+        raise ValueError(f"tensor parallelism over {t} ranks needs {', '.join(sizes)} divisible by {t}; not "
+                         f"divisible: {', '.join(bad)}. Use a tp size that divides them (heads are split "
+                         f"whole: {heads}), or change the model.{pad}")
 
 
 class _ShardDropout(Function):
@@ -114,98 +98,113 @@ class SequenceShardPositions(nn.Module):
         return precision.embedding(pos[r * Ts:(r + 1) * Ts], self.weight)  # (T/t, C)
 
 
-class ParallelLMHead(nn.Module):
-    """logits_i = f(x) wte_i^T: (B, T, C) -> (B, T, V/t); with SP the f is an all-gather."""
-
-    def __init__(self, weight, group, sequence_parallel):
-        super().__init__()
-        self.weight, self.group, self.sequence_parallel = weight, group, sequence_parallel
-
-    def forward(self, x):
-        if self.sequence_parallel:
-            x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, C) -> (B, T, C)
-        else:
-            x = copy_to_tensor_parallel_region(x, self.group)  # (B, T, C)
-        return precision.linear(x, self.weight.T)  # (B, T, V/t)
-
-
 class VocabParallelCrossEntropyLoss(nn.Module):
-    def __init__(self, group, vocab_start):
+    """The model's loss on logits (B, T, V/t) holding vocabulary [r V/t, (r+1) V/t)."""
+
+    def __init__(self, group):
         super().__init__()
-        self.group, self.vocab_start = group, vocab_start
+        self.group = group
 
     def forward(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.group, self.vocab_start)
+        return vocab_parallel_cross_entropy(logits, targets, self.group)
+
+
+def _parallel_layer(model, path, old, style, g, sp, inputs):
+    """The parallel layer that replaces module ``old`` at ``path`` under ``style`` (the plan's
+    cut); its parameters keep their single-process names and record their cut."""
+    if isinstance(style, VocabLoss):
+        return VocabParallelCrossEntropyLoss(g)
+    shared = get(model, style.tied_to).weight if getattr(style, "tied_to", None) else None
+    meta = is_meta(old.weight.data)
+    host = zeros_view if meta else to_numpy            # meta: slice zeros, stay meta
+    w = host(old.weight.data) if shared is None else None
+    b = host(old.bias.data) if getattr(old, "bias", None) is not None else None
+    dtype, layout = old.weight.data.dtype, getattr(old, "layout", "in_out")
+    a, c = old.weight.shape
+    if isinstance(style, Vocab):
+        new = VocabParallelEmbedding(a, c, group=g, sequence_parallel=sp, master_weight=w, dtype=dtype)
+    else:
+        n_in, n_out = (a, c) if layout == "in_out" else (c, a)
+        kw = dict(bias=b is not None, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
+                  dtype=dtype, layout=layout)
+        if isinstance(style, Column):
+            key = (path.rpartition(".")[0], style.shared_input)
+            one = None if style.shared_input is None else inputs.setdefault(key, SharedInput(g, sp))
+            new = ColumnParallelLinear(n_in, n_out, gather_output=False, stride=style.stride, weight=shared,
+                                       shared_input=one, **kw)
+        elif isinstance(style, Row):
+            new = RowParallelLinear(n_in, n_out, input_is_parallel=True, **kw)
+        else:
+            raise TypeError(f"tensor-parallel plan: {path!r} has style {style!r}; use Column, Row, Vocab or "
+                            "VocabLoss (pdist/models/plan.py)")
+    for pname, prm in new._params.items():
+        if prm is not None and prm is not shared:
+            prm.name = f"{path}.{pname}"
+            if meta:
+                prm.data = MetaArray(prm.data.shape, prm.data.dtype)
+    return new
 
 
 class TensorParallel(ParallelModule):
-    """``TensorParallel(GPT(cfg, seed), tp_group, sequence_parallel=False)``: this rank's
-    column/row/vocabulary shards of the one GPT (see the module docstring)."""
+    """``TensorParallel(model, tp_group, sequence_parallel=False)``: this rank's column, row
+    and vocabulary shards of the one model, cut as its plan says (see the module docstring)."""
 
     def __init__(self, module, group=None, sequence_parallel=False, check_finite=False):
         super().__init__(module, group, check_finite)
         g, t = self.group, self.group.size
         self.tp_rank, self.tp_world_size, self.sequence_parallel = g.rank, t, bool(sequence_parallel)
         self.loss_weight = 1.0 / t
-        gpt = self.module
-        check_tp_config(gpt.config, t)
+        self.plan = plan_of(self.module)
+        check_tp_config(self.module, t)
         if t > 1:
-            self._transform(gpt, g, self.sequence_parallel)
+            if not self.plan.tensor:
+                raise TypeError(f"{type(self.module).__name__}'s parallel plan cuts nothing for tensor "
+                                "parallelism (its ModelPlan.tensor is empty); use tp = 1 or give it a plan")
+            self._transform(self.module, g, self.sequence_parallel)
 
     has_late_grads = property(lambda self: (self.sequence_parallel and self.tp_world_size > 1)
                               or self.inner.has_late_grads)
     seq_shards = property(lambda self: self.tp_world_size if self.sequence_parallel else 1)
 
-    def _transform(self, gpt, g, sp):
-        cfg, C = gpt.config, gpt.config.n_embd
-
-        def swap(parent, name, make, splits):
-            old = getattr(parent, name)
-            host = zeros_view if is_meta(old.weight.data) else to_numpy   # meta: slice zeros, stay meta
-            w, b = host(old.weight.data), (host(old.bias.data) if getattr(old, "bias", None) is not None else None)
-            new = make(w, b)
-            prefix = old.weight.name.rsplit(".", 1)[0]
-            for pname, axis, stride, full in splits(w, b):
-                p = getattr(new, pname)
-                if host is zeros_view:
-                    p.data = MetaArray(p.data.shape, p.data.dtype)
-                p.name = p.global_name = f"{prefix}.{pname}"
-                p.global_shape = full.shape
-                if axis is not None:
-                    p.local_pieces = split_pieces(full.shape, axis, g.rank, g.size, stride)
-            setattr(parent, name, new)
-            return new
-
-        def col(stride):
-            return lambda w, b: [("weight", 1, stride, w), ("bias", 0, stride, b)]
-
-        def row(w, b):
-            return [("weight", 0, 1, w), ("bias", None, 1, b)]
-
-        for block in gpt.transformer.h:
-            a, m = block.attn, block.mlp
-            swap(a, "c_attn", lambda w, b: ColumnParallelLinear(
-                C, 3 * C, gather_output=False, group=g, sequence_parallel=sp, stride=3, master_weight=w,
-                master_bias=b, dtype=w.dtype), col(3))
-            swap(a, "c_proj", lambda w, b: RowParallelLinear(
-                C, C, input_is_parallel=True, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
-                dtype=w.dtype), row)
-            a.n_head = cfg.n_head // g.size   # heads on this rank
-            swap(m, "c_fc", lambda w, b: ColumnParallelLinear(
-                C, 4 * C, gather_output=False, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
-                dtype=w.dtype), col(1))
-            swap(m, "c_proj", lambda w, b: RowParallelLinear(
-                4 * C, C, input_is_parallel=True, group=g, sequence_parallel=sp, master_weight=w,
-                master_bias=b, dtype=w.dtype), row)
-        tr = gpt.transformer
-        wte = swap(tr, "wte", lambda w, b: VocabParallelEmbedding(
-            cfg.vocab_size, C, group=g, sequence_parallel=sp, master_weight=w, dtype=w.dtype),
-            lambda w, b: [("weight", 0, 1, w)])
-        gpt.lm_head = ParallelLMHead(wte.weight, g, sp)
-        gpt.loss_fn = VocabParallelCrossEntropyLoss(g, wte.vocab_start_index)
+    def _transform(self, model, g, sp):
+        """Every layer the plan names becomes its parallel layer (a layer tied to another
+        after that one); head counts are divided by t; under SP the plan's sequence modules
+        hold this rank's T/t tokens."""
+        styles = list(self.plan.tensor.items())
+        styles.sort(key=lambda kv: getattr(kv[1], "tied_to", None) is not None)
+        inputs = {}                                      # (parent, name) -> SharedInput
+        for pattern, style in styles:
+            found = select(pattern, list(model.named_modules()))
+            if not found:
+                raise ValueError(f"tensor-parallel plan of {type(model).__name__}: {pattern!r} matches no module")
+            for path, old in found:
+                put(model, path, _parallel_layer(model, path, old, style, g, sp, inputs))
+        for pattern, attrs in self.plan.heads.items():
+            for path, m in select(pattern, list(model.named_modules())):
+                for a in attrs:
+                    setattr(m, a, divide(getattr(m, a), g.size, f"{path}.{a}"))
         if sp:
-            tr.wpe = SequenceShardPositions(tr.wpe, g)
-            gpt.drop = SequenceShardDropout(gpt.drop, g)
+            for pattern, style in self.plan.sequence.items():
+                for path, old in select(pattern, list(model.named_modules())):
+                    shard = SequenceShardPositions if isinstance(style, PositionShard) else SequenceShardDropout
+                    put(model, path, shard(old, g))
+            named = list(model.named_parameters())
+            for pattern in self.plan.sequence_partial:
+                if not select(pattern, named):
+                    raise ValueError(f"sequence-parallel plan of {type(model).__name__}: {pattern!r} matches no "
+                                     "parameter")
+
+    _sp_params = None
+
+    def _sequence_partial_params(self):
+        """The replicated parameters whose gradients are partial sums under SP (the plan's
+        ``sequence_partial``): each saw only this rank's T/t tokens. Found once, at the first
+        step (a pipeline stage has pruned what it does not hold by then)."""
+        if self._sp_params is None:
+            named = list(self.module.named_parameters())
+            found = {id(p): p for pattern in self.plan.sequence_partial for _, p in select(pattern, named)}
+            self._sp_params = list(found.values())
+        return self._sp_params
 
     def local_batch(self, x, y):
         if self.sequence_parallel and x.shape[-1] % self.tp_world_size:
@@ -214,10 +213,6 @@ class TensorParallel(ParallelModule):
         return self.inner.local_batch(x, y)
 
     _partials = None      # sequence parallelism: the policy's keeper of the partial grads (grad_rounding.py)
-
-    def _sequence_partial_params(self):
-        """Every replicated parameter whose gradient is a partial sum under sequence parallelism."""
-        return [p for n, p in self.module.named_parameters() if n.endswith(SEQUENCE_PARTIAL)]
 
     def zero_grad(self):
         """(Sequence parallelism, at the first step: the policy's keeper of the partial grads.)"""
@@ -236,5 +231,5 @@ class TensorParallel(ParallelModule):
             self._partials.finish(self.group)
 
 
-__all__ = ["TensorParallel", "check_tp_config", "split_pieces", "ColumnParallelLinear", "RowParallelLinear",
+__all__ = ["TensorParallel", "check_tp_config", "ColumnParallelLinear", "RowParallelLinear",
            "VocabParallelEmbedding", "vocab_parallel_cross_entropy"]

@@ -24,7 +24,7 @@ there is no padding and the "shard" is the whole buffer.
 """
 import weakref
 
-from pdist.measure import memory_timeline
+from pdist.measure import hooks
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import xp
 from pdist.engine.host_memory import mapped_empty
@@ -102,7 +102,7 @@ class FlatParamUnit:
         for p in self.params:
             p.data = xp.empty((0,), dtype=self.dtype)
         if freed:
-            memory_timeline.mark("free", self.name)
+            hooks.event("free", self.name)
 
     def gather_buffer(self):
         """Where the next all-gather lands: a fresh (Ψ_pad,) buffer, or the freed

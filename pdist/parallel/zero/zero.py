@@ -36,13 +36,14 @@ frees it in the forward hook, gathers it again in a hook on the unit's output
 (it fires before the unit's backward runs), frees it when its gradients are
 done, and with ``prefetch`` starts the next unit's all-gather asynchronously.
 
-Units: by default each transformer block and ``ln_f`` of a GPT; every parameter
-in no unit (GPT: wte and wpe) forms the *root* unit, hooked on the model itself:
+Units: by default the modules the model's plan names (``ModelPlan.zero_units``: GPT-2's
+blocks and final LayerNorm); every parameter in no unit (GPT-2: its two embeddings)
+forms the *root* unit, hooked on the model itself:
 gathered before the model's forward and freed after it, gathered again when
 backward starts (a hook on the model's outputs), freed when its gradients are
-done. wte is tied to the LM head, so the root stays gathered through the head in
+done. GPT-2's token embedding is tied to the LM head, so the root stays gathered through the head in
 forward and through the whole backward (the head's backward comes first, the
-embedding's last). The head's ``wte.T`` node keeps a view of the root's buffer
+embedding's last). The head's ``W.T`` node keeps a view of the root's buffer
 until its backward, so that buffer is not really freed after forward; the
 backward all-gather lands in that same buffer (FlatParamUnit.gather_buffer) and
 no second copy is made. The all-gather itself is kept, so the count is the
@@ -63,11 +64,12 @@ refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any la
 """
 import math
 
-from pdist.measure import memory_timeline
+from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
 from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
+from pdist.models.plan import plan_of, select
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.zero.flat_param import FlatParamUnit
 from pdist.parallel.layout import reshard_flat
@@ -76,11 +78,10 @@ STAGES = (0, 1, 2, 3)
 
 
 def default_units(model):
-    """GPT: [block_0, ..., block_{L-1}, ln_f]; any other model: [] (one root unit)."""
-    tr = getattr(model, "transformer", None)
-    if tr is not None and hasattr(tr, "h") and hasattr(tr, "ln_f"):
-        return [m for m in list(tr.h) + [tr.ln_f] if m is not None]   # (a pipeline stage holds some)
-    return []
+    """The modules the model's plan names as units (``ModelPlan.zero_units``, in forward
+    order; those a pipeline stage does not hold are absent); none: one root unit."""
+    named = list(model.named_modules())
+    return [m for pattern in plan_of(model).zero_units for _, m in select(pattern, named)]
 
 
 class ZeRO(ParallelModule):
@@ -205,7 +206,7 @@ class ZeRO(ParallelModule):
         for w in works:
             w.wait()
         self._stale = False
-        memory_timeline.mark("all-gather", "all units")
+        hooks.event("all-gather", "all units")
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
@@ -264,7 +265,7 @@ class ZeRO(ParallelModule):
         else:                                     # P_os+g: the full gradient is freed
             u.shard.grad = out
             u.drop_grads()
-        memory_timeline.mark("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
+        hooks.event("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
 
     # -------------------------------------------------- parameters (stage 3)
     def _start_gather(self, u):
@@ -282,7 +283,7 @@ class ZeRO(ParallelModule):
             work.wait()
             u.gather_work = None
             u.finish_gather(buf)
-            memory_timeline.mark("all-gather", u.name)
+            hooks.event("all-gather", u.name)
         if self.prefetch:
             i = order.index(u)
             if i + 1 < len(order):

@@ -1,0 +1,78 @@
+"""The flight recorder: the last calls of this rank, and the step they belong to.
+
+Each rank keeps its last ``PDIST_FLIGHT_RECORDER`` (64) collectives and
+point-to-point calls in a ring buffer (one small ``Entry`` per call, made by
+``enter``); ``dump()`` writes them as JSON to ``pdist_flight_rank{r}.json`` in
+``PDIST_FLIGHT_DIR`` (default: the current directory) when a rank fails
+(failures.py). ``_cur[0]`` is the entry this rank works on now: what its waits
+belong to, and what the watchdog's roll-call reports (watchdog.py).
+
+Step stamps. ``set_step(k)`` sets a process-wide training-step number that
+every collective's fingerprint carries (check.py), so a rank that skips or
+repeats a step is caught at its first collective of the next one.
+"""
+import collections
+import json
+import os
+import time
+
+_step = [0]
+_cur = [None]            # the Entry this rank is working on (what its waits belong to)
+_flight = collections.deque(maxlen=int(os.environ.get("PDIST_FLIGHT_RECORDER", "64")))
+
+
+class Entry:
+    """One flight-recorder record: a collective (seq > 0) or a point-to-point call."""
+    __slots__ = ("group", "ranks", "op", "seq", "step", "size", "dtype", "peer", "t", "state")
+
+    def __init__(self, group, ranks, op, seq, step, size, dtype, peer=None):
+        self.group, self.ranks, self.op, self.seq, self.step = group, ranks, op, seq, step
+        self.size, self.dtype, self.peer = size, dtype, peer
+        self.t, self.state = time.time(), "started"
+
+    def as_dict(self):
+        d = {k: getattr(self, k) for k in self.__slots__}
+        d["dtype"], d["ranks"] = None if self.dtype is None else str(self.dtype), list(self.ranks)
+        return d
+
+
+def set_step(step):
+    """The training step every following collective's fingerprint carries."""
+    _step[0] = int(step)
+
+
+def get_step():
+    return _step[0]
+
+
+def enter(group, op, seq, size=0, dtype=None, peer=None):
+    """Record the start of a call and make it this rank's current one."""
+    e = Entry(group.name, group.ranks, op, seq, _step[0], size, dtype, peer)
+    _flight.append(e)
+    _cur[0] = e
+    return e
+
+
+def flight():
+    return [e.as_dict() for e in _flight]
+
+
+def dump(reason, rank, timeout_s):
+    """Write this rank's flight recorder as JSON; returns the file's path."""
+    path = os.path.join(os.environ.get("PDIST_FLIGHT_DIR", "."), f"pdist_flight_rank{rank}.json")
+    try:
+        with open(path, "w") as f:
+            json.dump({"rank": rank, "step": _step[0], "reason": reason, "timeout_s": timeout_s,
+                       "current": _cur[0].as_dict() if _cur[0] else None, "entries": flight()}, f, indent=1)
+    except OSError as e:          # a read-only directory must not hide the real error
+        return f"(not written: {e})"
+    return path
+
+
+def describe(e):
+    """'all_reduce #42 on group 'world'' or 'recv from rank 3 on group 'pp''."""
+    if e is None:
+        return "no collective"
+    if e["seq"]:
+        return f"{e['op']} #{e['seq']} on group '{e['group']}'"
+    return f"{e['op']} {'from' if 'recv' in e['op'] else 'to'} rank {e['peer']} on group '{e['group']}'"

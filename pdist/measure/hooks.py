@@ -1,0 +1,185 @@
+"""Step hooks: where the instruments attach to the training step (docs/design.md, the phases).
+
+The core runs the step; instruments subscribe to it. ``Strategy.forward_backward``
+(pdist/parallel/base.py) runs its phases through ``step(model, x)``, ``Local.compute``
+wraps each micro-batch's forward and backward in ``span(name, mb=i)``, and ZeRO announces
+its memory events with ``event(name, unit)``. The core imports none of the instruments;
+they import this module (it imports nothing), so it sits on the lowest floor beside the
+trace. With nothing subscribed, a phase costs one call and a truth test, a pass one truth
+test, and nobody reads a clock.
+
+A subscriber is a ``StepHook`` overriding what it needs (the rest stay no-ops):
+
+    begin(s)            before the first phase. s, the ``Step``: s.model (the strategy whose
+                        forward_backward runs), s.step (the training step), s.tokens (this
+                        rank's tokens, x.size; fault injection scales it for an uneven shard)
+    enter(s, phase)     before each phase of PHASES
+    skip(s, phase)      True: the phase does not run this step (it returns None)
+    exit(s, phase)      after each phase, skipped or not
+    end(s)              after the last phase (not reached when a phase raised)
+    span(name, **args)  a context manager around one micro-batch's forward or backward
+    event(name, unit)   a memory event ("all-gather", "free", "reduce-scatter", "all-reduce")
+
+Subscribers nest as context managers do, by ``order`` (lower: outer; ties: first
+subscribed outer): begin and enter run outer first, exit and end inner first. Who
+subscribes, and when:
+
+    straggler detector  order 0   when pdist.faults.debug is imported (debug.disable/enable)
+    trace, phases       order 0   while trace detail is on (trace.set_detail, PDIST_TRACE_DETAIL)
+    trace, passes       order 0   while the trace records (the default; trace.disable/enable)
+    fault injection     order 10  from inject.set(spec) with a fault of the step, to inject.clear()
+    memory timeline     order 0   inside ``with memory_timeline.record(...)``
+
+Fault injection sits inside the detector and the trace, so an injected delay counts as
+compute and the detector sees the scaled tokens.
+"""
+import contextlib
+
+PHASES = ("zero_grad", "compute", "grad_sync", "stats")
+_STEP = ("begin", "enter", "skip", "exit", "end")
+_subs = []               # [(order, seq, hook)], sorted
+_seq = [0]
+
+
+class StepHook:
+    """The no-op subscriber: subclass it and override any of the methods (module doc)."""
+
+    order = 0
+
+    def begin(self, s):
+        pass
+
+    def enter(self, s, phase):
+        pass
+
+    def skip(self, s, phase):
+        return False
+
+    def exit(self, s, phase):
+        pass
+
+    def end(self, s):
+        pass
+
+    def span(self, name, **args):
+        return None
+
+    def event(self, name, unit=None):
+        pass
+
+
+def _overrides(hook, name):
+    return getattr(type(hook), name) is not getattr(StepHook, name)
+
+
+def _by_method():
+    """{method: the subscribers that override it, in call order}: exit and end inner first."""
+    hooks = [h for _, _, h in _subs]
+    out = {m: tuple(h for h in hooks if _overrides(h, m)) for m in _STEP + ("span", "event")}
+    out["exit"], out["end"] = out["exit"][::-1], out["end"][::-1]
+    out["any"] = any(out[m] for m in _STEP)
+    return out
+
+
+_calls = _by_method()
+
+
+def subscribe(hook, order=None):
+    """Add ``hook`` (a StepHook) at ``order`` (default: ``hook.order``); again: a no-op."""
+    if not isinstance(hook, StepHook):
+        raise TypeError(f"hooks.subscribe: {type(hook).__name__} is not a pdist.measure.hooks.StepHook; "
+                        "subclass it and override begin/enter/skip/exit/end/span/event")
+    global _calls
+    if not any(h is hook for _, _, h in _subs):
+        _seq[0] += 1
+        _subs.append((hook.order if order is None else order, _seq[0], hook))
+        _subs.sort(key=lambda e: e[:2])
+        _calls = _by_method()
+    return hook
+
+
+def unsubscribe(hook):
+    """Remove ``hook`` (not subscribed: a no-op)."""
+    global _calls
+    _subs[:] = [e for e in _subs if e[2] is not hook]
+    _calls = _by_method()
+
+
+def subscribers():
+    """The subscribed hooks, outer first."""
+    return [h for _, _, h in _subs]
+
+
+class Step:
+    """One ``forward_backward`` with subscribers: ``run(phase, fn, *args)`` calls ``fn(*args)``
+    between the subscribers' enter and exit (not when one says skip); ``run.end()``."""
+
+    __slots__ = ("model", "step", "tokens", "_enter", "_skip", "_exit", "_end")
+
+    def __init__(self, model, x, calls):
+        self.model, self.step, self.tokens = model, model.steps, getattr(x, "size", 0)
+        self._enter, self._skip = calls["enter"], calls["skip"]
+        self._exit, self._end = calls["exit"], calls["end"]
+        for h in calls["begin"]:
+            h.begin(self)
+
+    def __call__(self, phase, fn, *args):
+        for h in self._enter:
+            h.enter(self, phase)
+        skip = self._skip and any(h.skip(self, phase) for h in self._skip)
+        out = None if skip else fn(*args)
+        for h in self._exit:
+            h.exit(self, phase)
+        return out
+
+    def end(self):
+        for h in self._end:
+            h.end(self)
+
+
+class _Off:
+    """The step when nothing is subscribed: each phase is its plain call."""
+
+    __slots__ = ()
+
+    def __call__(self, phase, fn, *args):
+        return fn(*args)
+
+    def end(self):
+        pass
+
+
+OFF = _Off()
+_NULL = contextlib.nullcontext()
+
+
+def step(model, x):
+    """The runner of one step of ``model`` on this rank's rows ``x``: a ``Step`` when a
+    subscriber listens to the phases, else ``OFF``."""
+    c = _calls
+    return Step(model, x, c) if c["any"] else OFF
+
+
+def span(name, **args):
+    """``with hooks.span("forward", mb=i):`` every subscriber's span around the block."""
+    hs = _calls["span"]
+    if not hs:
+        return _NULL
+    if len(hs) == 1:
+        return hs[0].span(name, **args) or _NULL
+    stack = contextlib.ExitStack()
+    for h in hs:
+        cm = h.span(name, **args)
+        if cm is not None:
+            stack.enter_context(cm)
+    return stack
+
+
+def event(name, unit=None):
+    """A memory event of a strategy (ZeRO: a unit gathered, freed, its gradient reduced)."""
+    for h in _calls["event"]:
+        h.event(name, unit)
+
+
+__all__ = ["StepHook", "Step", "PHASES", "subscribe", "unsubscribe", "subscribers", "step", "span", "event",
+           "OFF"]
