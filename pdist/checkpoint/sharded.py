@@ -12,7 +12,7 @@ reads, memory-mapped, only the parts of saved boxes that overlap the pieces it h
     step, extra = checkpoint.load(model, opt, "ckpt/step-000100")    # any layout, any world size
     train(model, opt, get_batch, steps - step, start=step)
 
-    python -m pdist.checkpoint verify DIR | inspect DIR | consolidate DIR OUT
+    python -m pdist.checkpoint verify DIR | inspect DIR | consolidate DIR OUT   (cli.py)
 
 Both are collective over ``model.span_group()`` (the world; a plain model, such as a
 ``GPT``, is one process: ``Local(model)``). ``save`` writes into a
@@ -32,7 +32,6 @@ import os
 import re
 import secrets
 import shutil
-import sys
 
 import numpy as np
 
@@ -126,23 +125,7 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
         else [(slices, size, digest, sorted(steps))]
     index = None                       # every rank's file is fsynced once rank 0 has all the parts
     if me == 0:
-        adam = sorted({s for part in parts for s in part[3]})
-        if len(adam) > 1:
-            raise CheckpointError(f"{dir}: Adam's step differs between tensors ({adam}); "
-                                  "cannot save one step")
-        tensors = {}
-        for part in parts:
-            for name, gshape, dtype, s in part[0]:
-                tensors.setdefault(name, {"shape": gshape, "dtype": dtype, "slices": []})["slices"].append(s)
-        cfg = getattr(model.module, "config", None)
-        scaler = getattr(model, "scaler", None)          # fp16's GradScaler: S and its growth tracker
-        index = {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
-                 "adam_step": adam[0] if adam else None, "layout": _layout(model),
-                 "scaler": scaler.state_dict() if scaler is not None else None,
-                 **model_record(cfg),                            # model_type and config
-                 "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
-                           for r, part in enumerate(parts)},
-                 "tensors": tensors}
+        index = _index(model, parts, dir, step, extra)
         text = json.dumps(index, indent=1, allow_nan=False) + "\n"
         write_file(os.path.join(tmp, INDEX), text.encode())      # last: it makes the directory a checkpoint
         fsync_dir(tmp)
@@ -152,6 +135,28 @@ def save(model, optimizer, dir, step, extra=None, keep=None):
     if group.size > 1:
         group.barrier()                # nobody returns before the checkpoint is in place
     return index
+
+
+def _index(model, parts, dir, step, extra):
+    """The index (rank 0): ``parts`` is every rank's (slices, file bytes, sha256, Adam
+    steps); the slices of each tensor are listed under its name."""
+    adam = sorted({s for part in parts for s in part[3]})
+    if len(adam) > 1:
+        raise CheckpointError(f"{dir}: Adam's step differs between tensors ({adam}); "
+                              "cannot save one step")
+    tensors = {}
+    for part in parts:
+        for name, gshape, dtype, s in part[0]:
+            tensors.setdefault(name, {"shape": gshape, "dtype": dtype, "slices": []})["slices"].append(s)
+    cfg = getattr(model.module, "config", None)
+    scaler = getattr(model, "scaler", None)          # fp16's GradScaler: S and its growth tracker
+    return {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
+            "adam_step": adam[0] if adam else None, "layout": _layout(model),
+            "scaler": scaler.state_dict() if scaler is not None else None,
+            **model_record(cfg),                            # model_type and config
+            "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
+                      for r, part in enumerate(parts)},
+            "tensors": tensors}
 
 
 def _swap_in(tmp, dir):
@@ -262,54 +267,4 @@ def load(model, optimizer, dir, checksums=True):
     return index["step"], index.get("extra")
 
 
-def describe(dir):
-    """What ``inspect`` prints: the step, the layout, and every tensor with its size."""
-    index = read_index(dir)
-    lay = index["layout"]
-    lines = [f"{dir}: pdist checkpoint v{index['version']}, step {index['step']}, "
-             f"Adam step {index['adam_step']}",
-             f"layout: world {lay['world_size']}, mesh {lay['mesh']}",
-             "chain: " + " <- ".join(", ".join(f"{k}={v}" for k, v in d.items()) for d in lay["chain"]),
-             f"config: {index['config']}", f"extra: {index['extra']}",
-             f"files: {len(index['files'])}, {sum(f['bytes'] for f in index['files'].values()):,} bytes"]
-    total = 0
-    for name, t in index["tensors"].items():
-        nbytes = int(np.prod(t["shape"])) * np.dtype(t["dtype"]).itemsize
-        total += nbytes
-        lines.append(f"  {name:60s} {str(tuple(t['shape'])):14s} {t['dtype']:8s} {nbytes:>12,} B  "
-                     f"{len(t['slices'])} slice(s)")
-    lines.append(f"tensors: {len(index['tensors'])}, {total:,} bytes")
-    return "\n".join(lines)
-
-
-def main(argv=None):
-    import argparse
-    ap = argparse.ArgumentParser(prog="python -m pdist.checkpoint", description=__doc__.split("\n\n")[0])
-    sub = ap.add_subparsers(dest="cmd", required=True)
-    sub.add_parser("verify", help="check completeness and checksums (exit 0/1)").add_argument("dir")
-    sub.add_parser("inspect", help="print the layout, step, tensors and sizes").add_argument("dir")
-    c = sub.add_parser("consolidate", help="write DIR as a Hugging Face GPT-2 or Llama (model.safetensors, "
-                       "config.json) in OUT")
-    c.add_argument("dir")
-    c.add_argument("out")
-    a = ap.parse_args(argv)
-    try:
-        if a.cmd == "verify":
-            index = verify(a.dir)
-            print(f"OK {a.dir}: step {index['step']}, {len(index['files'])} file(s), "
-                  f"{len(index['tensors'])} tensors complete, checksums match")
-        elif a.cmd == "inspect":
-            print(describe(a.dir))
-        else:
-            print(f"wrote {consolidate(a.dir, a.out)}")
-    except CheckpointError as e:
-        print(f"FAILED: {e}", file=sys.stderr)
-        return 1
-    return 0
-
-
-__all__ = ["save", "load", "latest", "prune", "verify", "describe", "consolidate", "from_pretrained",
-           "CheckpointError"]
-
-if __name__ == "__main__":
-    sys.exit(main())
+__all__ = ["save", "load", "latest", "prune", "verify", "consolidate", "from_pretrained", "CheckpointError"]

@@ -134,91 +134,142 @@ def _mean(v):
     return sum(v) / len(v) if v else 0.0
 
 
-def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
-    """Name the slow rank and tell the cause (module doc). ``source``: a model (or
-    None): gather the last ``last`` steps of every rank (collective over ``group``);
-    or a list (per rank) of gathered dicts / lists of records. The first ``skip``
-    steps (warm-up) are dropped when more remain. ``threshold``: a rank whose compute
-    exceeds the others' median by more than this fraction is a straggler."""
+def _align(source, group, last, skip):
+    """Every rank's records on the steps all of them recorded, the first ``skip``
+    (warm-up) dropped when more remain: (per, steps). ``per``: per rank, a dict of
+    rank, records and links (a gather when ``source`` is not a list)."""
     if source is None or not isinstance(source, list):
         source = gather(group, last)
     per = [s if isinstance(s, dict) else {"rank": i, "records": s, "links": {}} for i, s in enumerate(source)]
     steps = sorted(set.intersection(*[{r["step"] for r in p["records"]} for p in per])) if per else []
     if len(steps) > skip + 1:
         steps = steps[skip:]
-    ranks = [p["rank"] for p in per]
-    by = [{r["step"]: r for r in p["records"]} for p in per]
+    return per, steps
+
+
+def _wait(r):
+    return sum(r["wait_" + ph] for ph in PHASES)
+
+
+def _net_compute(r):
+    """The compute phase less its waits (TP peers)."""
+    return max(0.0, r["compute"] - r["wait_compute"])
+
+
+class _Steps:
+    """The aligned steps as the diagnoses read them. ``comp[i][j]``: rank i's net
+    compute on step j; ``rows``: per rank, the means shown by the report;
+    ``excess[i][j]``: rank i's compute over the median of the others' on step j, less 1;
+    ``slow``: the rank of the largest mean excess, ``others`` the rest."""
+
+    def __init__(self, per, steps):
+        self.per, self.steps = per, steps
+        self.ranks = [p["rank"] for p in per]
+        self.by = [{r["step"]: r for r in p["records"]} for p in per]
+        self.n, self.k = len(self.by), len(steps)
+        self.comp = [[_net_compute(b[s]) for s in steps] for b in self.by]
+        self.rows = [self._row(i) for i in range(self.n)]
+        comp, n = self.comp, self.n
+        self.excess = [[comp[i][j] / max(1e-12, _median([comp[q][j] for q in range(n) if q != i] or [comp[i][j]])) - 1
+                        for j in range(self.k)] for i in range(n)]
+        self.mean_ex = [_mean(e) for e in self.excess]
+        self.slow = max(range(n), key=lambda i: self.mean_ex[i])
+        self.others = [q for q in range(n) if q != self.slow]
+        self.step_t = _mean(r["step"] for r in self.rows)
+        self.comm_t = _mean(r["comm"] + r["link"] for r in self.rows)
+
+    def _row(self, i):
+        """Rank i's seconds per step (mean over the steps): step, compute, wait, link,
+        comm (the rest of the step), and its tokens."""
+        rs = [self.by[i][s] for s in self.steps]
+        step_t = _mean(sum(r[ph] for ph in PHASES) for r in rs)
+        w, lk = _mean(_wait(r) for r in rs), _mean(r["link"] for r in rs)
+        return {"rank": self.ranks[i], "step": step_t, "compute": _mean(self.comp[i]), "wait": w, "link": lk,
+                "comm": max(0.0, step_t - _mean(self.comp[i]) - w - lk), "tokens": _mean(r["tokens"] for r in rs)}
+
+
+def _cause(t, slow_steps, threshold):
+    """Why the slow rank is slow on ``slow_steps``: (cause, why), or (None, None) when
+    no signature fits. Uneven shard: slower where it holds more tokens; throttled device:
+    slow on (almost) every step; intermittent: some steps, same tokens, little comm."""
+    ex, k = t.excess[t.slow], t.k
+    tok = [t.by[t.slow][t.steps[j]]["tokens"] for j in range(k)]
+    mid = 0.5 * (min(tok) + max(tok))
+    heavy = [j for j in range(k) if tok[j] > mid] if max(tok) > 1.05 * min(tok) else []
+    light = [j for j in range(k) if j not in heavy]
+    ex_heavy, ex_light = _mean(ex[j] for j in heavy), _mean(ex[j] for j in light)
+    if heavy and light and ex_heavy - ex_light > threshold:   # slow where it holds more tokens
+        return "uneven shard", (
+            f"slow on the {len(heavy)}/{k} steps where it holds {_mean(tok[j] for j in heavy) / _mean(tok[j] for j in light):.2f}x "
+            f"the tokens ({1 + ex_heavy:.2f}x the others' compute there, {1 + ex_light:.2f}x elsewhere)")
+    if len(slow_steps) / k >= 0.8:
+        return "throttled device", f"slow in compute on {len(slow_steps)}/{k} steps, with the same tokens"
+    if t.comm_t <= 0.3 * t.step_t and t.mean_ex[t.slow] > 2 * threshold:   # above the noise of shared cores
+        return "intermittent", f"slow on {len(slow_steps)}/{k} steps, same tokens (contention? noise?)"
+    return None, None
+
+
+def _compute_straggler(t, threshold):
+    """The report naming a rank slow in compute (its excess above ``threshold`` on its
+    mean or on a quarter of the steps, with a cause), or None."""
+    slow, others = t.slow, t.others
+    slow_steps = [j for j in range(t.k) if t.excess[slow][j] > threshold]
+    if not (t.n > 1 and slow_steps and (t.mean_ex[slow] > threshold or len(slow_steps) / t.k >= 0.25)):
+        return None
+    cause, why = _cause(t, slow_steps, threshold)
+    if cause is None:
+        return None
+    extra = _mean(t.comp[slow][j] - _median([t.comp[q][j] for q in others]) for j in slow_steps)
+    factor = 1 + _mean(t.excess[slow][j] for j in slow_steps)
+    wait_ph = max(PHASES, key=lambda ph: _mean(t.by[q][s]["wait_" + ph] for q in others for s in t.steps))
+    w_others = _mean(t.rows[q]["wait"] for q in others)
+    text = (f"straggler: rank {t.ranks[slow]} ({cause}): its compute is {factor:.2f}x the others' median "
+            f"(+{extra * 1e3:.1f} ms on its slow steps); {why}. The others wait for it "
+            f"{w_others * 1e3:.1f} ms/step, mostly in {wait_ph}.")
+    return Report(rank=t.ranks[slow], cause=cause, slowdown=factor, extra_s=extra, phase=wait_ph, link=None,
+                  rows=t.rows, steps_slow=len(slow_steps), steps=t.k, text=text)
+
+
+def _slow_link(t):
+    """The report of a step spent on the wire (over 30% of it in communication), naming
+    the group of the most link seconds (averaged over the ranks), or None."""
+    if t.comm_t <= 0.3 * t.step_t:
+        return None
+    links = {}
+    for p in t.per:
+        for name, (rk, s) in p.get("links", {}).items():
+            key = (name, tuple(rk))
+            links[key] = links.get(key, 0.0) + s / len(t.per)
+    worst = max(links.items(), key=lambda kv: kv[1]) if links else None
+    link = (worst[0][0], list(worst[0][1]), worst[1]) if worst else None
+    where = (f"group '{link[0]}' (world ranks {link[1]}) accumulated {link[2]:.3f} s of link time"
+             if link else "the collectives' transfers (no simulated link recorded)")
+    text = (f"slow link: no rank is slow in compute every step; every rank spends {t.comm_t * 1e3:.1f} of "
+            f"{t.step_t * 1e3:.1f} ms/step communicating, not waiting for a peer; {where}.")
+    return Report(rank=None, cause="slow link", slowdown=1 + t.mean_ex[t.slow], extra_s=0.0, phase="grad_sync",
+                  link=link, rows=t.rows, text=text)
+
+
+def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
+    """Name the slow rank and tell the cause (module doc). ``source``: a model (or
+    None): gather the last ``last`` steps of every rank (collective over ``group``);
+    or a list (per rank) of gathered dicts / lists of records. The first ``skip``
+    steps (warm-up) are dropped when more remain. ``threshold``: a rank whose compute
+    exceeds the others' median by more than this fraction is a straggler."""
+    per, steps = _align(source, group, last, skip)
     if not steps:
         return Report(rank=None, cause="no data", slowdown=1.0, extra_s=0.0, phase=None, link=None, rows=[],
                       text="no step recorded on every rank (run forward_backward first)")
-
-    def wait(r):
-        return sum(r["wait_" + ph] for ph in PHASES)
-
-    def net_compute(r):     # compute phase less its waits (TP peers) and simulated link time
-        return max(0.0, r["compute"] - r["wait_compute"])
-    comp = [[net_compute(b[s]) for s in steps] for b in by]
-    rows = []
-    for i, b in enumerate(by):
-        rs = [b[s] for s in steps]
-        step_t = _mean(sum(r[ph] for ph in PHASES) for r in rs)
-        w, lk = _mean(wait(r) for r in rs), _mean(r["link"] for r in rs)
-        rows.append({"rank": ranks[i], "step": step_t, "compute": _mean(comp[i]), "wait": w, "link": lk,
-                     "comm": max(0.0, step_t - _mean(comp[i]) - w - lk), "tokens": _mean(r["tokens"] for r in rs)})
-    n, k = len(by), len(steps)
-    # per step, each rank's compute against the median of the others
-    excess = [[comp[i][j] / max(1e-12, _median([comp[q][j] for q in range(n) if q != i] or [comp[i][j]])) - 1
-               for j in range(k)] for i in range(n)]
-    mean_ex = [_mean(e) for e in excess]
-    slow = max(range(n), key=lambda i: mean_ex[i])
-    others = [q for q in range(n) if q != slow]
-    slow_steps = [j for j in range(k) if excess[slow][j] > threshold]
-    frac = len(slow_steps) / k
-    step_t = _mean(r["step"] for r in rows)
-    comm_t = _mean(r["comm"] + r["link"] for r in rows)
-    if n > 1 and slow_steps and (mean_ex[slow] > threshold or frac >= 0.25):
-        extra = _mean(comp[slow][j] - _median([comp[q][j] for q in others]) for j in slow_steps)
-        factor = 1 + _mean(excess[slow][j] for j in slow_steps)
-        tok = [by[slow][steps[j]]["tokens"] for j in range(k)]
-        mid = 0.5 * (min(tok) + max(tok))
-        heavy = [j for j in range(k) if tok[j] > mid] if max(tok) > 1.05 * min(tok) else []
-        light = [j for j in range(k) if j not in heavy]
-        ex_heavy, ex_light = _mean(excess[slow][j] for j in heavy), _mean(excess[slow][j] for j in light)
-        wait_ph = max(PHASES, key=lambda ph: _mean(by[q][s]["wait_" + ph] for q in others for s in steps))
-        cause = None
-        if heavy and light and ex_heavy - ex_light > threshold:   # slow where it holds more tokens
-            cause, why = "uneven shard", (
-                f"slow on the {len(heavy)}/{k} steps where it holds {_mean(tok[j] for j in heavy) / _mean(tok[j] for j in light):.2f}x "
-                f"the tokens ({1 + ex_heavy:.2f}x the others' compute there, {1 + ex_light:.2f}x elsewhere)")
-        elif frac >= 0.8:
-            cause, why = "throttled device", f"slow in compute on {len(slow_steps)}/{k} steps, with the same tokens"
-        elif comm_t <= 0.3 * step_t and mean_ex[slow] > 2 * threshold:   # above the noise of shared cores
-            cause, why = "intermittent", f"slow on {len(slow_steps)}/{k} steps, same tokens (contention? noise?)"
-        if cause is not None:
-            w_others = _mean(rows[q]["wait"] for q in others)
-            text = (f"straggler: rank {ranks[slow]} ({cause}): its compute is {factor:.2f}x the others' median "
-                    f"(+{extra * 1e3:.1f} ms on its slow steps); {why}. The others wait for it "
-                    f"{w_others * 1e3:.1f} ms/step, mostly in {wait_ph}.")
-            return Report(rank=ranks[slow], cause=cause, slowdown=factor, extra_s=extra, phase=wait_ph, link=None,
-                          rows=rows, steps_slow=len(slow_steps), steps=k, text=text)
-    # nobody's compute stands out every step: is the step spent on the wire?
-    links = {}
-    for p in per:
-        for name, (rk, s) in p.get("links", {}).items():
-            key = (name, tuple(rk))
-            links[key] = links.get(key, 0.0) + s / len(per)
-    if comm_t > 0.3 * step_t:
-        worst = max(links.items(), key=lambda kv: kv[1]) if links else None
-        link = (worst[0][0], list(worst[0][1]), worst[1]) if worst else None
-        where = (f"group '{link[0]}' (world ranks {link[1]}) accumulated {link[2]:.3f} s of link time"
-                 if link else "the collectives' transfers (no simulated link recorded)")
-        text = (f"slow link: no rank is slow in compute every step; every rank spends {comm_t * 1e3:.1f} of "
-                f"{step_t * 1e3:.1f} ms/step communicating, not waiting for a peer; {where}.")
-        return Report(rank=None, cause="slow link", slowdown=1 + mean_ex[slow], extra_s=0.0, phase="grad_sync",
-                      link=link, rows=rows, text=text)
-    return Report(rank=None, cause="balanced", slowdown=1 + mean_ex[slow], extra_s=0.0, phase=None, link=None,
-                  rows=rows, text=f"balanced: no rank's compute is more than {threshold:.0%} above the others' "
-                                  f"(max {1 + mean_ex[slow]:.2f}x, rank {ranks[slow]}).")
+    t = _Steps(per, steps)
+    rep = _compute_straggler(t, threshold)
+    if rep is None:   # nobody's compute stands out every step: is the step spent on the wire?
+        rep = _slow_link(t)
+    if rep is None:
+        worst = 1 + t.mean_ex[t.slow]
+        rep = Report(rank=None, cause="balanced", slowdown=worst, extra_s=0.0, phase=None, link=None, rows=t.rows,
+                     text=f"balanced: no rank's compute is more than {threshold:.0%} above the others' "
+                          f"(max {worst:.2f}x, rank {t.ranks[t.slow]}).")
+    return rep
 
 
 def monitor(every=10, group=None, callback=None, last=None):

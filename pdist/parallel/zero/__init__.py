@@ -1,8 +1,10 @@
 """ZeRO stages 0-3 over FSDP-style flat sharded units (Rajbhandari et al., 2020).
 
     zero.py        the strategy: hooks, reductions, stage-3 gathers
+    units.py       which modules are units, their flat buffers, where each shard sits
     flat_param.py  one unit: its parameters in one flat buffer, this rank's shard
 """
-from pdist.parallel.zero.zero import STAGES, ZeRO, default_units
+from pdist.parallel.zero.units import default_units
+from pdist.parallel.zero.zero import STAGES, ZeRO
 
 __all__ = ["ZeRO", "STAGES", "default_units"]

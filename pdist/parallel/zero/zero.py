@@ -36,7 +36,7 @@ frees it in the forward hook, gathers it again in a hook on the unit's output
 (it fires before the unit's backward runs), frees it when its gradients are
 done, and with ``prefetch`` starts the next unit's all-gather asynchronously.
 
-Units: by default the modules the model's plan names (``ModelPlan.zero_units``: GPT-2's
+Units (units.py): by default the modules the model's plan names (``ModelPlan.zero_units``: GPT-2's
 blocks and final LayerNorm); every parameter in no unit (GPT-2: its two embeddings)
 forms the *root* unit, hooked on the model itself:
 gathered before the model's forward and freed after it, gathered again when
@@ -62,26 +62,15 @@ ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
 interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
 refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
 """
-import math
-
 from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
 from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
-from pdist.models.plan import plan_of, select
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.zero.flat_param import FlatParamUnit
-from pdist.parallel.layout import reshard_flat
+from pdist.parallel.zero.units import build_units, check_same_on_all_ranks, default_units, shard_pieces
 
 STAGES = (0, 1, 2, 3)
-
-
-def default_units(model):
-    """The modules the model's plan names as units (``ModelPlan.zero_units``, in forward
-    order; those a pipeline stage does not hold are absent); none: one root unit."""
-    named = list(model.named_modules())
-    return [m for pattern in plan_of(model).zero_units for _, m in select(pattern, named)]
 
 
 class ZeRO(ParallelModule):
@@ -105,9 +94,9 @@ class ZeRO(ParallelModule):
         self.loss_weight = 1.0 / self.dp_world_size
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
-        self.units = self._build_units(self.module, unit_modules)
-        self._check_same_on_all_ranks()
-        self._pieces = self._shard_pieces(inner_pieces)
+        self.root, self.units = build_units(self.inner, self.module, unit_modules, self.group, stage)
+        check_same_on_all_ranks(self.group, stage, self.units)
+        self._pieces = shard_pieces(self.units, inner_pieces)
         if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
             fill_pieces(self._pieces if stage == 3 else inner_pieces, self.module.init_rows)
         self._inflight = None          # (unit, out, Work) of the one reduction in flight
@@ -117,38 +106,6 @@ class ZeRO(ParallelModule):
         self._install_hooks(unit_modules)
 
     # ---------------------------------------------------------------- setup
-    def _build_units(self, module, unit_modules):
-        names = {id(p): n for n, p in self.inner.named_parameters()}
-        owner, groups = {}, []
-        for i, m in enumerate(unit_modules):
-            if m is module:
-                raise ValueError("ZeRO units: do not list the model itself; its leftover parameters "
-                                 "already form the root unit")
-            named = []
-            for _, p in m.named_parameters():
-                if id(p) not in names:
-                    raise ValueError(f"ZeRO unit {i} ({type(m).__name__}) has a parameter that is not "
-                                     f"in the model: pass sub-modules of the wrapped model")
-                if id(p) in owner:
-                    raise ValueError(f"parameter {names[id(p)]} is in ZeRO units {owner[id(p)]} and {i}: "
-                                     f"each parameter must belong to exactly one unit")
-                owner[id(p)] = i
-                named.append((names[id(p)], p))
-            groups.append((f"unit{i}", named))
-        root = [(n, p) for n, p in self.inner.named_parameters() if id(p) not in owner]
-        sharded, keep_full = self.stage >= 1, self.stage <= 2
-        units = [FlatParamUnit(name, named, self.group, sharded, keep_full) for name, named in groups]
-        self.root = FlatParamUnit("root", root, self.group, sharded, keep_full) if root else None
-        return ([self.root] if self.root else []) + units
-
-    def _check_same_on_all_ranks(self):
-        mine = (self.stage, [u.numel for u in self.units], str(self.units[0].dtype))
-        everyone = self.group.all_gather_object(mine)
-        if any(o != mine for o in everyone):
-            raise ValueError("ZeRO: ranks disagree on (stage, unit sizes, dtype): "
-                             + "; ".join(f"rank {r}: {o}" for r, o in enumerate(everyone))
-                             + " -- every rank must wrap the same model with the same stage")
-
     def _install_hooks(self, unit_modules):
         for u in self.units:
             for p in u.params:
@@ -164,20 +121,6 @@ class ZeRO(ParallelModule):
         for m, u in hooked:
             m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
             m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
-
-    def _shard_pieces(self, inner_pieces):
-        """Where each unit's shard sits in the single-process tensors (layout.py): the
-        shard's flat range cut into boxes of each parameter it overlaps; no padding."""
-        by_tensor = {}
-        for pc in inner_pieces:
-            by_tensor.setdefault(id(pc.tensor), []).append(pc)
-        out = []
-        for u in self.units:
-            for p, o, shape in zip(u.params, u.offsets, u.shapes):
-                a, b = max(u.lo, o), min(u.hi, o + math.prod(shape))
-                if a < b:
-                    out += reshard_flat(by_tensor[id(p)], shape, a - o, b - o, u.shard, u.lo - o)
-        return out
 
     # ------------------------------------------------------ the one shape
     def named_parameters(self):
