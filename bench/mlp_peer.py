@@ -67,7 +67,7 @@ def strategy(name, dtype):
     from pdist.comm import get_world
     from pdist.comm.mesh import DeviceMesh
     from pdist.parallel import DataParallel, Local, PipelineParallel
-    from pdist.parallel.pipeline.pipeline_parallel import partition_layers
+    from pdist.parallel.pipeline.stages import partition_layers
     _, dp, pp, schedule, _, _ = CONFIGS[name]
     model, ce = build(dtype)
     if pp == 1:

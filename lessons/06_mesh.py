@@ -66,7 +66,7 @@ from pdist.models import registry
 from pdist.models.plan import matches, tp_split
 from pdist.parallel import Local, MixedPrecision, check_layout, parallelize
 from pdist.parallel.layout import box_slices
-from pdist.parallel.pipeline.pipeline_parallel import partition_layers
+from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import virtual_stage
 from pdist.training import train
 

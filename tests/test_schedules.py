@@ -5,7 +5,7 @@ import pytest
 from pdist.parallel.pipeline import schedules as S
 from pdist.parallel.pipeline import simulate as sim
 from pdist.parallel.pipeline.draw import ascii_timeline, label, plot_timeline
-from pdist.parallel.pipeline.pipeline_parallel import partition_layers
+from pdist.parallel.pipeline.stages import partition_layers
 
 CASES = [(name, p, m, v) for p in range(1, 7) for m in range(1, 3 * p + 1)
          for name, v in (("gpipe", 1), ("1f1b", 1), ("interleaved", 2), ("interleaved", 3))

@@ -28,7 +28,8 @@ from pdist.comm import flight_recorder, topology, watchdog
 from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
 from pdist.comm.collectives import Collectives
 from pdist.comm.flight_recorder import _cur, _step
-from pdist.comm.mpi import MPI, MPICollectives, MPIP2P, contiguous_flat
+from pdist.comm.mpi import MPI, MPIP2P, contiguous_flat
+from pdist.comm.mpi_collectives import MPICollectives
 from pdist.comm.objects import ObjectCollectives
 from pdist.comm.point_to_point import PointToPoint
 from pdist.comm.work import Pending, Work, settle

@@ -20,7 +20,8 @@ class MPIHostBackend:
     MPICollectives; ``async_op`` ops stay non-blocking (the copy back runs in wait())."""
 
     def __init__(self, mpi_comm):
-        from pdist.comm.mpi import MPICollectives, MPIP2P
+        from pdist.comm.mpi import MPIP2P
+        from pdist.comm.mpi_collectives import MPICollectives
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
         self.mpi = MPICollectives(mpi_comm.Dup())
         self.user = MPICollectives(mpi_comm.Dup())

@@ -32,19 +32,19 @@ import numpy as np
 from pdist import comm
 from pdist.measure import hooks
 from pdist.engine.backend import to_numpy, xp
-from pdist.errors import NonFiniteError
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
-from pdist.optim import nonfinite_report
 from pdist.engine.precision import policy_of
-from pdist.parallel.layout import box_slices, shards_of, whole
+from pdist.parallel.layout import whole
+from pdist.parallel.nonfinite import NonFiniteCheck
+from pdist.parallel.state import StateDicts
 
 def default_group(group):
     """``group``, or the world group when it is None (the one place that defaults it)."""
     return comm.get_world() if group is None else group
 
 
-class Strategy:
+class Strategy(StateDicts, NonFiniteCheck):
     """What every layer of the chain answers. ``Local`` ends the chain; wrappers
     (``ParallelModule``) delegate to ``inner`` and add their own part."""
 
@@ -111,102 +111,10 @@ class Strategy:
         with deferred_index_checks():
             return self.compute(x, y)
 
-    def _nonfinite(self, loss):
-        """Names of what is non-finite on this rank: "loss", and the single-process names
-        of the parameters whose gradient piece here is (one check per tensor first)."""
-        tensors = {str(id(t)): t for t in self.parameters()}
-        found = nonfinite_report([(k, t.grad) for k, t in tensors.items()], loss)
-        bad = {k for k in found if k != "loss"}
-        names = ["loss"] if "loss" in found else []
-        if bad:                     # which single-process parameters (a ZeRO shard spans several)
-            names += sorted({p.name for p in self.pieces() if str(id(p.tensor)) in bad
-                             and not bool(xp.isfinite(p.view(p.tensor.grad)).all())})
-        return names
-
-    def _raise_nonfinite(self, bad):
-        """Every rank: gather who saw what (only on this rare path) and raise the same error."""
-        me = comm.get_world().rank
-        found = sorted(set(self.collect([(me, n) for n in bad])))
-        losses = sorted({r for r, n in found if n == "loss"})
-        grads = [(r, n) for r, n in found if n != "loss"]
-        parts = [f"loss on rank(s) {losses}"] if losses else []
-        if grads:
-            shown = ", ".join(f"rank {r}: {n}" for r, n in grads[:6])
-            parts.append(f"gradients of {len(grads)} tensor(s) ({shown}{', ...' if len(grads) > 6 else ''})")
-        raise NonFiniteError(f"step {self.steps}: non-finite " + "; ".join(parts or ["values on another rank"])
-                             + " (check_finite=True; a non-finite value on one rank reaches every rank "
-                             "through the gradient averaging).")
-
     # ------------------------------------------------------------------- state
     def span_group(self):
         """The ranks that together hold the whole model (state-dict collectives)."""
         return comm.get_world()
-
-    def sharded_state_dict(self, optimizer=None):
-        """{key: [Shard(data, global_shape, offsets)]}: this rank's pieces of every
-        parameter (HF GPT-2 names) and, with ``optimizer``, of Adam's m, v and step
-        (``optimizer.exp_avg.<name>``, ...). No padding; replicas appear on every rank
-        that holds them. Local: no communication."""
-        return shards_of(self.pieces(), optimizer)
-
-    def full_state_dict(self):
-        """{name: full NumPy array}, exactly the single-process model's, on every rank.
-        Collective over ``span_group()``: the names and shapes (an object all-gather),
-        then each element's owner, the highest rank holding it (an all-reduce, max), and
-        the values each owner writes (an all-reduce, sum: exact, one non-zero term)."""
-        group, pieces = self.span_group(), self.pieces()
-        mine = {p.name: p.global_shape for p in pieces}
-        shapes = {}
-        for d in (group.all_gather_object(mine) if group.size > 1 else [mine]):
-            shapes.update(d)
-        names = self._ordered(shapes)
-        starts, n = {}, 0
-        for name in names:
-            starts[name] = n
-            n += int(np.prod(shapes[name]))
-
-        def box(flat, p):
-            return flat[starts[p.name]:starts[p.name] + int(np.prod(shapes[p.name]))].reshape(
-                shapes[p.name])[box_slices(p)]
-        dtype = pieces[0].tensor.data.dtype if pieces else np.float64
-        owner, me = xp.zeros(n, dtype=dtype), group.rank + 1
-        for p in pieces:
-            box(owner, p)[...] = me
-        if group.size > 1:
-            group.all_reduce(owner, op="max")
-        if not bool(to_numpy((owner > 0).all())):  # explicit host copy of one flag
-            raise RuntimeError("full_state_dict: some elements are held by no rank (a strategy lost a piece)")
-        flat = xp.zeros(n, dtype=dtype)
-        for p in pieces:
-            dst = box(flat, p)
-            xp.copyto(dst, p.view(p.tensor.data), where=box(owner, p) == me)
-        if group.size > 1:
-            group.all_reduce(flat)
-        flat = to_numpy(flat)
-        return {name: flat[starts[name]:starts[name] + int(np.prod(shapes[name]))].reshape(shapes[name]).copy()
-                for name in names}
-
-    def _ordered(self, shapes):
-        cfg = getattr(self.module, "config", None)
-        order = list(cfg.param_shapes()) if cfg is not None and hasattr(cfg, "param_shapes") else []
-        return [k for k in order if k in shapes] + sorted(k for k in shapes if k not in order)
-
-    def load_full_state_dict(self, state_dict):
-        """The inverse of ``full_state_dict``: each rank copies its pieces out of the full
-        arrays (the model's own names; keys no piece needs, such as a tied head's copy or
-        attention masks, are ignored).
-        Raises one error listing missing or misshaped keys before anything is written."""
-        pieces = self.pieces()
-        problems = sorted({f"missing {p.name}" for p in pieces if p.name not in state_dict} |
-                          {f"{p.name}: {tuple(np.shape(state_dict[p.name]))} vs {p.global_shape}"
-                           for p in pieces if p.name in state_dict
-                           and tuple(np.shape(state_dict[p.name])) != p.global_shape})
-        if problems:
-            raise KeyError(f"load_full_state_dict into {type(self).__name__}: " + "; ".join(problems))
-        for p in pieces:
-            p.view(p.tensor.data)[...] = xp.asarray(np.asarray(state_dict[p.name])[box_slices(p)],
-                                                    dtype=p.tensor.data.dtype)
-        self.after_load()
 
     def after_load(self):
         """Refresh anything derived from the loaded tensors (ZeRO: its gathered params)."""

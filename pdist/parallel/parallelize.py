@@ -20,7 +20,8 @@ collective, with one clear message.
 from pdist.parallel.base import Local
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
-from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, partition_layers
+from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
+from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO

@@ -84,7 +84,7 @@ class Layout:
 
 
 def _spans(n_layers, n_stages):
-    """Contiguous layer runs per virtual stage, as pdist.parallel.pipeline.pipeline_parallel.partition_layers."""
+    """Contiguous layer runs per virtual stage, as pdist.parallel.pipeline.stages.partition_layers."""
     counts = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
     starts = [sum(counts[:i]) for i in range(n_stages)]
     return [(a, a + c) for a, c in zip(starts, counts)]

@@ -20,7 +20,7 @@ from pdist.parallel import PipelineParallel, parallelize
 from pdist.parallel.pipeline import schedules as S
 from pdist.parallel.pipeline import simulate as sim
 from pdist.parallel.layout import box_slices
-from pdist.parallel.pipeline.pipeline_parallel import partition_layers
+from pdist.parallel.pipeline.stages import partition_layers
 from pdist.testing import report
 from pdist.training import train
 

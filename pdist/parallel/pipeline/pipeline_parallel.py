@@ -35,92 +35,16 @@ for bit. Activations travel in the compute dtype. An fp16 overflow on any stage 
 every rank through the [loss, #non-finite] all-reduce, and every rank skips the step
 (mixed_precision.py).
 """
-import numpy as np
 
 from pdist import nn
 from pdist.measure import trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
-from pdist.models.plan import get, plan_of, put
+from pdist.models.plan import get, plan_of
 from pdist.parallel.base import ParallelModule
+from pdist.parallel.pipeline.stages import partition_layers, stage_chunks
 from pdist.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
                                       SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
-
-
-def partition_layers(n_layers, n_stages, partition=None):
-    """[(start, end)] for each stage: contiguous runs covering range(n_layers).
-    Default: n_layers // n_stages each, the first n_layers % n_stages one more;
-    ``partition``: explicit layer counts per stage (uneven splits)."""
-    if n_stages > n_layers:
-        raise ValueError(f"pipeline: {n_stages} (virtual) stages but only {n_layers} layers to split; "
-                         f"use at most {n_layers} stages (pp * chunks) or a deeper model")
-    if partition is None:
-        counts = [n_layers // n_stages + (i < n_layers % n_stages) for i in range(n_stages)]
-    else:
-        counts = list(partition)
-        if len(counts) != n_stages or any(not isinstance(c, (int, np.integer)) or c < 1 for c in counts) \
-                or sum(counts) != n_layers:
-            raise ValueError(f"pipeline partition {counts} must give {n_stages} positive layer counts "
-                             f"summing to {n_layers} (one per virtual stage)")
-    starts = np.cumsum([0] + counts)
-    return [(int(starts[i]), int(starts[i + 1])) for i in range(n_stages)]
-
-
-def _remove(parent, name):
-    """Drop child module ``name`` (this rank does not hold it)."""
-    parent._modules.pop(name, None)
-    object.__setattr__(parent, name, None)
-
-
-class Chunk:
-    """One virtual stage: its layers applied in order, y = f_b(...f_a(x))."""
-
-    def __init__(self, layers):
-        self.layers = layers
-
-    def __call__(self, x):
-        for f in self.layers:
-            x = f(x)
-        return x
-
-
-def _copy_of(w, name):
-    """A stage's own Parameter equal to ``w`` (same piece of the same tensor; a meta ``w``
-    gives a meta copy): the last stage's copy of a tied weight (Megatron's embedding group)."""
-    copy = nn.Parameter(xp.zeros(0, dtype=w.dtype), name=name)
-    copy.data = w.data.copy()
-    copy.global_name = getattr(w, "global_name", w.name)
-    copy.global_shape = getattr(w, "global_shape", tuple(w.shape))
-    if getattr(w, "cut", None) is not None:
-        copy.cut = w.cut
-    return copy
-
-
-def stage_chunks(model, pplan, p, s, v, partition):
-    """This rank's v chunks of ``model`` as its plan cuts it ([first] + blocks + [last],
-    pdist/models/plan.py); prunes from ``model`` what this rank does not hold. Returns the
-    chunks and this rank's side of every tied pair (first and last stage, p > 1)."""
-    V, h = p * v, get(model, pplan.blocks)
-    blocks = list(h)
-    spans = partition_layers(len(blocks), V, partition)
-    mine = [virtual_stage(c, p, s) for c in range(v)]
-    head = [getattr(model, pplan.first)] if pplan.first else []
-    tail = [getattr(model, pplan.last)] if pplan.last else []
-    chunks = [Chunk((head if k == 0 else []) + blocks[slice(*spans[k])] + (tail if k == V - 1 else []))
-              for k in mine]
-    keep = {str(i) for k in mine for i in range(*spans[k])}
-    for name in [n for n in h._modules if n not in keep]:
-        _remove(h, name)
-    first, last, tied = 0 in mine, V - 1 in mine, []
-    for dst, src in pplan.tied.items():
-        if last and not first:
-            put(model, dst, _copy_of(get(model, src), dst))
-        if p > 1 and (first or last):
-            tied.append(get(model, src if first else dst))
-    for path in (pplan.first_modules if not first else ()) + (pplan.last_modules if not last else ()):
-        parent, _, name = path.rpartition(".")
-        _remove(get(model, parent), name)
-    return chunks, tied
 
 
 class PipelineParallel(ParallelModule):
@@ -320,8 +244,8 @@ def gather_timeline(pipe):
     """Every stage's measured [(Instr, start, end)] of the last step with
     ``record_timeline = True``, in seconds from the step's aligned start, on pp rank 0
     (None elsewhere). Collective over the pp group. Feed it to
-    ``schedules.bubble_fraction`` (measured idle per stage) or to pipeline_draw."""
+    ``simulate.bubble_fraction`` (measured idle per stage) or to pipeline_draw."""
     return pipe.group.gather_object(pipe.timeline, dst=0)
 
 
-__all__ = ["PipelineParallel", "partition_layers", "gather_timeline", "Chunk", "stage_chunks"]
+__all__ = ["PipelineParallel", "gather_timeline"]
