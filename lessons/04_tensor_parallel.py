@@ -19,8 +19,8 @@ transformer layer costs 2 all-reduces forward (after attn.c_proj and mlp.c_proj,
 and 2 backward (before c_attn and c_fc, "f"). Sequence parallelism (Korthikanti et
 al. 2022) turns each all-reduce into an all-gather + reduce-scatter pair -- the same
 bytes -- so LayerNorm, dropout and the residual stream hold T/t tokens per rank.
-Code: pdist/parallel/tensor/tensor_parallel.py (the transform), tp_layers.py (the layers),
-tp_regions.py (f and g).
+Code: pdist/parallel/tensor/tensor_parallel.py (the transform, as the model's plan says:
+pdist/models/gpt_plan.py), layers.py (the layers), regions.py (f and g).
 
 The lesson trains both layouts for --steps AdamW steps through the one training loop
 (pdist.training.train) beside single-process training on the same global batches

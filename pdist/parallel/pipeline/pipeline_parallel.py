@@ -244,7 +244,7 @@ def gather_timeline(pipe):
     """Every stage's measured [(Instr, start, end)] of the last step with
     ``record_timeline = True``, in seconds from the step's aligned start, on pp rank 0
     (None elsewhere). Collective over the pp group. Feed it to
-    ``simulate.bubble_fraction`` (measured idle per stage) or to pipeline_draw."""
+    ``simulate.bubble_fraction`` (measured idle per stage) or to pipeline.draw."""
     return pipe.group.gather_object(pipe.timeline, dst=0)
 
 

@@ -9,7 +9,7 @@ ProcessGroup of t ranks.
 An MLP is column then row: GeLU(X A) B = sum_i GeLU(X A_i) B_i, so each rank runs
 its slice with no communication in between; attention is split the same way, by
 heads. Two conjugate regions close each block (Megatron's f and g; all seven regions,
-with the sequence-parallel ones, are in tp_regions.py and re-exported here):
+with the sequence-parallel ones, are in regions.py and re-exported here):
 
     f = copy_to_tensor_parallel_region       forward identity     backward all-reduce
     g = reduce_from_tensor_parallel_region   forward all-reduce   backward identity
