@@ -50,5 +50,11 @@ def self_group():
     return _world["self"]
 
 
+def default_group(group):
+    """``group``, or the world group when it is None (the one place that defaults a group:
+    the strategies and the tensor-parallel layers call it)."""
+    return get_world() if group is None else group
+
+
 def is_initialized():
     return _world["group"] is not None

@@ -39,11 +39,6 @@ from pdist.parallel.layout import whole
 from pdist.parallel.nonfinite import NonFiniteCheck
 from pdist.parallel.state import StateDicts
 
-def default_group(group):
-    """``group``, or the world group when it is None (the one place that defaults it)."""
-    return comm.get_world() if group is None else group
-
-
 class Strategy(StateDicts, NonFiniteCheck):
     """What every layer of the chain answers. ``Local`` ends the chain; wrappers
     (``ParallelModule``) delegate to ``inner`` and add their own part."""
@@ -212,7 +207,7 @@ class ParallelModule(Strategy):
 
     def __init__(self, inner, group=None, check_finite=False):
         self.inner = inner if isinstance(inner, Strategy) else Local(inner)
-        self.group = default_group(group)
+        self.group = comm.default_group(group)
         self.module = self.inner.module
         self.check_finite = bool(check_finite) or self.inner.check_finite
         self._aux = self.group.split(0, name=f"{self.group.name}.step") if self.group.size > 1 else None
@@ -275,4 +270,4 @@ class ParallelModule(Strategy):
         return self.inner(*args, **kw)
 
 
-__all__ = ["Strategy", "Local", "ParallelModule", "default_group"]
+__all__ = ["Strategy", "Local", "ParallelModule"]

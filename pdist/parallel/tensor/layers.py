@@ -31,7 +31,7 @@ from pdist.engine import precision
 from pdist.engine.autograd import Function, Tensor
 from pdist.engine.backend import asarray, default_dtype, scatter_add, xp
 from pdist.engine.index_checks import check_indices
-from pdist.parallel.base import default_group
+from pdist.comm import default_group
 from pdist.parallel.layout import Cut
 from pdist.parallel.tensor.regions import (  # noqa: F401  (re-exported: the public API)
     SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
