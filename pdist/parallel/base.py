@@ -39,6 +39,7 @@ from pdist.parallel.layout import whole
 from pdist.parallel.nonfinite import NonFiniteCheck
 from pdist.parallel.state import StateDicts
 
+
 class Strategy(StateDicts, NonFiniteCheck):
     """What every layer of the chain answers. ``Local`` ends the chain; wrappers
     (``ParallelModule``) delegate to ``inner`` and add their own part."""
