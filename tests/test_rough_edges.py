@@ -19,7 +19,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 def import_pdist(env, pythonpath=()):
     env = {k: v for k, v in os.environ.items() if k not in ("PDIST_DEVICE", "PDIST_MALLOC_TUNE")} | env
     env["PYTHONPATH"] = os.pathsep.join([*map(str, pythonpath), ROOT])
-    code = "import pdist; from pdist import backend; print(backend.device())"
+    code = "import pdist; from pdist.engine import backend; print(backend.device())"
     return subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                           cwd=ROOT, timeout=60)
 
