@@ -162,7 +162,8 @@ def main():
     train(z3, opt, batch, args.save_at)
     t0 = time.perf_counter()
     checkpoint.save(z3, opt, ckpt, step=args.save_at, extra={"seed": args.seed, "next_step": args.save_at,
-                                                               "batch_size": args.batch_size})
+                                                               "batch_size": args.batch_size},
+                    overwrite=True)                 # a rerun with the same --dir replaces its own checkpoint
     save_s = time.perf_counter() - t0
     mine = payload_bytes(os.path.join(ckpt, f"rank-{world.rank:05d}.safetensors"))
     b = np.dtype(args.dtype if args.precision == "fp32" else np.float32).itemsize   # mixed: fp32 masters

@@ -27,21 +27,15 @@ are cut out of the fp32 masters, so the files hold the masters W and Adam's m, v
 never the low-precision weights; loading restores W and ``after_load`` re-derives
 w = round(W). fp16's GradScaler state (scale, growth tracker) goes into the index.
 """
-import json
 import os
-import re
-import secrets
-import shutil
 
-import numpy as np
-
-from pdist.engine.backend import to_numpy, xp
-from pdist.checkpoint.format import (FORMAT, INDEX, VERSION, CheckpointError, Reader, check_files, fsync_dir,
-                                     model_record, model_type_of, piece_key, rank_file, read_index, verify,
-                                     write_file, write_safetensors)
+from pdist.engine.backend import xp
+from pdist.checkpoint.format import (INDEX, CheckpointError, Reader, check_files, model_record, model_type_of,
+                                     read_index, verify)
 from pdist.checkpoint.hf import consolidate, from_pretrained
-
-STATES = ("exp_avg", "exp_avg_sq")      # Adam's arrays, pieces like their parameter's
+from pdist.checkpoint import runs
+from pdist.checkpoint.runs import latest, prune
+from pdist.checkpoint.writer import STATES, _strategy, save
 
 
 def _agree(group, err):
@@ -52,147 +46,6 @@ def _agree(group, err):
         r, e = bad[0]
         more = f"; {len(bad)} ranks failed" if len(bad) > 1 else ""
         raise CheckpointError(f"{e} (found on rank {r}{more}; nothing was loaded)" if group.size > 1 else e)
-
-
-def _strategy(model):
-    """``model``, or a plain model (an nn.Module such as GPT) as one process: ``Local(model)``."""
-    from pdist.parallel.base import Local, Strategy      # not at the top: verify and inspect need no MPI
-    return model if isinstance(model, Strategy) else Local(model)
-
-
-def _layout(model):
-    """The strategy chain and mesh the checkpoint came from (for people; load ignores it)."""
-    from pdist.parallel.base import Local
-    chain = []
-    for s in model.chain():
-        d = {"strategy": type(s).__name__}
-        if getattr(s, "group", None) is not None:
-            d["size"] = s.group.size
-        for a in ("stage", "sequence_parallel", "schedule", "num_microbatches", "num_chunks"):
-            if hasattr(s, a):
-                d[a] = getattr(s, a)
-        if isinstance(s, Local):
-            d["microbatches"] = s.microbatches
-        chain.append(d)
-    mesh = getattr(model, "mesh", None)
-    sizes = {"dp": mesh.dp_world_size, "tp": mesh.tp_world_size, "pp": mesh.pp_world_size} if mesh else None
-    return {"world_size": model.span_group().size, "mesh": sizes, "chain": chain}
-
-
-def _entries(piece, optimizer):
-    """(tensor name, array of the piece's tensor's shape) to save or load for one piece."""
-    yield piece.name, piece.tensor.data
-    state = optimizer.state.get(id(piece.tensor)) if optimizer is not None else None
-    for k in STATES if state else ():
-        yield f"optimizer.{k}.{piece.name}", state[k]
-
-
-def save(model, optimizer, dir, step, extra=None, keep=None):
-    """Write a checkpoint of ``model`` (any strategy, or a plain model: one process) and
-    ``optimizer`` (AdamW, or None) to ``dir``. Collective. ``extra``: JSON data kept in the
-    index (seed, data position). ``keep=K``: when ``dir`` ends in a number (``ckpt/step-000100``),
-    keep only the K newest complete siblings of that pattern. Returns the index (rank 0; else None)."""
-    model = _strategy(model)
-    group = model.span_group()
-    me, dir = group.rank, os.path.abspath(os.fspath(dir))
-    tmp = None
-    if me == 0:
-        tmp = f"{dir}.tmp-{secrets.token_hex(4)}"
-        os.makedirs(tmp)
-    tmp = group.broadcast_object(tmp) if group.size > 1 else tmp
-    pieces = model.pieces()
-    mine = [p.key() for p in pieces]
-    held = group.all_gather_object(mine) if group.size > 1 else [mine]
-    owner = {}
-    for r, keys in enumerate(held):
-        for k in keys:
-            owner.setdefault(k, r)                     # the lowest rank holding a replicated piece
-    arrays, slices, steps, seen = {}, [], set(), set()
-    for p in pieces:
-        st = optimizer.state.get(id(p.tensor)) if optimizer is not None else None
-        if st:
-            steps.add(int(st["step"]))
-        if owner[p.key()] != me or p.key() in seen:
-            continue
-        seen.add(p.key())
-        for name, a in _entries(p, optimizer):
-            key = piece_key(name, p.offsets)
-            arrays[key] = np.ascontiguousarray(to_numpy(p.view(a)))
-            box = {"file": rank_file(me), "key": key, "offsets": list(p.offsets), "shape": list(p.shape)}
-            slices.append((name, list(p.global_shape), str(arrays[key].dtype), box))
-    size, digest = write_safetensors(os.path.join(tmp, rank_file(me)), arrays)
-    parts = group.all_gather_object((slices, size, digest, sorted(steps))) if group.size > 1 \
-        else [(slices, size, digest, sorted(steps))]
-    index = None                       # every rank's file is fsynced once rank 0 has all the parts
-    if me == 0:
-        index = _index(model, parts, dir, step, extra)
-        text = json.dumps(index, indent=1, allow_nan=False) + "\n"
-        write_file(os.path.join(tmp, INDEX), text.encode())      # last: it makes the directory a checkpoint
-        fsync_dir(tmp)
-        _swap_in(tmp, dir)
-        if keep:
-            prune(dir, keep)
-    if group.size > 1:
-        group.barrier()                # nobody returns before the checkpoint is in place
-    return index
-
-
-def _index(model, parts, dir, step, extra):
-    """The index (rank 0): ``parts`` is every rank's (slices, file bytes, sha256, Adam
-    steps); the slices of each tensor are listed under its name."""
-    adam = sorted({s for part in parts for s in part[3]})
-    if len(adam) > 1:
-        raise CheckpointError(f"{dir}: Adam's step differs between tensors ({adam}); "
-                              "cannot save one step")
-    tensors = {}
-    for part in parts:
-        for name, gshape, dtype, s in part[0]:
-            tensors.setdefault(name, {"shape": gshape, "dtype": dtype, "slices": []})["slices"].append(s)
-    cfg = getattr(model.module, "config", None)
-    scaler = getattr(model, "scaler", None)          # fp16's GradScaler: S and its growth tracker
-    return {"format": FORMAT, "version": VERSION, "step": int(step), "extra": extra,
-            "adam_step": adam[0] if adam else None, "layout": _layout(model),
-            "scaler": scaler.state_dict() if scaler is not None else None,
-            **model_record(cfg),                            # model_type and config
-            "files": {rank_file(r): {"bytes": part[1], "sha256": part[2]}
-                      for r, part in enumerate(parts)},
-            "tensors": tensors}
-
-
-def _swap_in(tmp, dir):
-    """Rename the finished ``tmp`` to ``dir``: one atomic rename for a new directory; for
-    an existing one, rename it aside, rename ``tmp`` in, then delete the old one."""
-    parent = os.path.dirname(dir)
-    if os.path.exists(dir):
-        old = f"{dir}.old-{secrets.token_hex(4)}"
-        os.rename(dir, old)
-        os.rename(tmp, dir)
-        fsync_dir(parent)
-        shutil.rmtree(old)
-    else:
-        os.rename(tmp, dir)
-        fsync_dir(parent)
-
-
-def prune(dir, keep):
-    """Keep the ``keep`` newest complete checkpoints named like ``dir`` (its name with
-    the trailing number replaced: ``step-000100`` -> ``step-<digits>``)."""
-    m = re.fullmatch(r"(.*?)(\d+)", os.path.basename(dir))
-    if not m:
-        raise ValueError(f"keep= needs a directory name ending in a number (step-000100), got {dir}")
-    parent, pat = os.path.dirname(dir), re.compile(re.escape(m.group(1)) + r"(\d+)")
-    found = sorted((int(mm.group(1)), n) for n in os.listdir(parent) if (mm := pat.fullmatch(n))
-                   and os.path.exists(os.path.join(parent, n, INDEX)))
-    for _, n in found[:-keep]:
-        shutil.rmtree(os.path.join(parent, n))
-
-
-def latest(parent, prefix="step-"):
-    """The newest complete checkpoint ``parent/<prefix><number>``, or None."""
-    pat = re.compile(re.escape(prefix) + r"(\d+)")
-    found = sorted((int(m.group(1)), n) for n in (os.listdir(parent) if os.path.isdir(parent) else [])
-                   if (m := pat.fullmatch(n)) and os.path.exists(os.path.join(parent, n, INDEX)))
-    return os.path.join(parent, found[-1][1]) if found else None
 
 
 RUNTIME_CONFIG = ("recompute",)     # how a step runs, not what the weights are: may differ on load
@@ -264,6 +117,7 @@ def load(model, optimizer, dir, checksums=True):
     if scaler is not None and index.get("scaler") is not None:    # else it keeps its state (fp32, bf16)
         scaler.load_state_dict(index["scaler"])
     model.after_load()
+    runs.adopt(model, index)                           # its next saves continue the loaded run (keep=)
     return index["step"], index.get("extra")
 
 

@@ -2,7 +2,7 @@
 
     mpiexec -n 2 python tests/workers/ckpt_crash.py DIR
 
-Saves DIR at step 1, trains a step, then saves DIR again (step 2) with the last rank
+Saves DIR at step 1, trains a step, then overwrites DIR (step 2) with the last rank
 killed (SIGKILL) after writing half of its rank file. The test then checks that
 DIR still verifies and holds step 1 (run with ``launch(..., wrap=False)``)."""
 import os
@@ -10,7 +10,7 @@ import signal
 import sys
 
 from pdist import checkpoint, comm, data
-from pdist.checkpoint import format as checkpoint_format, sharded
+from pdist.checkpoint import format as checkpoint_format, writer
 from pdist.course import lesson
 from pdist.engine.backend import set_default_dtype
 from pdist.models.gpt import GPT
@@ -46,6 +46,6 @@ def dying_write(path, arrays):
     return real(path, arrays)
 
 
-sharded.write_safetensors = dying_write   # what save() calls
-checkpoint.save(model, opt, d, 2)
+writer.write_safetensors = dying_write   # what save() calls
+checkpoint.save(model, opt, d, 2, overwrite=True)
 report(rank=world.rank, saved=2)     # never reached on the dying rank; the others are stopped
