@@ -1,7 +1,10 @@
 """Checkpoints that load under any layout (docs/checkpoint.md).
 
-    sharded.py   save, load, latest, prune: each rank's pieces as boxes of the
-                 single-process tensors, read back by box intersection under any layout
+    sharded.py   load: each rank's pieces as boxes of the single-process tensors, read
+                 back by box intersection under any layout
+    writer.py    save: every rank writes its pieces, rank 0 the index, then the swap into place
+    owner.py     what save owns on disk: the lock, temporary and aside names, cleanup of dead saves
+    runs.py      run ids, keep= (prune), latest, save's argument and path checks
     cli.py       python -m pdist.checkpoint, and describe (what inspect prints)
     format.py    the index, safetensors files, checksums, verify
     hf.py        Hugging Face in and out: from_pretrained, consolidate (GPT-2 or Llama, by model_type)
