@@ -25,6 +25,7 @@ from pdist.checkpoint.format import INDEX, CheckpointError, fsync_dir, read_inde
 
 RANK_FILE = re.compile(r"rank-\d{5}\.safetensors")
 LEFTOVER = re.compile(r"\.(?P<base>.+)\.pdist-(?P<kind>tmp|old)-\d+-[0-9a-f]+")
+LOCK = re.compile(r"\.(?P<base>.+)\.pdist-lock")
 LOCK_GRACE_S = 10.0       # a lock file still empty after this long was never finished: stale
 
 
@@ -230,9 +231,11 @@ def clean_leftovers(parent, mine=None):
     base whose lock the caller holds. Returns the names removed or restored."""
     found = {}
     for n in os.listdir(parent):
-        m = LEFTOVER.fullmatch(n)
+        m, lock = LEFTOVER.fullmatch(n), LOCK.fullmatch(n)
         if m and os.path.isdir(os.path.join(parent, n)) and not os.path.islink(os.path.join(parent, n)):
             found.setdefault(m.group("base"), []).append((m.group("kind"), n))
+        elif lock:
+            found.setdefault(lock.group("base"), [])        # a stale lock alone: taking it removes it
     done = []
     for base, items in sorted(found.items()):
         dir = os.path.join(parent, base)

@@ -134,8 +134,10 @@ def _claim(model, dir, step, overwrite):
             tmp = tmp_name(dir)
             os.mkdir(tmp)
             return (tmp, runs.run_id(model) or secrets.token_hex(8), None), lock
-    except (CheckpointError, OSError) as e:
+    except CheckpointError as e:
         why = str(e)
+    except Exception as e:                             # OSError, or a surprise: every rank hears it
+        why = f"{dir}: cannot prepare the save ({type(e).__name__}: {e})"
     lock.release()
     return (None, None, why), None
 
