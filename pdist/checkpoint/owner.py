@@ -197,6 +197,15 @@ def exchange(a, b):
     raise OSError(err, os.strerror(err), b)
 
 
+def aside_copies(dir):
+    """The complete-or-not old copies an interrupted overwrite left of ``dir``
+    (``.<base>.pdist-old-*``), for a message that says where the previous checkpoint is."""
+    parent, base = os.path.split(os.path.abspath(dir))
+    names = os.listdir(parent) if os.path.isdir(parent) else []
+    return sorted(os.path.join(parent, n) for n in names
+                  if (m := LEFTOVER.fullmatch(n)) and m.group("kind") == "old" and m.group("base") == base)
+
+
 def between_renames():
     """Called between the two renames of the fallback overwrite (a test kills the process here)."""
 
@@ -281,4 +290,4 @@ def _is_checkpoint(dir):
         return False
 
 
-__all__ = ["Lock", "clean_leftovers", "foreign", "remove_pdist_dir", "swap_in", "tmp_name"]
+__all__ = ["Lock", "aside_copies", "clean_leftovers", "foreign", "remove_pdist_dir", "swap_in", "tmp_name"]
