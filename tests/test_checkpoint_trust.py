@@ -1,0 +1,348 @@
+"""A checkpoint read as if a stranger wrote it (issue 30, Build 2; pdist/checkpoint/trust.py,
+validate.py, docs/checkpoint.md "Trust model").
+
+Each test breaks a small good checkpoint one way and asks ``verify`` and ``load`` for their
+verdict: both must raise one CheckpointError naming the problem (the same message: they run
+one ``validate``), and ``load`` must leave the model and optimizer untouched. FIFOs and
+device files run in a subprocess with a timeout, so a regression shows as a failure, not a
+hang. ``from_pretrained`` checks config.json and the weights before it builds anything."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+from pdist import checkpoint
+from pdist.checkpoint import CheckpointError
+from pdist.checkpoint.format import write_safetensors
+from pdist.models.gpt import GPT, GPTConfig
+from pdist.optim import AdamW
+from pdist.parallel import Local
+
+CFG = GPTConfig(vocab_size=16, block_size=4, n_layer=1, n_head=2, n_embd=8, dtype="float64")
+WTE = "transformer.wte.weight"                 # (16, 8): split into boxes by the tests
+
+
+def trained(seed=0, cfg=CFG):
+    model = Local(GPT(cfg, seed))
+    opt = AdamW(model.parameters())
+    x = np.random.default_rng(seed).integers(0, cfg.vocab_size, (2, cfg.block_size))
+    model.forward_backward(x, np.roll(x, 1, axis=1))
+    opt.step()
+    return model, opt
+
+
+@pytest.fixture
+def good(tmp_path):
+    d = str(tmp_path / "ckpt")
+    checkpoint.save(*trained(), d, step=1)
+    return d
+
+
+def edit_index(d, fn):
+    p = os.path.join(d, "index.json")
+    index = json.load(open(p))
+    fn(index)
+    with open(p, "w") as f:
+        json.dump(index, f)
+    return index
+
+
+def rewrite_boxes(d, name, boxes, file="rank-00001.safetensors", values=None):
+    """Save ``name`` again as ``boxes`` [(offsets, shape)] in a new listed rank file (sized
+    and hashed as save would): a valid checkpoint, unless the boxes themselves are wrong.
+    ``values``: one array per box to write instead of the tensor's own elements."""
+    full = checkpoint.format.read_tensors(d)[name]
+    arrays = {}
+    for i, (o, n) in enumerate(boxes):
+        part = full[tuple(slice(a, a + k) for a, k in zip(o, n))] if values is None else values[i]
+        arrays[f"{name}@{','.join(map(str, o))}"] = np.ascontiguousarray(part)
+    size, digest = write_safetensors(os.path.join(d, file), arrays)
+
+    def fn(index):
+        index["files"][file] = {"bytes": size, "sha256": digest}
+        index["tensors"][name]["slices"] = [{"file": file, "key": k, "offsets": list(o), "shape": list(n)}
+                                            for k, (o, n) in zip(arrays, boxes)]
+    return edit_index(d, fn)
+
+
+def snapshot(model):
+    return [np.array(p.data) for p in model.parameters()]
+
+
+def verdicts(d, **kw):
+    """(verify's error, load's error) as strings (None: it passed); load must touch nothing."""
+    out = []
+    try:
+        checkpoint.verify(d)
+        out.append(None)
+    except CheckpointError as e:
+        out.append(str(e))
+    model, opt = trained(seed=7)
+    before, state = snapshot(model), {k: dict(v) for k, v in opt.state.items()}
+    try:
+        checkpoint.load(model, opt, d, **kw)
+        out.append(None)
+    except CheckpointError as e:
+        out.append(str(e))
+        assert all(np.array_equal(a, b) for a, b in zip(before, snapshot(model))), "load touched the model"
+        assert all(np.array_equal(opt.state[k]["exp_avg"], v["exp_avg"]) and opt.state[k]["step"] == v["step"]
+                   for k, v in state.items()), "load touched the optimizer"
+    return out
+
+
+def refused(d, pattern, **kw):
+    v, ld = verdicts(d, **kw)
+    assert v is not None and ld is not None, (v, ld)
+    assert v == ld, (v, ld)                        # one validate: the same message
+    assert pattern in v, v
+    return v
+
+
+def test_the_good_checkpoint_and_a_valid_split_pass(good):
+    assert verdicts(good) == [None, None]
+    rewrite_boxes(good, WTE, [((0, 0), (16, 3)), ((0, 3), (9, 5)), ((9, 3), (7, 5))])
+    assert verdicts(good) == [None, None]         # three boxes tiling the tensor: fine
+    model = Local(GPT(CFG, 9))
+    checkpoint.load(model, None, good)
+    assert np.array_equal(model.module.state_dict()[WTE], checkpoint.format.read_tensors(good)[WTE])
+
+
+@pytest.mark.parametrize("how", ["parent", "absolute"])
+def test_a_name_outside_the_directory_is_refused(good, tmp_path, how):
+    outside = str(tmp_path / "outside.safetensors")
+    shutil.copy(os.path.join(good, "rank-00000.safetensors"), outside)
+    name = "../outside.safetensors" if how == "parent" else outside
+
+    def fn(index):
+        index["files"][name] = index["files"].pop("rank-00000.safetensors")
+        for t in index["tensors"].values():
+            for s in t["slices"]:
+                s["file"] = name
+    edit_index(good, fn)
+    os.remove(os.path.join(good, "rank-00000.safetensors"))
+    refused(good, "is not a plain file name inside the directory")
+
+
+def test_a_symlink_out_is_refused(good, tmp_path):
+    rank = os.path.join(good, "rank-00000.safetensors")
+    shutil.move(rank, str(tmp_path / "elsewhere"))
+    os.symlink(str(tmp_path / "elsewhere"), rank)
+    refused(good, "is a symbolic link")
+
+
+def test_a_slice_in_an_unlisted_file_is_refused(good):
+    shutil.copy(os.path.join(good, "rank-00000.safetensors"), os.path.join(good, "rank-00009.safetensors"))
+    edit_index(good, lambda i: i["tensors"][WTE]["slices"][0].update(file="rank-00009.safetensors"))
+    refused(good, "which 'files' does not list")
+
+
+def test_swapped_boxes_are_refused(good):
+    rewrite_boxes(good, WTE, [((0, 0), (8, 8)), ((8, 0), (8, 8))])
+    edit_index(good, lambda i: [s.update(offsets=[8 - s["offsets"][0], 0]) for s in i["tensors"][WTE]["slices"]])
+    refused(good, "does not match its offsets [8, 0] (swapped or edited boxes)")
+
+
+def test_overlapping_boxes_that_differ_are_refused(good):
+    full = checkpoint.format.read_tensors(good)[WTE]
+    rewrite_boxes(good, WTE, [((0, 0), (10, 8)), ((8, 0), (8, 8))], values=[full[:10], full[8:] + 1.0])
+    refused(good, "overlap on [[8, 0], [10, 8]) and differ there")
+
+
+def test_overlapping_replicas_that_agree_load(good):
+    rewrite_boxes(good, WTE, [((0, 0), (10, 8)), ((8, 0), (8, 8))])   # pipeline's tied wte does this
+    assert verdicts(good) == [None, None]
+
+
+def test_a_box_outside_the_tensor_is_refused(good):
+    rewrite_boxes(good, WTE, [((0, 0), (8, 8)), ((8, 0), (9, 8))],
+                  values=[np.zeros((8, 8)), np.zeros((9, 8))])
+    edit_index(good, lambda i: i["tensors"][WTE]["slices"][1].update(key=f"{WTE}@8,0"))
+    refused(good, "lies outside the tensor's shape [16, 8]")
+
+
+def test_a_file_dtype_other_than_the_index_is_refused(good):
+    full = checkpoint.format.read_tensors(good)[WTE]
+    index = rewrite_boxes(good, WTE, [((0, 0), (16, 8))], values=[full.astype(np.float32)])
+    assert index["tensors"][WTE]["dtype"] == "float64"
+    refused(good, f"'{WTE}@0,0' is float32 [16, 8] in the file, float64 [16, 8] in the index")
+
+
+def test_an_index_dtype_other_than_the_model_needs_cast(tmp_path):
+    """A mixed-precision checkpoint (fp32 masters, config float64) into a float64 model: an
+    error naming both dtypes, unless cast=True; a bf16 model takes a float64 one (its masters)."""
+    from pdist.engine.precision import cast_module
+    from pdist.parallel.mixed_precision import MixedPrecision
+    bf = MixedPrecision(Local(cast_module(GPT(CFG, 1), "bf16")), "bf16")
+    d = str(tmp_path / "bf16")
+    checkpoint.save(bf, None, d, step=0)
+    v, ld = verdicts(d)
+    assert v is None and "the checkpoint holds float32, the model float64" in ld and "cast=True" in ld, ld
+    assert verdicts(d, cast=True) == [None, None]
+    f64 = str(tmp_path / "f64")
+    checkpoint.save(*trained(), f64, step=1)
+    checkpoint.load(MixedPrecision(Local(cast_module(GPT(CFG, 2), "bf16")), "bf16"), None, f64)
+
+
+def test_a_missing_optimizer_entry_is_refused_before_anything_is_loaded(good):
+    last = f"optimizer.exp_avg_sq.{list(CFG.param_shapes())[-1]}"
+    edit_index(good, lambda i: i["tensors"].pop(last))
+    refused(good, f"the checkpoint holds optimizer state but no {last}")
+
+
+def test_a_malformed_index_is_one_checkpoint_error(good):
+    for edit in (lambda i: i.update(tensors=[]), lambda i: i["files"]["rank-00000.safetensors"].pop("bytes"),
+                 lambda i: i["tensors"][WTE].update(shape="16x8"), lambda i: i.update(step="one"),
+                 lambda i: i["tensors"][WTE]["slices"][0].update(offsets=[0])):
+        d = good + "-bad"
+        shutil.copytree(good, d)
+        edit_index(d, edit)
+        refused(d, "index.json")
+        shutil.rmtree(d)
+
+
+def test_an_index_over_the_size_cap_is_refused_unread(good):
+    with open(os.path.join(good, "index.json"), "r+b") as f:
+        f.truncate(200 << 20)                         # sparse: costs no disk
+    refused(good, "over the 134,217,728-byte limit")
+
+
+PROBE = """import json, sys
+from pdist import checkpoint
+from pdist.models.gpt import GPT, GPTConfig
+out = []
+for fn in (lambda: checkpoint.verify(sys.argv[1]),
+           lambda: checkpoint.load(GPT(GPTConfig(**json.loads(sys.argv[2])), 0), None, sys.argv[1])):
+    try:
+        fn(); out.append(None)
+    except checkpoint.CheckpointError as e:
+        out.append(str(e))
+print(json.dumps(out))
+"""
+
+
+def probe(d):
+    """verify and load in a subprocess, 30 s at most: a hang is a failure, not a stuck suite."""
+    import dataclasses
+    env = dict(os.environ, PYTHONPATH=os.getcwd())
+    r = subprocess.run([sys.executable, "-c", PROBE, d, json.dumps(dataclasses.asdict(CFG))], capture_output=True,
+                       text=True, timeout=30, env=env)
+    assert r.returncode == 0, r.stderr
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.parametrize("what", ["rank-00000.safetensors", "index.json"])
+def test_a_fifo_is_refused_without_blocking(good, what):
+    path = os.path.join(good, what)
+    os.remove(path)
+    os.mkfifo(path)
+    if what != "index.json":                      # a FIFO's size is 0: make the index agree
+        edit_index(good, lambda i: i["files"][what].update(bytes=0))
+    v, ld = probe(good)
+    assert v == ld and v is not None and "is a FIFO, not a regular file" in v, (v, ld)
+
+
+def test_a_device_file_is_refused(good):
+    path = os.path.join(good, "rank-00000.safetensors")
+    os.remove(path)
+    os.symlink("/dev/zero", path)                 # endless bytes; an unprivileged user cannot mknod
+    edit_index(good, lambda i: i["files"]["rank-00000.safetensors"].update(bytes=0))
+    v, ld = probe(good)
+    assert v == ld and v is not None and "symbolic link to '/dev/zero'" in v, (v, ld)
+
+
+# from_pretrained: a Hugging Face directory (consolidate writes one; no torch needed)
+
+@pytest.fixture
+def hf_dir(good, tmp_path):
+    return checkpoint.consolidate(good, str(tmp_path / "hf"))
+
+
+def edit_config(out, **kw):
+    p = os.path.join(out, "config.json")
+    cfg = json.load(open(p))
+    cfg.update(kw)
+    json.dump(cfg, open(p, "w"))
+
+
+def edit_weights(out, fn):
+    from safetensors.numpy import load_file, save_file
+    p = os.path.join(out, "model.safetensors")
+    sd = load_file(p)
+    fn(sd)
+    save_file(sd, p, metadata={"format": "pt"})
+
+
+def no_build(monkeypatch):
+    """from_pretrained must refuse before it builds a model."""
+    from pdist.models import registry
+
+    def build(*a, **k):
+        raise AssertionError("from_pretrained built the model before checking its config and weights")
+    monkeypatch.setattr(registry, "build", build)
+
+
+FAST = """import json, sys, time
+from pdist import checkpoint
+t = time.perf_counter()
+try:
+    checkpoint.from_pretrained(sys.argv[1]); err = None
+except checkpoint.CheckpointError as e:
+    err = str(e)
+print(json.dumps([err, time.perf_counter() - t]))
+"""
+
+
+def test_an_absurd_n_layer_fails_in_under_a_second(hf_dir):
+    edit_config(hf_dir, n_layer=10 ** 9)
+    r = subprocess.run([sys.executable, "-c", FAST, hf_dir], capture_output=True, text=True, timeout=60,
+                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
+    err, secs = json.loads(r.stdout.strip().splitlines()[-1])
+    assert err is not None and "n_layer = 1000000000 (an integer from 1 to 1,024)" in err and secs < 1.0, (err, secs)
+
+
+def test_config_types_and_ranges_are_checked_before_building(hf_dir, monkeypatch):
+    no_build(monkeypatch)
+    for kw, want in (({"n_embd": "8"}, "n_embd = '8'"), ({"n_head": 0}, "n_head = 0"),
+                     ({"n_head": 3}, "divisible by n_head=3"), ({"vocab_size": True}, "vocab_size = True"),
+                     ({"layer_norm_epsilon": -1}, "layer_norm_epsilon = -1")):
+        edit_config(hf_dir, **{"n_embd": 8, "n_head": 2, "vocab_size": 16, "layer_norm_epsilon": 1e-5, **kw})
+        with pytest.raises(CheckpointError, match="config.json") as e:
+            checkpoint.from_pretrained(hf_dir)
+        assert want in str(e.value), (kw, e.value)
+
+
+def test_config_and_weights_shapes_must_agree_before_building(hf_dir, monkeypatch):
+    no_build(monkeypatch)
+    edit_config(hf_dir, n_embd=16)
+    with pytest.raises(CheckpointError, match=r"the weights do not match config.json: "
+                       r"transformer.wte.weight: file \[16, 8\] vs config \[16, 16\]"):
+        checkpoint.from_pretrained(hf_dir)
+    edit_config(hf_dir, n_embd=8, n_layer=2)
+    with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.ln_1.weight'"):
+        checkpoint.from_pretrained(hf_dir)
+
+
+def test_nan_weights_are_an_error_or_a_warning(hf_dir):
+    edit_weights(hf_dir, lambda sd: sd["transformer.h.0.attn.c_proj.weight"].__setitem__((0, 1), np.nan))
+    with pytest.raises(CheckpointError, match=r"non-finite weights .* transformer.h.0.attn.c_proj.weight \(1 of 64\)"):
+        checkpoint.from_pretrained(hf_dir)
+    with pytest.warns(RuntimeWarning, match="non-finite weights"):
+        m = checkpoint.from_pretrained(hf_dir, allow_nonfinite=True)
+    assert np.isnan(m.state_dict()["transformer.h.0.attn.c_proj.weight"][0, 1])
+
+
+def test_integer_weights_are_refused(hf_dir, monkeypatch):
+    no_build(monkeypatch)
+    edit_weights(hf_dir, lambda sd: sd.update({WTE: (sd[WTE] * 100).astype(np.int8)}))
+    with pytest.raises(CheckpointError, match=f"{WTE}: int8 \\(want float16, float32 or float64\\)"):
+        checkpoint.from_pretrained(hf_dir)
+
+
+def test_the_good_hf_directory_loads(hf_dir, good):
+    back = checkpoint.from_pretrained(hf_dir).state_dict()
+    full = checkpoint.format.read_tensors(good)
+    assert sorted(back) == sorted(CFG.param_shapes()) and all(np.array_equal(back[k], full[k]) for k in back)
