@@ -346,3 +346,48 @@ def test_the_good_hf_directory_loads(hf_dir, good):
     back = checkpoint.from_pretrained(hf_dir).state_dict()
     full = checkpoint.format.read_tensors(good)
     assert sorted(back) == sorted(CFG.param_shapes()) and all(np.array_equal(back[k], full[k]) for k in back)
+
+
+def test_every_rank_raises_the_same_error_and_touches_nothing(tmp_path):
+    """2 ranks load (tests/workers/ckpt_errors.py, dp 2 ZeRO-1): rank r reads the headers of
+    files r, r+2, ..., so a wrong dtype in rank-00001 is seen by rank 1 alone and must
+    reach rank 0 too; the good checkpoint then loads on both. No process is left behind."""
+    from pdist.course import lesson
+    from pdist.testing import mpirun, reports
+    cfg = lesson.gpt_config(96, dtype="float64", block_size=8, n_layer=2, n_head=4, n_embd=32)
+    good = str(tmp_path / "good")
+    checkpoint.save(*trained(3, cfg), good, step=1)
+    full = checkpoint.format.read_tensors(good)[WTE]
+    cases = {}
+    for case in ("dtype", "swap", "optimizer", "fifo", "outside"):
+        cases[case] = str(tmp_path / case)
+        shutil.copytree(good, cases[case])
+    rewrite_boxes(cases["dtype"], WTE, [((0, 0), (96, 32))], values=[full.astype(np.float32)])
+    rewrite_boxes(cases["swap"], WTE, [((0, 0), (48, 32)), ((48, 0), (48, 32))])
+    edit_index(cases["swap"], lambda i: [s.update(offsets=[48 - s["offsets"][0], 0]) for s in i["tensors"][WTE]["slices"]])
+    edit_index(cases["optimizer"], lambda i: i["tensors"].pop(f"optimizer.exp_avg.{WTE}"))
+    rewrite_boxes(cases["fifo"], WTE, [((0, 0), (96, 32))])
+    os.remove(os.path.join(cases["fifo"], "rank-00001.safetensors"))
+    os.mkfifo(os.path.join(cases["fifo"], "rank-00001.safetensors"))
+    edit_index(cases["fifo"], lambda i: i["files"]["rank-00001.safetensors"].update(bytes=0))
+    edit_index(cases["outside"], lambda i: i["tensors"][WTE]["slices"][0].update(file="../good/rank-00000.safetensors"))
+    want = {"dtype": "is float32 [96, 32] in the file, float64 [96, 32] in the index (found on rank 1",
+            "swap": "(swapped or edited boxes)", "optimizer": f"no optimizer.exp_avg.{WTE}",
+            "fifo": "is a FIFO, not a regular file", "outside": "is not a plain file name inside the directory"}
+    got = reports(mpirun(2, "tests/workers/ckpt_errors.py", *cases.values(), good, timeout=120))
+    for case, d in cases.items():
+        mine = [r for r in got if r["dir"] == d]
+        assert len(mine) == 2 and mine[0]["error"] == mine[1]["error"], (case, mine)
+        assert want[case] in mine[0]["error"] and all(r["untouched"] for r in mine), (case, mine)
+    ok = [r for r in got if r["dir"] == good]
+    assert len(ok) == 2 and all(r["error"] is None and r["step"] == 1 for r in ok), ok
+    left = [p for p in os.listdir("/proc") if p.isdigit() and _cmdline_has(p, str(tmp_path))]
+    assert not left, left
+
+
+def _cmdline_has(pid, text):
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as f:
+            return text.encode() in f.read()
+    except OSError:
+        return False

@@ -23,9 +23,10 @@ import os
 
 import numpy as np
 
-from pdist.checkpoint.trust import CheckpointError, member, regular_size
-from pdist.checkpoint.validate import (FORMAT, INDEX, VERSION, check_boxes, check_contents, check_sizes,
-                                       piece_key, read_index, validate)
+from pdist.checkpoint.trust import MAX_INDEX_BYTES, CheckpointError, member, read_json, regular_size
+from pdist.checkpoint.validate import INDEX, check_boxes, check_contents, check_sizes, piece_key, validate
+
+FORMAT, VERSION = "pdist-checkpoint", 1
 
 
 def model_record(cfg):
@@ -105,6 +106,36 @@ def fsync_dir(path):
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def _missing_hint(d):
+    """Where an interrupted swap left the previous checkpoint (``<d>.old-*``), if anywhere."""
+    parent = os.path.dirname(os.path.abspath(d)) or "."
+    base = os.path.basename(os.path.abspath(d)) + ".old-"
+    aside = [n for n in os.listdir(parent) if n.startswith(base)] if os.path.isdir(parent) else []
+    return f" (a save was interrupted while swapping directories: the previous one is {aside[0]})" \
+        if aside else ""
+
+
+def read_index(d):
+    """The parsed index of checkpoint directory ``d``; CheckpointError when ``d`` is not
+    a complete checkpoint of a format version this code reads. Reads at most
+    ``MAX_INDEX_BYTES`` of a regular ``index.json``."""
+    d = os.fspath(d)
+    path = os.path.join(d, INDEX)
+    if not os.path.isdir(d):
+        raise CheckpointError(f"{d}: no such checkpoint directory{_missing_hint(d)}")
+    if not os.path.lexists(path):
+        raise CheckpointError(f"{d}: not a pdist checkpoint (no {INDEX}; an interrupted save never "
+                              f"writes it, so this directory is incomplete or something else)")
+    index = read_json(path, MAX_INDEX_BYTES, "index")
+    if not isinstance(index, dict) or index.get("format") != FORMAT:
+        raise CheckpointError(f"{path}: not a pdist checkpoint index (format {index.get('format')!r}, "
+                              f"want {FORMAT!r})" if isinstance(index, dict) else f"{path}: not an object")
+    if index.get("version") != VERSION:
+        raise CheckpointError(f"{path}: unknown format version {index.get('version')!r} (this pdist reads "
+                              f"version {VERSION})")
+    return index
 
 
 def sha256_file(path, chunk=1 << 22):

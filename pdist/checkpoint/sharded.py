@@ -230,7 +230,7 @@ def load(model, optimizer, dir, checksums=True, cast=False):
     pieces, new = model.pieces(), []
     try:
         index = read_index(dir)
-        validate(dir, index, sorted(index["files"])[me::n], checksums)
+        validate(dir, index, checksums, share=(me, n))
         _check_config(index, model, dir, cast)
         check_model(dir, index, pieces, STATES if optimizer is not None else (),
                     cast or getattr(model, "precision", "fp32") in ("bf16", "fp16"))

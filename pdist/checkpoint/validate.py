@@ -1,8 +1,8 @@
 """What a checkpoint must be before anything is read from it: one function, ``validate``,
 that ``verify`` runs and that ``load`` runs on every rank (docs/checkpoint.md, "Trust model").
 
-    index = read_index(d)                        # a regular index.json <= 128 MiB, format, version
-    validate(d, index, names=None, checksums=True)
+    index = read_index(d)                        # format.py: a regular index.json <= 128 MiB
+    validate(d, index, checksums=True, share=(0, 1))
 
 ``validate`` checks, raising one CheckpointError naming the file and the problem:
 
@@ -15,7 +15,7 @@ that ``verify`` runs and that ``load`` runs on every rank (docs/checkpoint.md, "
    as in a swap, no longer matches its key), each box lies inside its tensor, and the
    boxes cover every element; where two overlap (a replica written twice: pipeline
    parallelism's tied embedding), step 4 requires the same bits in both;
-4. for the files in ``names`` (default: all; ``load`` gives rank r the files r, r+n, ...):
+4. for the files in ``share`` (default: all; ``load`` gives rank r the files r, r+n, ...):
    the safetensors header (<= 100 MB) lists each slice's key with the index's dtype and
    the slice's shape, (``checksums``) the file's sha256 is the index's, and overlapping
    boxes whose first lies in the file hold the same bits as the other.
@@ -25,10 +25,9 @@ import os
 
 import numpy as np
 
-from pdist.checkpoint.trust import (ITEMSIZE, MAX_INDEX_BYTES, CheckpointError, member, read_json, regular_size,
-                                    safetensors_header, sha256_regular)
+from pdist.checkpoint.trust import (ITEMSIZE, CheckpointError, member, regular_size, safetensors_header,
+                                    sha256_regular)
 
-FORMAT, VERSION = "pdist-checkpoint", 1
 INDEX = "index.json"
 DTYPES = tuple(ITEMSIZE)
 OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")      # Adam's arrays: optimizer.<state>.<parameter>
@@ -36,36 +35,6 @@ OPTIMIZER_STATES = ("exp_avg", "exp_avg_sq")      # Adam's arrays: optimizer.<st
 
 def piece_key(tensor, offsets):
     return f"{tensor}@{','.join(map(str, offsets))}"
-
-
-def _missing_hint(d):
-    """Where an interrupted swap left the previous checkpoint (``<d>.old-*``), if anywhere."""
-    parent = os.path.dirname(os.path.abspath(d)) or "."
-    base = os.path.basename(os.path.abspath(d)) + ".old-"
-    aside = [n for n in os.listdir(parent) if n.startswith(base)] if os.path.isdir(parent) else []
-    return f" (a save was interrupted while swapping directories: the previous one is {aside[0]})" \
-        if aside else ""
-
-
-def read_index(d):
-    """The parsed index of checkpoint directory ``d``; CheckpointError when ``d`` is not
-    a complete checkpoint of a format version this code reads. Reads at most
-    ``MAX_INDEX_BYTES`` of a regular ``index.json``."""
-    d = os.fspath(d)
-    path = os.path.join(d, INDEX)
-    if not os.path.isdir(d):
-        raise CheckpointError(f"{d}: no such checkpoint directory{_missing_hint(d)}")
-    if not os.path.lexists(path):
-        raise CheckpointError(f"{d}: not a pdist checkpoint (no {INDEX}; an interrupted save never "
-                              f"writes it, so this directory is incomplete or something else)")
-    index = read_json(path, MAX_INDEX_BYTES, "index")
-    if not isinstance(index, dict) or index.get("format") != FORMAT:
-        raise CheckpointError(f"{path}: not a pdist checkpoint index (format {index.get('format')!r}, "
-                              f"want {FORMAT!r})" if isinstance(index, dict) else f"{path}: not an object")
-    if index.get("version") != VERSION:
-        raise CheckpointError(f"{path}: unknown format version {index.get('version')!r} (this pdist reads "
-                              f"version {VERSION})")
-    return index
 
 
 def _int(x, low=0):
@@ -251,15 +220,16 @@ def check_contents(d, index, names, checksums=True):
             raise CheckpointError(f"{path}: sha256 mismatch (the file's bytes changed since it was saved)")
 
 
-def validate(d, index, names=None, checksums=True):
-    """Steps 1-4 (the module's docstring) on ``d``'s parsed ``index``; ``names``: the files
-    whose headers and sha256 this call checks (default: all). Returns ``index``."""
+def validate(d, index, checksums=True, share=(0, 1)):
+    """Steps 1-4 (the module's docstring) on ``d``'s parsed ``index``; ``share=(r, n)``: step 4
+    for the files r, r+n, ... in sorted order only (``load``'s ranks split the reading and
+    hashing; default: all). Returns ``index``."""
     d = os.fspath(d)
     check_index(d, index)
     check_optimizer(d, index)
     check_sizes(d, index)
     overlaps = check_boxes(d, index)
-    names = sorted(index["files"]) if names is None else names
+    names = sorted(index["files"])[share[0]::share[1]]
     check_contents(d, index, names, checksums)
     check_overlaps(d, overlaps, set(names))
     return index
@@ -310,5 +280,5 @@ def check_scaler(d, sd):
                               "growth_interval >= 1, _growth_tracker >= 0)")
 
 
-__all__ = ["FORMAT", "VERSION", "INDEX", "piece_key", "read_index", "check_index", "check_sizes",
-           "check_boxes", "check_overlaps", "check_contents", "check_optimizer", "validate", "OPTIMIZER_STATES", "check_model", "check_scaler"]
+__all__ = ["INDEX", "OPTIMIZER_STATES", "piece_key", "check_index", "check_optimizer", "check_sizes", "check_boxes",
+           "check_overlaps", "check_contents", "validate", "check_model", "check_scaler"]
