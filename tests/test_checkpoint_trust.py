@@ -5,7 +5,7 @@ Each test breaks a small good checkpoint one way and asks ``verify`` and ``load`
 verdict: both must raise one CheckpointError naming the problem (the same message: they run
 one ``validate``), and ``load`` must leave the model and optimizer untouched. FIFOs and
 device files run in a subprocess with a timeout, so a regression shows as a failure, not a
-hang. ``from_pretrained`` checks config.json and the weights before it builds anything."""
+hang. from_pretrained's checks: tests/test_checkpoint_trust_hf.py."""
 import json
 import os
 import shutil
@@ -254,100 +254,6 @@ def test_a_device_file_is_refused(good):
     assert v == ld and v is not None and "symbolic link to '/dev/zero'" in v, (v, ld)
 
 
-# from_pretrained: a Hugging Face directory (consolidate writes one; no torch needed)
-
-@pytest.fixture
-def hf_dir(good, tmp_path):
-    return checkpoint.consolidate(good, str(tmp_path / "hf"))
-
-
-def edit_config(out, **kw):
-    p = os.path.join(out, "config.json")
-    cfg = json.load(open(p))
-    cfg.update(kw)
-    json.dump(cfg, open(p, "w"))
-
-
-def edit_weights(out, fn):
-    from safetensors.numpy import load_file, save_file
-    p = os.path.join(out, "model.safetensors")
-    sd = load_file(p)
-    fn(sd)
-    save_file(sd, p, metadata={"format": "pt"})
-
-
-def no_build(monkeypatch):
-    """from_pretrained must refuse before it builds a model."""
-    from pdist.models import registry
-
-    def build(*a, **k):
-        raise AssertionError("from_pretrained built the model before checking its config and weights")
-    monkeypatch.setattr(registry, "build", build)
-
-
-FAST = """import json, sys, time
-from pdist import checkpoint
-t = time.perf_counter()
-try:
-    checkpoint.from_pretrained(sys.argv[1]); err = None
-except checkpoint.CheckpointError as e:
-    err = str(e)
-print(json.dumps([err, time.perf_counter() - t]))
-"""
-
-
-def test_an_absurd_n_layer_fails_in_under_a_second(hf_dir):
-    edit_config(hf_dir, n_layer=10 ** 9)
-    r = subprocess.run([sys.executable, "-c", FAST, hf_dir], capture_output=True, text=True, timeout=60,
-                       env=dict(os.environ, PYTHONPATH=os.getcwd()))
-    err, secs = json.loads(r.stdout.strip().splitlines()[-1])
-    assert err is not None and "n_layer = 1000000000 (an integer from 1 to 1,024)" in err and secs < 1.0, (err, secs)
-
-
-def test_config_types_and_ranges_are_checked_before_building(hf_dir, monkeypatch):
-    no_build(monkeypatch)
-    for kw, want in (({"n_embd": "8"}, "n_embd = '8'"), ({"n_head": 0}, "n_head = 0"),
-                     ({"n_head": 3}, "divisible by n_head=3"), ({"vocab_size": True}, "vocab_size = True"),
-                     ({"layer_norm_epsilon": -1}, "layer_norm_epsilon = -1")):
-        edit_config(hf_dir, **{"n_embd": 8, "n_head": 2, "vocab_size": 16, "layer_norm_epsilon": 1e-5, **kw})
-        with pytest.raises(CheckpointError, match="config.json") as e:
-            checkpoint.from_pretrained(hf_dir)
-        assert want in str(e.value), (kw, e.value)
-
-
-def test_config_and_weights_shapes_must_agree_before_building(hf_dir, monkeypatch):
-    no_build(monkeypatch)
-    edit_config(hf_dir, n_embd=16)
-    with pytest.raises(CheckpointError, match=r"the weights do not match config.json: "
-                       r"transformer.wte.weight: file \[16, 8\] vs config \[16, 16\]"):
-        checkpoint.from_pretrained(hf_dir)
-    edit_config(hf_dir, n_embd=8, n_layer=2)
-    with pytest.raises(CheckpointError, match=r"missing \['transformer.h.1.ln_1.weight'"):
-        checkpoint.from_pretrained(hf_dir)
-
-
-def test_nan_weights_are_an_error_or_a_warning(hf_dir):
-    edit_weights(hf_dir, lambda sd: sd["transformer.h.0.attn.c_proj.weight"].__setitem__((0, 1), np.nan))
-    with pytest.raises(CheckpointError, match=r"non-finite weights .* transformer.h.0.attn.c_proj.weight \(1 of 64\)"):
-        checkpoint.from_pretrained(hf_dir)
-    with pytest.warns(RuntimeWarning, match="non-finite weights"):
-        m = checkpoint.from_pretrained(hf_dir, allow_nonfinite=True)
-    assert np.isnan(m.state_dict()["transformer.h.0.attn.c_proj.weight"][0, 1])
-
-
-def test_integer_weights_are_refused(hf_dir, monkeypatch):
-    no_build(monkeypatch)
-    edit_weights(hf_dir, lambda sd: sd.update({WTE: (sd[WTE] * 100).astype(np.int8)}))
-    with pytest.raises(CheckpointError, match=f"{WTE}: int8 \\(want float16, float32 or float64\\)"):
-        checkpoint.from_pretrained(hf_dir)
-
-
-def test_the_good_hf_directory_loads(hf_dir, good):
-    back = checkpoint.from_pretrained(hf_dir).state_dict()
-    full = checkpoint.format.read_tensors(good)
-    assert sorted(back) == sorted(CFG.param_shapes()) and all(np.array_equal(back[k], full[k]) for k in back)
-
-
 def test_every_rank_raises_the_same_error_and_touches_nothing(tmp_path):
     """2 ranks load (tests/workers/ckpt_errors.py, dp 2 ZeRO-1): rank r reads the headers of
     files r, r+2, ..., so a wrong dtype in rank-00001 is seen by rank 1 alone and must
@@ -391,3 +297,4 @@ def _cmdline_has(pid, text):
             return text.encode() in f.read()
     except OSError:
         return False
+

@@ -60,12 +60,14 @@ def consolidate(dir, out):
 
 def _weight_files(path):
     """The safetensors files of a ``save_pretrained`` directory: ``model.safetensors``, or the
-    shards its ``model.safetensors.index.json`` lists (plain names inside ``path`` only)."""
+    shards its ``model.safetensors.index.json`` lists (plain names inside ``path`` only; links
+    are followed, to regular files only: Hugging Face's cache links each file to a blob)."""
     single, shards = os.path.join(path, WEIGHTS), os.path.join(path, SHARDS)
     if os.path.lexists(single):
         return [single]
     if os.path.lexists(shards):
-        wm = read_json(shards, MAX_CONFIG_BYTES, "shard index", strict=False).get("weight_map")
+        wm = read_json(shards, MAX_CONFIG_BYTES, "shard index", strict=False, follow=True)
+        wm = wm.get("weight_map") if isinstance(wm, dict) else None
         if not isinstance(wm, dict):
             raise CheckpointError(f"{shards}: no 'weight_map' object")
         return [member(path, n, shards) for n in sorted(set(wm.values()))]
@@ -77,7 +79,7 @@ def weight_headers(path):
     """{name: (dtype, shape, file)} of every tensor in ``path``'s weight files, headers only."""
     out = {}
     for f in _weight_files(path):
-        for k, (dt, shape) in safetensors_header(f, "weights file").items():
+        for k, (dt, shape) in safetensors_header(f, "weights file", follow=True).items():
             if k in out:
                 raise CheckpointError(f"{f}: {k!r} is also in {out[k][2]}")
             out[k] = (dt, shape, f)
@@ -152,7 +154,7 @@ def from_pretrained(path, dtype=None, allow_nonfinite=False):
     where = os.path.join(path, CONFIG)
     if dtype is not None and dtype not in FLOATS:
         raise CheckpointError(f"from_pretrained(dtype={dtype!r}): want one of {FLOATS}")
-    hf = read_json(where, MAX_CONFIG_BYTES, "config", strict=False)
+    hf = read_json(where, MAX_CONFIG_BYTES, "config", strict=False, follow=True)   # HF's cache: links
     if not isinstance(hf, dict):
         raise CheckpointError(f"{where}: not a JSON object")
     conv = _converter(hf.get("model_type"), where)

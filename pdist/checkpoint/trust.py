@@ -58,10 +58,11 @@ def _kind(mode):
     return "special file"
 
 
-def regular_size(path, what):
-    """The size of ``path``, which must be a regular file (not a link to one): ``os.lstat``."""
+def regular_size(path, what, follow=False):
+    """The size of ``path``, which must be a regular file (not a link to one: ``os.lstat``;
+    ``follow``: a link to a regular file is fine, as in Hugging Face's cache: ``os.stat``)."""
     try:
-        st = os.lstat(path)
+        st = os.stat(path) if follow else os.lstat(path)
     except FileNotFoundError:
         raise CheckpointError(f"{path}: missing {what}") from None
     except OSError as e:
@@ -73,11 +74,13 @@ def regular_size(path, what):
     return st.st_size
 
 
-def open_regular(path, what):
+def open_regular(path, what, follow=False):
     """``(binary file, size)`` of the regular file ``path``, opened without following a link
-    and without blocking on a FIFO; refused by kind before and after the open."""
-    regular_size(path, what)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0)
+    (``follow``: to a regular file only) and without blocking on a FIFO; refused by kind
+    before and after the open."""
+    regular_size(path, what, follow)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0) \
+        | (0 if follow else getattr(os, "O_NOFOLLOW", 0))
     try:
         fd = os.open(path, flags)
     except OSError as e:
@@ -89,9 +92,9 @@ def open_regular(path, what):
     return os.fdopen(fd, "rb"), st.st_size
 
 
-def read_capped(path, cap, what):
+def read_capped(path, cap, what, follow=False):
     """All bytes of the regular file ``path``, refused unread when larger than ``cap``."""
-    f, size = open_regular(path, what)
+    f, size = open_regular(path, what, follow)
     with f:
         if size > cap:
             raise CheckpointError(f"{path}: the {what} is {size:,} bytes, over the {cap:,}-byte limit "
@@ -106,9 +109,9 @@ def _no_constant(name):
     raise ValueError(f"{name} is not JSON (pdist writes allow_nan=False)")
 
 
-def read_json(path, cap, what, strict=True):
+def read_json(path, cap, what, strict=True, follow=False):
     """The parsed JSON of a regular file of at most ``cap`` bytes (``strict``: NaN/Infinity refused)."""
-    data = read_capped(path, cap, what)
+    data = read_capped(path, cap, what, follow)
     try:
         return json.loads(data, **({"parse_constant": _no_constant} if strict else {}))
     except (ValueError, RecursionError) as e:      # UnicodeDecodeError is a ValueError
@@ -135,12 +138,12 @@ def _is_int(x, low=0):
     return isinstance(x, int) and not isinstance(x, bool) and x >= low
 
 
-def safetensors_header(path, what="safetensors file"):
+def safetensors_header(path, what="safetensors file", follow=False):
     """``{key: (NumPy dtype name, shape tuple)}`` of a safetensors file, from its header only
     (at most ``MAX_HEADER_BYTES`` read). The header is checked as safetensors checks it:
     known dtypes, integer shapes, and data ranges of exactly the tensors' byte sizes that
     tile the data after the header with no gap or overlap."""
-    f, size = open_regular(path, what)
+    f, size = open_regular(path, what, follow)
     with f:
         head = f.read(8)
         n = int.from_bytes(head, "little") if len(head) == 8 else -1
