@@ -163,7 +163,7 @@ def from_pretrained(path, dtype=None, allow_nonfinite=False):
         cfg = conv.pdist_config(hf, "float32", path)      # refuse an unsupported config before reading weights
     except CheckpointError:
         raise
-    except ValueError as e:                 # GPTConfig/LlamaConfig: n_embd % n_head and the like
+    except (TypeError, ValueError) as e:    # GPTConfig/LlamaConfig: n_embd % n_head; a field of the wrong type
         raise CheckpointError(f"{where}: {e}") from None
     raw = weight_headers(path)
     rename = dict(zip(raw, conv.pdist_names(dict.fromkeys(raw))))          # file's name -> pdist's

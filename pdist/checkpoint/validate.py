@@ -76,9 +76,10 @@ def check_index(d, index):
                 f"'slices': [...]}}, got {str(t)[:160]}")
         for s in t["slices"]:
             nd = len(t["shape"])
-            if not (isinstance(s, dict) and isinstance(s.get("key"), str) and _ints(s.get("offsets"), nd)
+            if not (isinstance(s, dict) and isinstance(s.get("key"), str) and isinstance(s.get("file"), str)
+                    and _ints(s.get("offsets"), nd)
                     and _ints(s.get("shape"), nd)):
-                bad(f"{name}: slice {str(s)[:160]} must be {{'file', 'key', 'offsets': {nd} ints, "
+                bad(f"{name}: slice {str(s)[:160]} must be {{'file': str, 'key': str, 'offsets': {nd} ints, "
                     f"'shape': {nd} ints}}")
             if s.get("file") not in files:
                 member(d, s.get("file"), f"{where}: {name}")        # a name outside d says so first
