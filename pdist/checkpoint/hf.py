@@ -90,11 +90,13 @@ def read_weights(path, names=None):
     """{name: NumPy array} of a ``save_pretrained`` directory (``names``: only those), each
     file a regular file whose header was checked first."""
     from safetensors import safe_open
-    heads, out = weight_headers(path), {}
-    for k, (_, _, f) in heads.items():
+    by_file, out = {}, {}
+    for k, (_, _, f) in weight_headers(path).items():
         if names is None or k in names:
-            with safe_open(f, framework="numpy") as h:
-                out[k] = h.get_tensor(k)
+            by_file.setdefault(f, []).append(k)
+    for f, keys in by_file.items():
+        with safe_open(f, framework="numpy") as h:
+            out.update((k, h.get_tensor(k)) for k in keys)
     return out
 
 
@@ -151,6 +153,7 @@ def from_pretrained(path, dtype=None, allow_nonfinite=False):
     config's shape as floats (``check_shapes``); then the weights must be finite
     (``allow_nonfinite=True``: a warning). Every failure is a CheckpointError (a ValueError)."""
     from pdist.models import registry
+    path = os.fspath(path)
     where = os.path.join(path, CONFIG)
     if dtype is not None and dtype not in FLOATS:
         raise CheckpointError(f"from_pretrained(dtype={dtype!r}): want one of {FLOATS}")
@@ -164,7 +167,7 @@ def from_pretrained(path, dtype=None, allow_nonfinite=False):
     except CheckpointError:
         raise
     except (TypeError, ValueError) as e:    # GPTConfig/LlamaConfig: n_embd % n_head; a field of the wrong type
-        raise CheckpointError(f"{where}: {e}") from None
+        raise CheckpointError(str(e) if str(e).startswith(path) else f"{where}: {e}") from None
     raw = weight_headers(path)
     rename = dict(zip(raw, conv.pdist_names(dict.fromkeys(raw))))          # file's name -> pdist's
     check_shapes(cfg, {rename[k]: h for k, h in raw.items()}, conv.IGNORE, path)
