@@ -7,6 +7,8 @@
     runs.py      run ids, keep= (prune), latest, save's argument and path checks
     cli.py       python -m pdist.checkpoint, and describe (what inspect prints)
     format.py    the index, safetensors files, checksums, verify
+    validate.py  what a checkpoint must be before anything is read (verify and load run it)
+    trust.py     reading a stranger's files: names inside the directory, regular files, bounded reads
     hf.py        Hugging Face in and out: from_pretrained, consolidate (GPT-2 or Llama, by model_type)
     hf_gpt2.py, hf_llama.py   each model's config.json <-> pdist config
 

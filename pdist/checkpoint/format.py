@@ -23,12 +23,10 @@ import os
 
 import numpy as np
 
+from pdist.checkpoint.trust import MAX_INDEX_BYTES, CheckpointError, member, read_json, regular_size
+from pdist.checkpoint.validate import INDEX, check_boxes, check_contents, check_sizes, piece_key, validate
+
 FORMAT, VERSION = "pdist-checkpoint", 1
-INDEX = "index.json"
-
-
-class CheckpointError(Exception):
-    """A checkpoint that cannot be used: the message names the file and what is wrong."""
 
 
 def model_record(cfg):
@@ -47,10 +45,6 @@ def model_type_of(index):
 
 def rank_file(rank):
     return f"rank-{rank:05d}.safetensors"
-
-
-def piece_key(tensor, offsets):
-    return f"{tensor}@{','.join(map(str, offsets))}"
 
 
 def write_file(path, data):
@@ -114,34 +108,26 @@ def fsync_dir(path):
         os.close(fd)
 
 
-def sha256_file(path, chunk=1 << 22):
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for block in iter(lambda: f.read(chunk), b""):
-            h.update(block)
-    return h.hexdigest()
+def _missing_hint(d):
+    """Where an interrupted overwrite left the previous checkpoint (``.<base>.pdist-old-*``), if anywhere."""
+    from pdist.checkpoint.owner import aside_copies     # owner reads indexes: imported here, not at the top
+    aside = aside_copies(d)
+    return f" (a save was interrupted while swapping directories: the previous one is {aside[0]})" \
+        if aside else ""
 
 
 def read_index(d):
     """The parsed index of checkpoint directory ``d``; CheckpointError when ``d`` is not
-    a complete checkpoint of a format version this code reads."""
+    a complete checkpoint of a format version this code reads. Reads at most
+    ``MAX_INDEX_BYTES`` of a regular ``index.json``."""
     d = os.fspath(d)
     path = os.path.join(d, INDEX)
     if not os.path.isdir(d):
-        aside = [n for n in os.listdir(os.path.dirname(os.path.abspath(d)) or ".")
-                 if n.startswith(os.path.basename(os.path.abspath(d)) + ".old-")] \
-            if os.path.isdir(os.path.dirname(os.path.abspath(d)) or ".") else []
-        hint = f" (a save was interrupted while swapping directories: the previous one is {aside[0]})" \
-            if aside else ""
-        raise CheckpointError(f"{d}: no such checkpoint directory{hint}")
-    if not os.path.exists(path):
+        raise CheckpointError(f"{d}: no such checkpoint directory{_missing_hint(d)}")
+    if not os.path.lexists(path):
         raise CheckpointError(f"{d}: not a pdist checkpoint (no {INDEX}; an interrupted save never "
                               f"writes it, so this directory is incomplete or something else)")
-    try:
-        with open(path) as f:
-            index = json.load(f)
-    except (OSError, ValueError) as e:
-        raise CheckpointError(f"{path}: unreadable index ({e})") from None
+    index = read_json(path, MAX_INDEX_BYTES, "index")
     if not isinstance(index, dict) or index.get("format") != FORMAT:
         raise CheckpointError(f"{path}: not a pdist checkpoint index (format {index.get('format')!r}, "
                               f"want {FORMAT!r})" if isinstance(index, dict) else f"{path}: not an object")
@@ -151,43 +137,33 @@ def read_index(d):
     return index
 
 
+def sha256_file(path, chunk=1 << 22):
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(chunk), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
 def check_files(d, index, names=None, checksums=True):
-    """Every rank file named in the index (or just ``names``) exists, has its size and
-    (``checksums``) its sha256. Raises CheckpointError on the first problem."""
-    files = index["files"]
-    for name in (sorted(files) if names is None else names):
-        path, want = os.path.join(d, name), files[name]
-        if not os.path.exists(path):
-            raise CheckpointError(f"{path}: missing rank file (the index lists it, {want['bytes']} bytes)")
-        size = os.path.getsize(path)
-        if size != want["bytes"]:
-            raise CheckpointError(f"{path}: truncated or resized: {size} bytes, the index says "
-                                  f"{want['bytes']}")
-        if checksums and sha256_file(path) != want["sha256"]:
-            raise CheckpointError(f"{path}: sha256 mismatch (the file's bytes changed since it was saved)")
+    """Every rank file named in the index is a regular file of its size; those in ``names``
+    (default: all) also have the index's header entries and (``checksums``) sha256."""
+    check_sizes(d, index)
+    check_contents(d, index, sorted(index["files"]) if names is None else names, checksums)
 
 
-def check_coverage(index):
-    """Every element of every tensor lies in some saved box (no gaps, nothing outside)."""
-    for name, t in index["tensors"].items():
-        covered = np.zeros(t["shape"], dtype=bool)
-        for s in t["slices"]:
-            if any(o < 0 or o + n > g for o, n, g in zip(s["offsets"], s["shape"], t["shape"])):
-                raise CheckpointError(f"{INDEX}: {name}: box {s['offsets']}+{s['shape']} in {s['file']} lies "
-                                      f"outside the tensor's shape {t['shape']}")
-            covered[tuple(slice(o, o + n) for o, n in zip(s["offsets"], s["shape"]))] = True
-        if not covered.all():
-            raise CheckpointError(f"{INDEX}: {name}: {int((~covered).sum())} of {covered.size} elements "
-                                  f"are in no rank file (incomplete checkpoint)")
+def check_coverage(index, d=""):
+    """The boxes cover every tensor, keys match offsets, each box inside (overlapping
+    replicas are compared by ``validate``, which reads the files). Returns the overlaps."""
+    return check_boxes(d, index)
 
 
 def verify(d, checksums=True):
-    """A checkpoint is complete and intact: its index, every rank file's size and sha256,
-    every tensor covered. Returns the index; raises CheckpointError."""
-    index = read_index(d)
-    check_files(d, index, checksums=checksums)
-    check_coverage(index)
-    return index
+    """A checkpoint is complete and intact: ``validate`` (pdist/checkpoint/validate.py), the
+    same checks ``load`` makes: the index's structure, every name inside ``d``, every file
+    regular and of its size, boxes that tile their tensors, headers that agree with the
+    index, every sha256. Returns the index; raises CheckpointError."""
+    return validate(d, read_index(d), checksums=checksums)
 
 
 class Reader:
@@ -200,7 +176,8 @@ class Reader:
     def _open(self, name):
         if name not in self.handles:
             from safetensors import safe_open
-            path = os.path.join(self.d, name)
+            path = member(self.d, name, INDEX)
+            regular_size(path, "rank file")          # validate() checked it; no link swapped in since
             try:
                 self.handles[name] = safe_open(path, framework="numpy")
             except Exception as e:          # safetensors raises its own error types
@@ -220,7 +197,7 @@ class Reader:
             if both is None:
                 continue
             src, dst = both
-            path = os.path.join(self.d, s["file"])
+            path = member(self.d, s["file"], INDEX)
             try:
                 part = self._open(s["file"]).get_slice(s["key"])[src] if src else \
                     self._open(s["file"]).get_tensor(s["key"])
@@ -228,9 +205,9 @@ class Reader:
                 raise
             except Exception as e:
                 raise CheckpointError(f"{path}: cannot read {s['key']!r} ({e})") from None
-            if tuple(np.shape(part)) != tuple(d.stop - d.start for d in dst):
-                raise CheckpointError(f"{path}: {s['key']!r} has shape {np.shape(part)} where the index says "
-                                      f"{s['shape']}")
+            if tuple(np.shape(part)) != tuple(d.stop - d.start for d in dst) or str(part.dtype) != t["dtype"]:
+                raise CheckpointError(f"{path}: {s['key']!r} is {part.dtype} {list(np.shape(part))} where the "
+                                      f"index says {t['dtype']} {s['shape']}")
             out[dst] = part
             covered[dst] = True
         if not covered.all():
@@ -245,11 +222,13 @@ class Reader:
 
 def read_tensors(d, prefix=""):
     """{name: full array} of every saved tensor whose name starts with ``prefix``
-    (``""``: parameters and optimizer state; consolidate uses the parameters)."""
-    index = read_index(d)
+    (``""``: parameters and optimizer state; consolidate uses the parameters), after
+    ``verify``'s checks."""
+    index = verify(d)
     r = Reader(d, index)
     return {k: r.read_full(k) for k in index["tensors"] if k.startswith(prefix)}
 
 
-__all__ = ["CheckpointError", "FORMAT", "VERSION", "INDEX", "model_record", "model_type_of", "rank_file", "piece_key", "write_file",
-           "fsync_dir", "read_index", "check_files", "check_coverage", "verify", "Reader", "read_tensors"]
+__all__ = ["CheckpointError", "FORMAT", "VERSION", "INDEX", "model_record", "model_type_of", "rank_file", "piece_key",
+           "write_file", "fsync_dir", "read_index", "check_files", "check_coverage", "validate", "verify", "Reader",
+           "read_tensors"]

@@ -4,6 +4,13 @@ no conversion: pdist's GPT has HF GPT-2's names and Conv1D shapes (W (in, out));
 parameters (``GPT.load_state_dict`` ignores them; ``save_pretrained`` leaves lm_head out)."""
 
 
+# config.json's integer fields: name -> the largest value accepted (far above any real GPT-2; an
+# absurd value fails before anything is built). n_inner may also be null.
+FIELDS = {"vocab_size": 1 << 21, "n_positions": 1 << 20, "n_embd": 1 << 16, "n_layer": 1024, "n_head": 1024}
+OPTIONAL = {"n_inner": 1 << 18}
+IGNORE = ("lm_head.weight", ".attn.bias", ".attn.masked_bias")     # in the file, not parameters (tied, masks)
+
+
 def hf_config(cfg):
     """GPT2Config's fields for a pdist GPTConfig (dict form; ``dropout`` becomes the three
     dropout probabilities, GELU is the tanh approximation ``gelu_new``)."""
@@ -40,4 +47,4 @@ def pdist_names(sd):
     return {(k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k): v for k, v in sd.items()}
 
 
-__all__ = ["hf_config", "pdist_config", "pdist_names"]
+__all__ = ["FIELDS", "OPTIONAL", "IGNORE", "hf_config", "pdist_config", "pdist_names"]

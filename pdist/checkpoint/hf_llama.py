@@ -4,6 +4,11 @@ included (untied). transformers 5 keeps the RoPE base in ``rope_parameters``; ea
 versions in ``rope_theta`` (and ``rope_scaling``): both are read and written."""
 
 ROPE_KEYS = ("rope_type", "type", "rope_theta")   # anything else in rope_parameters is a scaling
+# config.json's integer fields: name -> the largest value accepted (far above any real Llama)
+FIELDS = {"vocab_size": 1 << 21, "max_position_embeddings": 1 << 21, "hidden_size": 1 << 16,
+          "intermediate_size": 1 << 18, "num_hidden_layers": 1024, "num_attention_heads": 1024}
+OPTIONAL = {"num_key_value_heads": 1024, "head_dim": 1 << 12}
+IGNORE = ("rotary_emb.inv_freq",)            # buffers older checkpoints save
 
 
 def hf_config(cfg):
@@ -69,4 +74,4 @@ def pdist_names(sd):
     return sd
 
 
-__all__ = ["hf_config", "pdist_config", "pdist_names", "unsupported"]
+__all__ = ["FIELDS", "OPTIONAL", "IGNORE", "hf_config", "pdist_config", "pdist_names", "unsupported"]

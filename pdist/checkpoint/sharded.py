@@ -30,8 +30,9 @@ w = round(W). fp16's GradScaler state (scale, growth tracker) goes into the inde
 import os
 
 from pdist.engine.backend import xp
-from pdist.checkpoint.format import (INDEX, CheckpointError, Reader, check_files, model_record, model_type_of,
+from pdist.checkpoint.format import (INDEX, CheckpointError, Reader, model_record, model_type_of,
                                      read_index, verify)
+from pdist.checkpoint.validate import check_model, check_scaler, validate
 from pdist.checkpoint.hf import consolidate, from_pretrained
 from pdist.checkpoint import runs
 from pdist.checkpoint.runs import latest, prune
@@ -51,56 +52,56 @@ def _agree(group, err):
 RUNTIME_CONFIG = ("recompute",)     # how a step runs, not what the weights are: may differ on load
 
 
-def _check_config(index, model, dir):
+def _check_config(index, model, dir, cast=False):
+    """The index's model type and config equal the model's (but for RUNTIME_CONFIG, and ``dtype``
+    when ``cast``)."""
+    skip = RUNTIME_CONFIG + (("dtype",) if cast else ())
     mine = model_record(getattr(model.module, "config", None))
     if index.get("config") is None or mine["config"] is None:
         return
     theirs = dict(index["config"], model_type=model_type_of(index))     # (an old index: GPT-2)
     diff = [f"{k}: checkpoint {theirs.get(k)!r} vs model {v!r}" for k, v in
             dict(mine["config"], model_type=mine["model_type"]).items()
-            if theirs.get(k) != v and k not in RUNTIME_CONFIG]
+            if theirs.get(k) != v and k not in skip]
     if diff:
         raise CheckpointError(f"{os.path.join(dir, INDEX)}: the checkpoint's config does not match the "
                               "model (" + "; ".join(diff) + ")")
 
 
-def load(model, optimizer, dir, checksums=True):
+def load(model, optimizer, dir, checksums=True, cast=False):
     """Load a checkpoint saved under any layout into ``model`` (any strategy, or a plain
     model: one process) and ``optimizer`` (or None: parameters only). Collective. Returns ``(step, extra)``.
-    Checks (the index, the config, the files; rank r hashes files r, r+n, ...), reads
-    every piece into new arrays, agrees, and only then copies them in and calls
+    Checks what ``verify`` checks (``validate``: rank r reads the headers and hashes files r, r+n, ...),
+    then the config, shapes, dtypes and optimizer entries against the model (``check_model``;
+    ``cast=True`` converts float dtypes, which a mixed-precision model's fp32 masters always do),
+    reads every piece into new arrays, agrees, and only then copies them in and calls
     ``model.after_load()``. On any problem every rank raises the same CheckpointError."""
     model = _strategy(model)
     group, dir = model.span_group(), os.fspath(dir)
     me, n = group.rank, group.size
     index = err = None
+    pieces, new = model.pieces(), []
     try:
         index = read_index(dir)
-        _check_config(index, model, dir)
-    except CheckpointError as e:
-        err = str(e)
+        validate(dir, index, checksums, share=(me, n))
+        _check_config(index, model, dir, cast)
+        check_model(dir, index, pieces, STATES if optimizer is not None else (),
+                    cast or getattr(model, "precision", "fp32") in ("bf16", "fp16"))
+        if getattr(model, "scaler", None) is not None and index.get("scaler") is not None:
+            check_scaler(dir, index["scaler"])
+    except Exception as e:                  # noqa: BLE001 - every rank must hear of it, never a hang
+        err = str(e) if isinstance(e, CheckpointError) else f"{dir}: {type(e).__name__}: {e}"
     _agree(group, err)
-    try:
-        check_files(dir, index, sorted(index["files"])[me::n] if checksums else None, checksums)
-    except CheckpointError as e:
-        err = str(e)
-    _agree(group, err)
-    pieces, new = model.pieces(), []
     try:
         reader, tensors = Reader(dir, index), index["tensors"]
         for p in pieces:
-            t = tensors.get(p.name)
-            if t is None or p.global_shape != tuple(t["shape"]):
-                raise CheckpointError(f"{os.path.join(dir, INDEX)}: {p.name}: the model's shape is "
-                                      f"{list(p.global_shape)}, the checkpoint's "
-                                      f"{t['shape'] if t else 'is missing'}")
             vals = {p.name: reader.read_box(p.name, p.offsets, p.shape, p.tensor.data.dtype)}
             for name in (f"optimizer.{k}.{p.name}" for k in (STATES if optimizer is not None else ())):
-                if name in tensors:         # saved without an optimizer: its state is left alone
+                if name in tensors:         # check_model: all of them or (saved without) none
                     vals[name] = reader.read_box(name, p.offsets, p.shape, p.tensor.data.dtype)
             new.append(vals)
-    except CheckpointError as e:
-        err = str(e)
+    except Exception as e:                  # noqa: BLE001
+        err = str(e) if isinstance(e, CheckpointError) else f"{dir}: {type(e).__name__}: {e}"
     _agree(group, err)
     for p, vals in zip(pieces, new):                   # every rank read everything: copy in
         p.view(p.tensor.data)[...] = xp.asarray(vals[p.name])
