@@ -20,6 +20,7 @@ Everything here raises ``CheckpointError`` naming the file and what is wrong.
 import hashlib
 import json
 import os
+import re
 
 import numpy as np
 
@@ -108,9 +109,22 @@ def fsync_dir(path):
         os.close(fd)
 
 
+# what an unfinished save leaves beside ``<base>``: ``.<base>.pdist-tmp-*`` (being written) and
+# ``.<base>.pdist-old-*`` (the previous checkpoint, set aside by an overwrite); see owner.py
+LEFTOVER = re.compile(r"\.(?P<base>.+)\.pdist-(?P<kind>tmp|old)-\d+-[0-9a-f]+")
+
+
+def aside_copies(dir):
+    """The complete-or-not old copies an interrupted overwrite left of ``dir``
+    (``.<base>.pdist-old-*``), for a message that says where the previous checkpoint is."""
+    parent, base = os.path.split(os.path.abspath(dir))
+    names = os.listdir(parent) if os.path.isdir(parent) else []
+    return sorted(os.path.join(parent, n) for n in names
+                  if (m := LEFTOVER.fullmatch(n)) and m.group("kind") == "old" and m.group("base") == base)
+
+
 def _missing_hint(d):
-    """Where an interrupted overwrite left the previous checkpoint (``.<base>.pdist-old-*``), if anywhere."""
-    from pdist.checkpoint.owner import aside_copies     # owner reads indexes: imported here, not at the top
+    """Where an interrupted overwrite left the previous checkpoint, if anywhere."""
     aside = aside_copies(d)
     return f" (a save was interrupted while swapping directories: the previous one is {aside[0]})" \
         if aside else ""

@@ -21,10 +21,9 @@ import socket
 import time
 import warnings
 
-from pdist.checkpoint.format import INDEX, CheckpointError, fsync_dir, read_index
+from pdist.checkpoint.format import INDEX, LEFTOVER, CheckpointError, aside_copies, fsync_dir, read_index
 
 RANK_FILE = re.compile(r"rank-\d{5}\.safetensors")
-LEFTOVER = re.compile(r"\.(?P<base>.+)\.pdist-(?P<kind>tmp|old)-\d+-[0-9a-f]+")
 LOCK = re.compile(r"\.(?P<base>.+)\.pdist-lock")
 LOCK_GRACE_S = 10.0       # a lock file still empty after this long was never finished: stale
 
@@ -195,15 +194,6 @@ def exchange(a, b):
     if err in (22, 38, 95):                 # EINVAL, ENOSYS, EOPNOTSUPP: not here
         return False
     raise OSError(err, os.strerror(err), b)
-
-
-def aside_copies(dir):
-    """The complete-or-not old copies an interrupted overwrite left of ``dir``
-    (``.<base>.pdist-old-*``), for a message that says where the previous checkpoint is."""
-    parent, base = os.path.split(os.path.abspath(dir))
-    names = os.listdir(parent) if os.path.isdir(parent) else []
-    return sorted(os.path.join(parent, n) for n in names
-                  if (m := LEFTOVER.fullmatch(n)) and m.group("kind") == "old" and m.group("base") == base)
 
 
 def between_renames():
