@@ -21,6 +21,9 @@ def need(cond, msg):
 
 def load(source):
     if source == "reference":
+        from pdist.course.handout import NOT_IN_COPY, reference_available
+        if not reference_available():
+            raise ImportError(NOT_IN_COPY)
         from pdist.course import solutions as exercise_solutions
         return exercise_solutions
     spec = importlib.util.spec_from_file_location("student_exercise", source)

@@ -218,6 +218,10 @@ def main(argv=None):
     ap.add_argument("--csv", metavar="PATH", help="with --class: write the CSV here (default stdout)")
     args = ap.parse_args(argv)
     exs = select(args.exercises)
+    if args.reference:
+        from pdist.course.handout import NOT_IN_COPY, reference_available
+        if not reference_available():
+            raise SystemExit(f"pdist.grade: --reference: {NOT_IN_COPY}")
     if args.class_dir:
         if not os.path.isdir(args.class_dir):
             raise SystemExit(f"pdist.grade: --class {args.class_dir}: no such folder")
