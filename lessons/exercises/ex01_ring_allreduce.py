@@ -8,11 +8,12 @@ Math (Patarasuk & Yuan 2009, sec. 3). Cut buf into n chunks,
 ``chunk_bounds(buf.size, n)`` (sizes may differ by one; some may be empty). Rank r
 sends to r+1 and receives from r-1:
 
-  reduce-scatter, steps s = 0..n-2: send chunk (r - s) mod n, receive chunk
-      (r - s - 1) mod n and add it into your own copy. After n-1 steps rank r holds
-      the full sum of chunk (r + 1) mod n.
-  all-gather, steps s = 0..n-2: send chunk (r + 1 - s) mod n, receive chunk
-      (r - s) mod n (overwrite, no add).
+  reduce-scatter, steps s = 0..n-2: send chunk (r - s - 1) mod n, receive chunk
+      (r - s - 2) mod n and add it into your own copy. After n-1 steps rank r holds
+      the full sum of chunk r (the convention of docs/collectives.md and of
+      ``reduce_scatter``: rank r's result is chunk r).
+  all-gather, steps s = 0..n-2: send chunk (r - s) mod n (at s = 0 your finished
+      chunk r), receive chunk (r - s - 1) mod n (overwrite, no add).
 
 Each rank sends 2(n-1) chunks of S/n bytes: 2(n-1)/n * S, the lower bound for
 all-reduce, whatever n is. The grader counts it (``group.stats["send"]``).

@@ -18,14 +18,14 @@ def ring_all_reduce(group, buf):
     bounds = chunk_bounds(buf.size, n)
     tmp = xp.empty(max(b - a for a, b in bounds), dtype=buf.dtype)
     right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):                       # reduce-scatter
-        sa, sb = bounds[(r - s) % n]
-        ra, rb = bounds[(r - s - 1) % n]
+    for s in range(n - 1):                       # reduce-scatter: rank r ends owning chunk r
+        sa, sb = bounds[(r - s - 1) % n]
+        ra, rb = bounds[(r - s - 2) % n]
         group.sendrecv(buf[sa:sb], right, tmp[:rb - ra], left)
         buf[ra:rb] += tmp[:rb - ra]
-    for s in range(n - 1):                       # all-gather: rank r owns chunk r+1
-        sa, sb = bounds[(r + 1 - s) % n]
-        ra, rb = bounds[(r - s) % n]
+    for s in range(n - 1):                       # all-gather: pass the finished chunks on
+        sa, sb = bounds[(r - s) % n]
+        ra, rb = bounds[(r - s - 1) % n]
         group.sendrecv(buf[sa:sb], right, buf[ra:rb], left)
 
 
