@@ -11,7 +11,12 @@ SEED, STEPS, BATCH = 0, 3, 12
 
 
 class CheckFailed(AssertionError):
-    pass
+    """A check's verdict: ``str(e)`` the one line the table shows, ``e.detail`` (optional)
+    the full text the grader shows under it (an error's whole message, values that differ)."""
+
+    def __init__(self, msg, detail=""):
+        super().__init__(msg)
+        self.detail = detail
 
 
 def need(cond, msg):
@@ -38,7 +43,33 @@ def close(a, b, what, rtol=RTOL, atol=1e-12):
     need(a.shape == b.shape, f"{what}: shape {a.shape}, expected {b.shape}")
     if not np.allclose(a, b, rtol=rtol, atol=atol):
         err = np.max(np.abs(a - b) / (np.abs(b) + 1e-300)) if a.size else 0.0
-        raise CheckFailed(f"{what} differs from pdist's (max relative error {err:.2g})")
+        bad = np.argwhere(~np.isclose(a, b, rtol=rtol, atol=atol))
+        where = f"; {len(bad)} of {a.size} values differ, first at index {tuple(int(i) for i in bad[0])}: " \
+                f"got {a[tuple(bad[0])]:.6g}, expected {b[tuple(bad[0])]:.6g}" if len(bad) and a.ndim else ""
+        raise CheckFailed(f"{what} differs from pdist's (max relative error {err:.2g}{_ratio(a, b)})",
+                          detail=f"{what}: max relative error {err:.3g}{where}")
+
+
+def _ratio(a, b):
+    """', got = k x expected' when ``a`` is (nearly) a constant multiple k != 1 of ``b``."""
+    bb = float(np.vdot(b, b))
+    if not np.all(np.isfinite(a)) or bb == 0.0:
+        return ""
+    k = float(np.vdot(a, b)) / bb
+    if abs(k - 1) > 1e-6 and np.allclose(a, k * b, rtol=1e-6, atol=1e-12):
+        return f"; got = {k:.4g} x expected"
+    return ""
+
+
+def sub_groups(world, sizes=(2, 3)):
+    """[this rank's group] for each k in ``sizes`` with 1 < k < n: the world split into ranks
+    [0, k) and [k, n) (so the ranks >= k run at n - k meanwhile), then the world itself. One job
+    grades the student's code at several group sizes. Collective over ``world``."""
+    out = []
+    for k in sizes:
+        if 1 < k < world.size:
+            out.append(world.split(0 if world.rank < k else 1, name=f"first{k}" if world.rank < k else f"rest{k}"))
+    return out + [world]
 
 
 def close_dicts(got, want, what):

@@ -35,7 +35,7 @@ LAUNCH_S = 120          # the whole launch, should the watchdog itself be stuck
 # (id, file, points, ranks, what it teaches)
 EXERCISES = [
     ("01", "ex01_ring_allreduce.py", 10, 4, "ring all-reduce over isend/irecv"),
-    ("02", "ex02_data_parallel.py", 8, 2, "data parallelism by hand"),
+    ("02", "ex02_data_parallel.py", 8, 3, "data parallelism by hand"),
     ("03", "ex03_bucketed_ddp.py", 12, 2, "bucketed DDP with overlap"),
     ("04", "ex04_zero1.py", 10, 3, "ZeRO-1"),
     ("05", "ex05_zero3_unit.py", 12, 3, "ZeRO-3 for one unit"),
