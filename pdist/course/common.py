@@ -118,6 +118,21 @@ def equal_to_one_process(model, cfg, tokens):
     return model
 
 
+def one_process_grads(cfg, tokens, group, average):
+    """One forward/backward of the tiny GPT on this rank's shard of batch 0, then
+    ``average(params, group)``: {name: p.grad}. With group=None: the whole batch, one process."""
+    from pdist.data import shard
+    from pdist.models import gpt
+    model = gpt.GPT(cfg, seed=SEED)
+    x, y = batches(cfg, tokens)(0)
+    if group is not None:
+        x, y = shard((x, y), group.rank, group.size)
+    model(x, y)[1].backward()
+    if group is not None:
+        average([p for _, p in model.named_parameters()], group)
+    return {k: np.array(p.grad) for k, p in model.named_parameters()}
+
+
 def ring_bytes(nbytes, n, factor=1):
     return factor * (n - 1) * nbytes // n
 

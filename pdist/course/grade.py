@@ -36,7 +36,7 @@ LAUNCH_S = 120          # the whole launch, should the watchdog itself be stuck
 EXERCISES = [
     ("01", "ex01_ring_allreduce.py", 10, 4, "ring all-reduce over isend/irecv"),
     ("02", "ex02_data_parallel.py", 8, 3, "data parallelism by hand"),
-    ("03", "ex03_bucketed_ddp.py", 12, 2, "bucketed DDP with overlap"),
+    ("03", "ex03_bucketed_ddp.py", 12, 3, "bucketed DDP with overlap"),
     ("04", "ex04_zero1.py", 10, 3, "ZeRO-1"),
     ("05", "ex05_zero3_unit.py", 12, 3, "ZeRO-3 for one unit"),
     ("06", "ex06_tensor_parallel.py", 12, 2, "Column/RowParallelLinear"),
