@@ -1,11 +1,12 @@
 """Checks of exercises 01-05: the ring all-reduce, data parallelism by hand, bucketed DDP
-(checks_ddp.py), ZeRO-1 and a ZeRO-3 unit (the grader runs them through pdist/course/checks.py)."""
+(checks_ddp.py), ZeRO-1 and a ZeRO-3 unit (checks_zero.py; the grader runs them through pdist/course/checks.py)."""
 
 import numpy as np
 
 from pdist.course.checks_ddp import checks_03  # noqa: F401  (the grader finds every exercise here)
-from pdist.course.common import (SEED, STEPS, batches, close, close_dicts, equal_to_one_process, need, one_process_grads,
-                                reference_run, ring_bytes, sub_groups, tiny_cfg, train_strategy)
+from pdist.course.checks_zero import checks_04, checks_05  # noqa: F401
+from pdist.course.common import (SEED, batches, close, equal_to_one_process, need, one_process_grads,
+                                ring_bytes, sub_groups, tiny_cfg, train_strategy)
 
 
 def checks_01(S, world):
@@ -111,124 +112,3 @@ def checks_02(S, world):
             ("equals single-process training", lambda: equal(1)), ("sends 2(n-1)/n*Psi*b per step", bytes_sent),
             ("gradient accumulation (k = 2) gives the whole batch's gradient and mean loss", accumulated),
             ("gradient accumulation (k = 2) equals single-process training", lambda: equal(2))]
-
-
-# ------------------------------------------------------------------ 04 ZeRO-1
-def checks_04(S, world):
-    from pdist.models import gpt
-    from pdist.course import lesson
-    from pdist.engine.autograd import Tensor
-    from pdist.engine.backend import xp
-    from pdist.comm.algorithms import chunk_bounds
-    from pdist.data import shard
-    cfg, tokens = tiny_cfg()
-    n, r = world.size, world.rank
-
-    def run():
-        model = gpt.GPT(cfg, seed=SEED)
-        params = [p for _, p in model.named_parameters()]
-        psi = sum(p.size for p in params)
-        flat_p, flat_g = xp.zeros(psi), xp.zeros(psi)
-        off = 0
-        for p in params:
-            flat_p[off:off + p.size] = p.data.reshape(-1)
-            p.data = flat_p[off:off + p.size].reshape(p.shape)
-            off += p.size
-        a, b = chunk_bounds(psi, n)[r]
-        sh = Tensor(flat_p[a:b].copy(), requires_grad=True, name="shard")
-        opt = lesson.make_adamw([sh])
-        get = batches(cfg, tokens)
-        world.reset_stats()
-        for step in range(STEPS):
-            flat_g[...] = 0
-            off = 0
-            for p in params:
-                p.grad = flat_g[off:off + p.size].reshape(p.shape)
-                off += p.size
-            x, y = shard(get(step), r, n)
-            _, loss = model(x, y)
-            loss.backward()
-            S.zero1_step(flat_p, flat_g, sh, opt, world)
-        return model, psi, sh, opt
-
-    def equal():
-        _, ref_sd = reference_run(cfg, tokens)
-        model, _, _, _ = run()
-        close_dicts({k: v for k, v in model.state_dict().items() if k in ref_sd}, ref_sd,
-                    f"after {STEPS} steps the parameters")
-
-    def bytes_and_memory():
-        _, psi, sh, opt = run()
-        want = ring_bytes(psi * 8, n) * STEPS
-        rs = world.stats.get("reduce_scatter", {}).get("bytes", 0)
-        ag = world.stats.get("all_gather", {}).get("bytes", 0)
-        need("all_reduce" not in world.stats,
-             "ZeRO-1 never all-reduces the gradients: reduce-scatter them (each rank needs only its shard)")
-        need(rs == want and ag == want,
-             f"per step: reduce-scatter {rs // STEPS} and all-gather {ag // STEPS} bytes; each should be "
-             f"(n-1)/n*Psi*b = {want // STEPS} (2 Psi in all, like DDP)")
-        need(opt.state_bytes() == 2 * sh.data.nbytes,
-             f"Adam state {opt.state_bytes()} bytes on this rank; it should be 2 x the shard ({2 * sh.data.nbytes})")
-
-    return [("equals single-process training", equal),
-            ("reduce-scatter + all-gather: 2(n-1)/n*Psi*b; Adam state only for the shard", bytes_and_memory)]
-
-
-# ------------------------------------------------------------------ 05 ZeRO-3, one unit
-def checks_05(S, world):
-    from pdist.models import gpt
-    from pdist.parallel.base import Local
-    from pdist.parallel.zero import ZeRO
-    cfg, tokens = tiny_cfg()
-    n = world.size
-
-    class HandZeRO3(ZeRO):
-        def __init__(self, module, group):
-            super().__init__(module, 3, group, prefetch=False)
-            for u in self.units:
-                u.free = (lambda u=u: S.free_unit(u))
-            self.gathers = 0
-
-        def _gather(self, u, order):
-            if not u.materialized():
-                S.gather_unit(u, self.group)
-                self.gathers += 1
-                need(u.materialized() and all(p.data.shape == s for p, s in zip(u.params, u.shapes)),
-                     "after gather_unit every parameter must have its full shape (a view of unit.full)")
-
-        def _reduce(self, u):
-            self._reduced.add(id(u))
-            u.free()
-            S.reduce_unit_grads(u, self.group)
-
-        def _finish_reduction(self):
-            pass
-
-    def equal():
-        equal_to_one_process(HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world), cfg, tokens)
-
-    def freed_and_bytes():
-        model = HandZeRO3(Local(gpt.GPT(cfg, seed=SEED)), world)
-        seen = []
-        for u, m in zip(model.units[1:], model.module.transformer.h):
-            m.register_forward_hook(lambda mod, args, out, u=u: seen.append(u.materialized()))
-        world.reset_stats()
-        train_strategy(model, cfg, tokens, steps=1)
-        need(seen and not any(seen), "a unit is still materialized after its forward: free it")
-        held = [p for u in model.units for p in u.params if p.data.size]
-        need(not held, f"{len(held)} parameters still hold full data after the step: free every unit")
-        need(model.gathers == 2 * len(model.units),
-             f"{model.gathers} gathers for {len(model.units)} units; each unit is gathered twice a step "
-             f"(forward, then again for backward)")
-        pad = sum(u.padded for u in model.units) * 8
-        ag = world.stats.get("all_gather", {}).get("bytes", 0)
-        rs = world.stats.get("reduce_scatter", {}).get("bytes", 0)
-        need(ag == 2 * ring_bytes(pad, n) and rs == ring_bytes(pad, n),
-             f"all-gather {ag} and reduce-scatter {rs} bytes; ZeRO-3 moves 2(n-1)/n*Psi*b and (n-1)/n*Psi*b "
-             f"({2 * ring_bytes(pad, n)} and {ring_bytes(pad, n)}): 3 Psi in all")
-
-    return [("equals single-process training", equal),
-            ("frees after forward, gathers again for backward: 3(n-1)/n*Psi*b", freed_and_bytes)]
-
-
-# ------------------------------------------------------------------ 06 Megatron column/row parallel

@@ -79,11 +79,11 @@ def close_dicts(got, want, what):
 
 
 # ------------------------------------------------------------------ shared harness
-def tiny_cfg():
+def tiny_cfg(block_size=8):
     from pdist import data
     from pdist.models.gpt import GPTConfig
     tokens, tok = data.char_dataset(20_000)
-    return GPTConfig(vocab_size=tok.vocab_size, block_size=8, n_layer=1, n_head=2, n_embd=16,
+    return GPTConfig(vocab_size=tok.vocab_size, block_size=block_size, n_layer=1, n_head=2, n_embd=16,
                      dtype="float64"), tokens
 
 
