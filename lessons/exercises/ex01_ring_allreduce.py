@@ -28,8 +28,10 @@ Hints.
 * pdist's own version is ``pdist/comm/algorithms.py`` (``allreduce_ring``); try
   without reading it first.
 
-Grade: ``python -m pdist.grade 01`` (4 ranks under mpiexec; a deadlock is reported by
-the watchdog's roll-call, which names where each rank waits).
+Grade: ``python -m pdist.grade 01`` (4 ranks under mpiexec, and sub-groups of 1, 2 and 3
+of them, so your ring runs at n = 1..4; buffers whose size does not divide by n, some
+smaller than n; a deadlock is reported by the watchdog's roll-call, which names where
+each rank waits).
 """
 from pdist.engine.backend import xp  # noqa: F401
 from pdist.comm.algorithms import chunk_bounds  # noqa: F401

@@ -50,9 +50,22 @@ def checks_01(S, world):
 
 
 # ------------------------------------------------------------------ 02 data parallelism by hand
-def checks_02(S, world):
+def _odd_grads(S, world):
+    """average_gradients on a gradient that is None on rank 0 and on an F-ordered one."""
     from pdist.engine.autograd import Tensor
     from pdist.engine.backend import xp
+    p, q = Tensor(xp.zeros(5), requires_grad=True), Tensor(xp.zeros((3, 4)), requires_grad=True)
+    p.grad = None if world.rank == 0 else xp.ones(5)
+    q.grad = xp.asfortranarray(np.arange(12.0).reshape(3, 4) * (world.rank + 1))     # like a tied weight's
+    S.average_gradients([p, q], world)
+    need(p.grad is not None, "a parameter whose gradient is None on this rank must still get the average "
+                             "(contribute zeros), or the ranks run different collectives")
+    close(p.grad, np.full(5, (world.size - 1) / world.size), "the average of an unused parameter's gradient "
+          "(None on rank 0 = zeros)")
+    close(q.grad, np.arange(12.0).reshape(3, 4) * (world.size + 1) / 2, "the average of an F-ordered gradient")
+
+
+def checks_02(S, world):
     from pdist.models import gpt
     from pdist.parallel.base import Local
     from pdist.parallel.data_parallel import DataParallelNaive
@@ -74,17 +87,6 @@ def checks_02(S, world):
             for k in want:
                 close(got[k], want[k], f"n = {g.size}: after average_gradients, {k}.grad (vs one process's "
                                        f"gradient of the whole batch)")
-
-    def odd_grads():
-        p, q = Tensor(xp.zeros(5), requires_grad=True), Tensor(xp.zeros((3, 4)), requires_grad=True)
-        p.grad = None if world.rank == 0 else xp.ones(5)
-        q.grad = xp.asfortranarray(np.arange(12.0).reshape(3, 4) * (world.rank + 1))     # like a tied weight's
-        S.average_gradients([p, q], world)
-        need(p.grad is not None, "a parameter whose gradient is None on this rank must still get the average "
-                                 "(contribute zeros), or the ranks run different collectives")
-        close(p.grad, np.full(5, (world.size - 1) / world.size), "the average of an unused parameter's gradient "
-              "(None on rank 0 = zeros)")
-        close(q.grad, np.arange(12.0).reshape(3, 4) * (world.size + 1) / 2, "the average of an F-ordered gradient")
 
     def accumulated():
         want = one_process_grads(cfg, tokens, None, None)
@@ -108,7 +110,7 @@ def checks_02(S, world):
         need(got == want, f"one step sent {got} bytes; all-reducing every gradient once is 2(n-1)/n*Psi*b = {want}")
 
     return [("averages every gradient at n = 2 and 3 (the one-process gradient)", gradient),
-            ("an unused parameter (grad None) contributes zeros; an F-ordered gradient works", odd_grads),
+            ("an unused parameter (grad None) contributes zeros; an F-ordered gradient works", lambda: _odd_grads(S, world)),
             ("equals single-process training", lambda: equal(1)), ("sends 2(n-1)/n*Psi*b per step", bytes_sent),
             ("gradient accumulation (k = 2) gives the whole batch's gradient and mean loss", accumulated),
             ("gradient accumulation (k = 2) equals single-process training", lambda: equal(2))]

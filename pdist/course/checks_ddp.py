@@ -21,11 +21,23 @@ class _Recorder:
         return self._group.all_reduce(buf, *args, **kw)
 
 
+def _finished(ddp):
+    """After the student's finish_grad_sync: every Work waited on, every bucket reset."""
+    from pdist.comm.failures import unwaited
+    left = unwaited()
+    if left:
+        raise CheckFailed(f"finish_grad_sync returned with {len(left)} all-reduce(s) whose Work was never "
+                          f"waited on: call .wait() on every bucket's Work before it returns (until then a "
+                          f"buffer holds neither the sum nor the average)", detail="\n".join(left))
+    need(all(b.work is None and not b.ready for b in ddp.buckets) and ddp.next == 0,
+         "after finish_grad_sync every bucket must be reset for the next step "
+         "(b.work = None, b.ready cleared, ddp.next = 0)")
+
+
 def _hand_ddp(S, cap):
     """DDP whose bucketing, gradient hook and finish are the student's (S.make_buckets,
     S.on_grad_ready, S.finish_grad_sync); buckets of ``cap`` bytes, each a flat buffer
     whose views are the parameters' .grad. Records the buckets issued during backward."""
-    from pdist.comm.failures import unwaited
     from pdist.engine.backend import xp
     from pdist.parallel.data_parallel import _DataParallelBase
 
@@ -72,14 +84,7 @@ def _hand_ddp(S, cap):
             for p in self._param_list:
                 self._view(p)
             S.finish_grad_sync(self)
-            left = unwaited()
-            if left:
-                raise CheckFailed(f"finish_grad_sync returned with {len(left)} all-reduce(s) whose Work was never "
-                                  f"waited on: call .wait() on every bucket's Work before it returns (until then a "
-                                  f"buffer holds neither the sum nor the average)", detail="\n".join(left))
-            need(all(b.work is None and not b.ready for b in self.buckets) and self.next == 0,
-                 "after finish_grad_sync every bucket must be reset for the next step "
-                 "(b.work = None, b.ready cleared, ddp.next = 0)")
+            _finished(self)
 
         def zero_grad(self):
             self.inner.zero_grad()
@@ -91,29 +96,33 @@ def _hand_ddp(S, cap):
     return HandDDP
 
 
+def _buckets(S, cfg, cap0):
+    """make_buckets against pdist's build_buckets at several caps: caps met exactly by the last
+    1, 2, 3 parameters, one smaller than every parameter, one smaller than the biggest."""
+    from pdist.models import gpt
+    from pdist.parallel.data_parallel import build_buckets
+    params = [p for _, p in gpt.GPT(cfg, seed=SEED).named_parameters()]
+    back = [p.data.nbytes for p in reversed(params)]
+    exact = [sum(back[:j]) for j in (1, 2, 3)]          # a bucket that fills its cap exactly
+    for cap in [cap0] + exact + [min(back) - 1, max(back) // 2]:
+        got = S.make_buckets(params, cap)
+        flat = [id(p) for b in got for p in b]
+        need(sorted(flat) == sorted(id(p) for p in params) and len(flat) == len(params),
+             f"cap {cap} bytes: every parameter must be in exactly one bucket")
+        want = build_buckets(params, cap, cap)
+        sizes = [sum(p.data.nbytes for p in b) for b in got]
+        need([[id(p) for p in b] for b in got] == [[id(p) for p in b] for b in want],
+             f"cap {cap} bytes: buckets differ from DDP's ({len(got)} vs {len(want)} buckets, yours of "
+             f"{sizes[:4]}... bytes): walk the parameters in backward's order; close a bucket only when the "
+             f"next parameter would pass the cap (exactly the cap is allowed); a bigger one gets its own")
+
+
 def checks_03(S, world):
     from pdist.models import gpt
     from pdist.parallel.base import Local
-    from pdist.parallel.data_parallel import build_buckets
     cfg, tokens = tiny_cfg()
     CAP = 8 * 1024
     HandDDP = _hand_ddp(S, CAP)
-
-    def buckets():
-        params = [p for _, p in gpt.GPT(cfg, seed=SEED).named_parameters()]
-        back = [p.data.nbytes for p in reversed(params)]
-        exact = [sum(back[:j]) for j in (1, 2, 3)]          # a bucket that fills its cap exactly
-        for cap in [CAP] + exact + [min(back) - 1, max(back) // 2]:
-            got = S.make_buckets(params, cap)
-            flat = [id(p) for b in got for p in b]
-            need(sorted(flat) == sorted(id(p) for p in params) and len(flat) == len(params),
-                 f"cap {cap} bytes: every parameter must be in exactly one bucket")
-            want = build_buckets(params, cap, cap)
-            sizes = [sum(p.data.nbytes for p in b) for b in got]
-            need([[id(p) for p in b] for b in got] == [[id(p) for p in b] for b in want],
-                 f"cap {cap} bytes: buckets differ from DDP's ({len(got)} vs {len(want)} buckets, yours of "
-                 f"{sizes[:4]}... bytes): walk the parameters in backward's order; close a bucket only when the "
-                 f"next parameter would pass the cap (exactly the cap is allowed); a bigger one gets its own")
 
     def gradient():
         want = one_process_grads(cfg, tokens, None, None)
@@ -148,7 +157,7 @@ def checks_03(S, world):
         ar = world.stats.get("all_reduce", {}).get("calls", 0)
         need(ar == len(model.buckets), f"{ar} all-reduces for {len(model.buckets)} buckets")
 
-    return [("buckets are DDP's (caps met exactly, a parameter bigger than the cap)", buckets),
+    return [("buckets are DDP's (caps met exactly, a parameter bigger than the cap)", lambda: _buckets(S, cfg, CAP)),
             ("averages every gradient at n = 2 and 3 (the one-process gradient)", gradient),
             ("issues the buckets in order, each once", in_order),
             ("equals single-process training", equal),

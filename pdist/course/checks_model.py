@@ -8,6 +8,42 @@ from pdist.course.checks_sched import checks_08, checks_09, checks_10  # noqa: F
 from pdist.course.common import (close, need, ring_bytes, sub_groups)
 
 
+def _regions(S, groups, rng):
+    """f (CopyToTP) and g (ReduceFromTP) alone, on every group: f identity forward and sum
+    backward, g sum forward; neither may change the array it is given (the copy hint)."""
+    from pdist.engine.autograd import Tensor
+    for g in groups:
+        t, base = g.size, rng.standard_normal((3, 4))
+        G = base * (g.rank + 1)
+        kept = G.copy()
+        y = S.CopyToTP.apply(Tensor(base.copy(), requires_grad=True), g)
+        close(y.data, base, f"t = {t}: f's forward (the identity)")
+        out = y._ctx.backward(G)
+        out = out[0] if isinstance(out, tuple) else out
+        need(np.array_equal(G, kept), f"t = {t}: f's backward changed the gradient array it was given: reduce "
+                                      f"a copy (the same array can feed another branch of the graph)")
+        close(out, base * t * (t + 1) / 2, f"t = {t}: f's backward (the sum of the ranks' gradients)")
+        x = Tensor(G, requires_grad=True)
+        y = S.ReduceFromTP.apply(x, g)
+        need(np.array_equal(x.data, kept), f"t = {t}: g's forward changed its input array: reduce a copy")
+        close(y.data, base * t * (t + 1) / 2, f"t = {t}: g's forward (the sum over the ranks)")
+
+
+def _student_layers(S):
+    """pdist's Column/RowParallelLinear with the student's forwards."""
+    from pdist.parallel.tensor.layers import ColumnParallelLinear, RowParallelLinear
+
+    class Col(ColumnParallelLinear):
+        def forward(self, x):
+            return S.column_parallel_forward(self, x)
+
+    class Row(RowParallelLinear):
+        def forward(self, x):
+            return S.row_parallel_forward(self, x)
+
+    return Col, Row
+
+
 def checks_06(S, world):
     from pdist.engine import functional as F
     from pdist.engine.autograd import Tensor
@@ -20,13 +56,7 @@ def checks_06(S, world):
     X, R = rng.standard_normal((B, T, C)), rng.standard_normal((B, T, C))
     groups = sub_groups(world)                   # t = 2 (twice), 3 and 1, then the world (4)
 
-    class Col(ColumnParallelLinear):
-        def forward(self, x):
-            return S.column_parallel_forward(self, x)
-
-    class Row(RowParallelLinear):
-        def forward(self, x):
-            return S.row_parallel_forward(self, x)
+    Col, Row = _student_layers(S)
 
     def mlp(col, row):
         x = Tensor(X.copy(), requires_grad=True)
@@ -37,23 +67,6 @@ def checks_06(S, world):
     def layers(cls_c, cls_r, g):
         return (cls_c(C, H, gather_output=False, group=g, master_weight=A, master_bias=a, dtype="float64"),
                 cls_r(H, C, input_is_parallel=True, group=g, master_weight=W, master_bias=w, dtype="float64"))
-
-    def regions():
-        for g in groups:
-            t, base = g.size, rng.standard_normal((3, 4))
-            G = base * (g.rank + 1)
-            kept = G.copy()
-            y = S.CopyToTP.apply(Tensor(base.copy(), requires_grad=True), g)
-            close(y.data, base, f"t = {t}: f's forward (the identity)")
-            out = y._ctx.backward(G)
-            out = out[0] if isinstance(out, tuple) else out
-            need(np.array_equal(G, kept), f"t = {t}: f's backward changed the gradient array it was given: reduce "
-                                          f"a copy (the same array can feed another branch of the graph)")
-            close(out, base * t * (t + 1) / 2, f"t = {t}: f's backward (the sum of the ranks' gradients)")
-            x = Tensor(G, requires_grad=True)
-            y = S.ReduceFromTP.apply(x, g)
-            need(np.array_equal(x.data, kept), f"t = {t}: g's forward changed its input array: reduce a copy")
-            close(y.data, base * t * (t + 1) / 2, f"t = {t}: g's forward (the sum over the ranks)")
 
     def equal():
         for g in groups:
@@ -85,7 +98,7 @@ def checks_06(S, world):
              f"forward + backward of the MLP made {calls} all-reduces ({mine.get('all_reduce', {}).get('bytes', 0)} "
              f"bytes); Megatron's f and g make 2 (one in forward, one in backward) of B*T*C values each")
 
-    return [("f and g: identity / sum, and they never change the arrays they are given", regions),
+    return [("f and g: identity / sum, and they never change the arrays they are given", lambda: _regions(S, groups, rng)),
             ("the TP MLP equals the single-process MLP at t = 1..4 (output and every gradient)", equal),
             ("one all-reduce forward, one backward (like pdist's layers)", comm)]
 

@@ -13,46 +13,53 @@ def _flat_grad(want, names):
 
 
 # ------------------------------------------------------------------ 04 ZeRO-1
-def checks_04(S, world):
+def _zero1_run(S, world, cfg, tokens, first):
+    """STEPS steps of the tiny GPT with the student's zero1_step over flat buffers (each
+    parameter a view); ``first`` gets step 0's shard.grad. Returns (model, psi, shard, opt)."""
     from pdist.models import gpt
     from pdist.course import lesson
     from pdist.engine.autograd import Tensor
     from pdist.engine.backend import xp
     from pdist.comm.algorithms import chunk_bounds
     from pdist.data import shard
-    cfg, tokens = tiny_cfg(block_size=9)          # Psi = 4816: chunks differ by one element at n = 3
     n, r = world.size, world.rank
+    model = gpt.GPT(cfg, seed=SEED)
+    params = [p for _, p in model.named_parameters()]
+    psi = sum(p.size for p in params)
+    flat_p, flat_g = xp.zeros(psi), xp.zeros(psi)
+    off = 0
+    for p in params:
+        flat_p[off:off + p.size] = p.data.reshape(-1)
+        p.data = flat_p[off:off + p.size].reshape(p.shape)
+        off += p.size
+    a, b = chunk_bounds(psi, n)[r]
+    sh = Tensor(flat_p[a:b].copy(), requires_grad=True, name="shard")
+    opt = lesson.make_adamw([sh])
+    get = batches(cfg, tokens)
+    world.reset_stats()
+    for step in range(STEPS):
+        flat_g[...] = 0
+        off = 0
+        for p in params:
+            p.grad = flat_g[off:off + p.size].reshape(p.shape)
+            off += p.size
+        x, y = shard(get(step), r, n)
+        _, loss = model(x, y)
+        loss.backward()
+        S.zero1_step(flat_p, flat_g, sh, opt, world)
+        if step == 0:
+            first.update(grad=None if sh.grad is None else np.array(sh.grad), bounds=(a, b),
+                         names=[k for k, _ in model.named_parameters()])
+    return model, psi, sh, opt
+
+
+def checks_04(S, world):
+    cfg, tokens = tiny_cfg(block_size=9)          # Psi = 4816: chunks differ by one element at n = 3
+    n = world.size
     first = {}
 
     def run():
-        model = gpt.GPT(cfg, seed=SEED)
-        params = [p for _, p in model.named_parameters()]
-        psi = sum(p.size for p in params)
-        flat_p, flat_g = xp.zeros(psi), xp.zeros(psi)
-        off = 0
-        for p in params:
-            flat_p[off:off + p.size] = p.data.reshape(-1)
-            p.data = flat_p[off:off + p.size].reshape(p.shape)
-            off += p.size
-        a, b = chunk_bounds(psi, n)[r]
-        sh = Tensor(flat_p[a:b].copy(), requires_grad=True, name="shard")
-        opt = lesson.make_adamw([sh])
-        get = batches(cfg, tokens)
-        world.reset_stats()
-        for step in range(STEPS):
-            flat_g[...] = 0
-            off = 0
-            for p in params:
-                p.grad = flat_g[off:off + p.size].reshape(p.shape)
-                off += p.size
-            x, y = shard(get(step), r, n)
-            _, loss = model(x, y)
-            loss.backward()
-            S.zero1_step(flat_p, flat_g, sh, opt, world)
-            if step == 0:
-                first.update(grad=None if sh.grad is None else np.array(sh.grad), bounds=(a, b),
-                             names=[k for k, _ in model.named_parameters()])
-        return model, psi, sh, opt
+        return _zero1_run(S, world, cfg, tokens, first)
 
     def gradient():
         run()
@@ -87,12 +94,10 @@ def checks_04(S, world):
 
 
 # ------------------------------------------------------------------ 05 ZeRO-3, one unit
-def checks_05(S, world):
-    from pdist.models import gpt
-    from pdist.parallel.base import Local
+def _hand_zero3(S):
+    """pdist's ZeRO stage 3 (no prefetch) whose gather, free and reduce are the student's,
+    each followed by the check of its contract; ``grads`` keeps each unit's reduced shard."""
     from pdist.parallel.zero import ZeRO
-    cfg, tokens = tiny_cfg(block_size=9)          # the root unit's Psi does not divide by 3: padded
-    n = world.size
 
     class HandZeRO3(ZeRO):
         def __init__(self, module, group):
@@ -127,6 +132,17 @@ def checks_05(S, world):
             need(u.grad_flat is None and all(p.grad is None for p in u.params),
                  "after reduce_unit_grads drop the full gradient (unit.grad_flat = None and every p.grad = None): "
                  "only the shard's gradient stays")
+
+    return HandZeRO3
+
+
+def checks_05(S, world):
+    from pdist.models import gpt
+    from pdist.parallel.base import Local
+    cfg, tokens = tiny_cfg(block_size=9)          # the root unit's Psi does not divide by 3: padded
+    n = world.size
+
+    HandZeRO3 = _hand_zero3(S)
 
     def gradient():
         want = one_process_grads(cfg, tokens, None, None)

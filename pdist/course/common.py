@@ -8,6 +8,14 @@ import numpy as np
 
 RTOL = 1e-9
 SEED, STEPS, BATCH = 0, 3, 12
+SOLUTIONS = os.path.join(os.path.dirname(os.path.abspath(__file__)), "solutions.py")
+NOT_IN_COPY = ("the reference answers (pdist/course/solutions.py) are not in a student copy of the course "
+               "(made by `make handout`); grade your own files with `make grade` (no --reference)")
+
+
+def reference_available():
+    """True in the instructor's copy, False in a handout (pdist/course/solutions.py is withheld)."""
+    return os.path.isfile(SOLUTIONS)
 
 
 class CheckFailed(AssertionError):
@@ -26,7 +34,6 @@ def need(cond, msg):
 
 def load(source):
     if source == "reference":
-        from pdist.course.handout import NOT_IN_COPY, reference_available
         if not reference_available():
             raise ImportError(NOT_IN_COPY)
         from pdist.course import solutions as exercise_solutions

@@ -219,7 +219,7 @@ def main(argv=None):
     args = ap.parse_args(argv)
     exs = select(args.exercises)
     if args.reference:
-        from pdist.course.handout import NOT_IN_COPY, reference_available
+        from pdist.course.common import NOT_IN_COPY, reference_available
         if not reference_available():
             raise SystemExit(f"pdist.grade: --reference: {NOT_IN_COPY}")
     if args.class_dir:

@@ -8,7 +8,7 @@ lessons/exercises/ is written blank (``blank_stub``), never the instructor's wor
 and is checked to be blank ("not started" for the grader) before the copy is declared done.
 The copy becomes a fresh git repository with one commit, tagged ``handout``, so a student
 can ``git diff handout`` to see what they wrote. In it ``make grade`` grades the student's
-files; ``--reference`` says the answers are not there (``reference_available``).
+files; ``--reference`` says the answers are not there (common.reference_available).
 
 ``blank_stub(name)`` is the one place the blank exercise text comes from: the working file
 when it is still blank, else the committed one (the ``handout`` tag in a student copy,
@@ -27,13 +27,6 @@ SOLUTIONS = Path("pdist") / "course" / "solutions.py"
 WITHHELD = (SOLUTIONS.as_posix(), "tests/fixtures/wrong/")
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", "build", "dist", "out", ".ruff_cache"}
 TAG = "handout"
-NOT_IN_COPY = ("the reference answers (pdist/course/solutions.py) are not in a student copy of the course "
-               "(made by `make handout`); grade your own files with `make grade` (no --reference)")
-
-
-def reference_available(root=ROOT):
-    """True in the instructor's copy, False in a handout (pdist/course/solutions.py is withheld)."""
-    return (Path(root) / SOLUTIONS).is_file()
 
 
 def _git(root, *args):
@@ -65,7 +58,7 @@ def withheld(rel):
 
 def blank_stub(name, root=ROOT):
     """The blank text of exercise file ``name`` (e.g. "ex01_ring_allreduce.py"), or None."""
-    from pdist.course.grade import not_started
+    from pdist.course.grade import not_started     # (grade never imports handout)
     path = Path(root) / EXERCISES / name
     if path.is_file() and _blank_text(path.read_text(), not_started):
         return path.read_text()
