@@ -9,7 +9,7 @@ N      ?= 1
 ARGS   ?=
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv lesson test test-fast budgets bench lint clean grade
+.PHONY: venv lesson test test-fast budgets bench lint clean grade handout
 
 venv: $(STAMP)
 
@@ -39,6 +39,12 @@ budgets:
 EX ?=
 grade: $(STAMP)
 	$(PY) -m pdist.grade $(EX) $(ARGS)
+
+# the student copy: make handout DIR=../course-copy  (exercises blank; no reference answers, no wrong-answer fixtures)
+DIR ?=
+handout: $(STAMP)
+	@test -n "$(DIR)" || { echo "usage: make handout DIR=/path/to/new/folder"; exit 2; }
+	$(PY) -m pdist.course handout $(DIR)
 
 # every benchmark, each launched the way its docstring says (prints tables; takes a few minutes)
 bench: $(STAMP)

@@ -1,6 +1,6 @@
 """The course autograder (pdist/course/grade.py): blank stubs are "not started", the library's
-own answers get full points, and a typical wrong answer to every exercise is rejected
-with its first failing check (tests/fixtures/wrong/, graded in --class mode)."""
+own answers get full points, and every wrong answer in tests/fixtures/wrong/ (plausible
+student mistakes, several per exercise) is rejected by the check that names its mistake."""
 import csv
 import json
 import subprocess
@@ -21,8 +21,24 @@ def run_grade(*args, timeout=300):
     return p
 
 
-def test_blank_stubs_are_not_started_and_exit_zero():
-    p = run_grade("--json", timeout=60)
+def blank_stubs(tmp_path):
+    """The blank exercise files (pdist.course.handout.blank_stub: the working file while it is
+    blank, else the committed one), written to tmp_path: a student's answers in
+    lessons/exercises/ are never what these tests read."""
+    from pdist.course.handout import blank_stub
+    out = tmp_path / "blank"
+    out.mkdir()
+    for _, fname, _, _, _ in grade.EXERCISES:
+        text = blank_stub(fname, ROOT)
+        if text is None:
+            pytest.skip(f"lessons/exercises/{fname} holds an answer and no git history has its blank stub "
+                        f"(a copy without .git); nothing blank to check")
+        (out / fname).write_text(text)
+    return out
+
+
+def test_blank_stubs_are_not_started_and_exit_zero(tmp_path):
+    p = run_grade("--json", "--dir", str(blank_stubs(tmp_path)), timeout=60)
     assert p.returncode == 0, p.stderr
     res = json.loads(p.stdout)
     assert res["total"] == 0 and res["max"] == 100
@@ -30,9 +46,10 @@ def test_blank_stubs_are_not_started_and_exit_zero():
     assert all(r["seconds"] < 1 for r in res["exercises"])
 
 
-def test_stub_files_hold_no_solution():
+def test_stub_files_hold_no_solution(tmp_path):
+    blank = blank_stubs(tmp_path)
     for _, fname, _, _, _ in grade.EXERCISES:
-        path = ROOT / "lessons" / "exercises" / fname
+        path = blank / fname
         assert grade.not_started(path), f"{fname} is not a blank stub"
         doc = path.read_text()
         assert "Grade: ``python -m pdist.grade" in doc and "Math" in doc and "Hints" in doc
@@ -47,6 +64,12 @@ def test_partly_written_counts_as_started(tmp_path):
     assert not grade.not_started(f)
 
 
+STUDENT_COPY = not (ROOT / "pdist" / "course" / "solutions.py").is_file()
+in_instructor_copy = pytest.mark.skipif(STUDENT_COPY, reason="a student copy (make handout): the reference answers "
+                                        "and the wrong-answer fixtures are not in it")
+
+
+@in_instructor_copy
 def test_reference_gets_full_points():
     p = run_grade("--reference", "--json")
     res = json.loads(p.stdout)
@@ -54,35 +77,109 @@ def test_reference_gets_full_points():
     assert not bad and res["total"] == res["max"] == 100 and p.returncode == 0, bad
 
 
-# student folder -> (exercise, what its first failing check must say)
+# student folder -> (exercise, what its first failing check must say); each folder holds one
+# exercise file, a plausible mistake (its docstring says which), self-contained (it never imports
+# the reference answers, which the grader rejects on sight)
 WRONG_ANSWERS = {
-    "ring_off_by_one": ("01", "sums small and uneven buffers"),
+    "ring_off_by_one": ("01", "n = 2: the sum of a 8-element buffer differs"),
     "ring_deadlock": ("01", "deadlocked: ranks 0, 1, 2, 3 are all in send (0: send to rank 1"),
-    "sum_not_avg": ("02", "equals single-process training"),
-    "no_1_over_k": ("02", "gradient accumulation (k = 2)"),
-    "buckets_forward_order": ("03", "buckets differ from DDP's"),
+    "ring_n_hardcoded": ("01", "is not a rank of group 'first2' (size 2)"),
+    "ring_allgather_adds": ("01", "n = 2: the sum of a 8-element buffer differs"),
+    "ring_floor_chunks": ("01", "the sum of a 1-element buffer differs"),
+    "ring_rs_overwrites": ("01", "n = 2: the sum of a 8-element buffer differs"),
+    "sum_not_avg": ("02", "after average_gradients, transformer.wte.weight.grad"),
+    "avg_by_two": ("02", "got = 0.5 x expected"),
+    "skip_unused_grad": ("02", "gradient is None on this rank must still get the average"),
+    "no_contiguous": ("02", "an F-ordered gradient works"),
+    "no_1_over_k": ("02", "k = 2 micro-batches of the whole batch"),
+    "accum_returns_sum": ("02", "k = 2: the returned loss"),
+    "buckets_forward_order": ("03", "cap 8192 bytes: buckets differ from DDP's"),
+    "buckets_cap_ge": ("03", "buckets differ from DDP's"),
+    "buckets_empty_first": ("03", "yours of [0, "),
+    "ddp_sum_not_avg": ("03", "after finish_grad_sync, transformer.wte.weight.grad"),
+    "ddp_next_not_advanced": ("03", "left ddp.next at 0"),
+    "ddp_no_wait": ("03", "never waited on"),
+    "ddp_issue_when_complete": ("03", "all-reduced in the order [1, 0"),
+    "ddp_no_reset": ("03", "reset for the next step"),
     "zero1_all_reduce": ("04", "never all-reduces the gradients"),
-    "zero3_never_frees": ("05", "failing"),
-    "f_backward_identity": ("06", "dL/dX"),
-    "ce_local_max": ("07", "the loss of each row"),
+    "zero1_sum": ("04", "got = 3 x expected"),
+    "zero1_floor_chunk": ("04", "reduce_scatter"),
+    "zero1_no_all_gather": ("04", "after 3 steps the parameters"),
+    "zero1_local_grad": ("04", "step 0: shard.grad"),
+    "zero3_never_frees": ("05", "after free_unit every parameter must be empty"),
+    "zero3_free_keeps_full": ("05", "after free_unit every parameter must be empty"),
+    "zero3_copies": ("05", "a view of unit.full, not a copy"),
+    "zero3_sum": ("05", "got = 3 x expected"),
+    "zero3_keeps_grad": ("05", "drop the full gradient"),
+    "zero3_unpadded": ("05", "all_gather"),
+    "f_backward_identity": ("06", "f's backward (the sum of the ranks' gradients)"),
+    "f_backward_in_place": ("06", "f's backward changed the gradient array it was given"),
+    "g_forward_in_place": ("06", "g's forward changed its input array"),
+    "g_backward_all_reduce": ("06", "dL/dX"),
+    "row_bias_before_sum": ("06", "the MLP's output Y"),
+    "row_bias_halved": ("06", "the row layer's bias gradient"),
+    "ce_local_max": ("07", "random logits: the loss of each row"),
+    "ce_owner_le": ("07", "targets on every slice boundary"),
+    "ce_owner_gt0": ("07", "targets on slice boundaries: the loss of each row"),
+    "ce_no_shift": ("07", "large logits: the loss of each row"),
+    "ce_grad_rows_ignored": ("07", "dL/dlogits on this rank's vocabulary slice"),
+    "ce_local_softmax": ("07", "dL/dlogits on this rank's vocabulary slice"),
     "warmup_off_by_one": ("08", "peak stash per stage [3, 2]"),
+    "warmup_no_min": ("08", "p=3, m=1: the schedule checker says"),
+    "gpipe_not_1f1b": ("08", "peak stash per stage [4, 4]"),
+    "steady_backward_first": ("08", "runs before its forward"),
+    "drain_reversed": ("08", "simulated bubble"),
     "reshard_touching_boxes": ("09", "reads an empty slice"),
+    "reshard_absolute_src": ("09", "does not give the target box"),
+    "reshard_axis0_only": ("09", "reads an empty slice of saved box"),
+    "reshard_src_dst_swapped": ("09", "does not give the target box"),
     "hang_kept": ("10", "CollectiveMismatchError"),
+    "hang_local_loss": ("10", "n = 2: the loss per step"),
+    "hang_sum_grads": ("10", "n = 2: the loss per step"),
+    "hang_sum_loss": ("10", "got = 2 x expected"),
+    "hang_every_other_step": ("10", "n = 2: the loss per step"),
 }
 
 
-def test_every_exercise_has_a_wrong_answer_fixture():
+@in_instructor_copy
+def test_every_exercise_has_wrong_answer_fixtures():
+    assert len(WRONG_ANSWERS) >= 30
     assert {ex for ex, _ in WRONG_ANSWERS.values()} == {e[0] for e in grade.EXERCISES}
     assert {p.name for p in WRONG.iterdir() if p.is_dir()} == set(WRONG_ANSWERS)
+    files = {e[0]: e[1] for e in grade.EXERCISES}
+    for student, (ex, _) in WRONG_ANSWERS.items():
+        held = sorted(f.name for f in (WRONG / student).iterdir())
+        assert held == [files[ex]], (student, held)             # one exercise per folder: class mode grades it fast
+        text = (WRONG / student / files[ex]).read_text()
+        assert text.startswith('"""Wrong: ') and "solutions" not in text, student
 
 
-def test_class_mode_rejects_each_wrong_answer(tmp_path):
+@in_instructor_copy
+@pytest.mark.slow
+@pytest.mark.parametrize("student", sorted(WRONG_ANSWERS))
+def test_each_wrong_answer_is_rejected_naming_its_mistake(student):
+    ex_id, says = WRONG_ANSWERS[student]
+    ex = next(e for e in grade.EXERCISES if e[0] == ex_id)
+    r = grade.grade_one(ex, WRONG / student)
+    text = " ".join(str(v) for v in r.values())
+    assert r["status"] == "failing" and r["points"] == 0 and says in text, (student, r)
+
+
+@in_instructor_copy
+def test_class_mode_rejects_wrong_answers(tmp_path):
+    """Class mode on three students (the full set runs one by one above): one CSV row each."""
+    students = ["warmup_off_by_one", "reshard_touching_boxes", "ring_off_by_one"]
+    for s in students:
+        (tmp_path / "class" / s).mkdir(parents=True)
+        for f in (WRONG / s).iterdir():
+            (tmp_path / "class" / s / f.name).write_text(f.read_text())
     out = tmp_path / "class.csv"
-    p = run_grade("--class", str(WRONG), "--csv", str(out))
+    p = run_grade("--class", str(tmp_path / "class"), "--csv", str(out))
     assert p.returncode == 0, p.stderr
     rows = {r["student"]: r for r in csv.DictReader(out.open())}
-    assert set(rows) == set(WRONG_ANSWERS)
-    for student, (ex, says) in WRONG_ANSWERS.items():
+    assert set(rows) == set(students)
+    for student in students:
+        ex, says = WRONG_ANSWERS[student]
         r = rows[student]
         assert r["total"] == "0" and r[ex] == "0", (student, r)
         assert r[ex + "_status"].startswith("failing") and says in r[ex + "_status"], (student, r[ex + "_status"])
@@ -90,6 +187,7 @@ def test_class_mode_rejects_each_wrong_answer(tmp_path):
         assert all(r[k].startswith("missing") for k in others)
 
 
+@in_instructor_copy
 def test_dir_option_and_selection(tmp_path):
     (tmp_path / "ex08_one_f_one_b.py").write_text((WRONG / "warmup_off_by_one" / "ex08_one_f_one_b.py").read_text())
     p = run_grade("08", "--dir", str(tmp_path), "--json")

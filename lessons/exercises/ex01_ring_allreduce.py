@@ -8,11 +8,12 @@ Math (Patarasuk & Yuan 2009, sec. 3). Cut buf into n chunks,
 ``chunk_bounds(buf.size, n)`` (sizes may differ by one; some may be empty). Rank r
 sends to r+1 and receives from r-1:
 
-  reduce-scatter, steps s = 0..n-2: send chunk (r - s) mod n, receive chunk
-      (r - s - 1) mod n and add it into your own copy. After n-1 steps rank r holds
-      the full sum of chunk (r + 1) mod n.
-  all-gather, steps s = 0..n-2: send chunk (r + 1 - s) mod n, receive chunk
-      (r - s) mod n (overwrite, no add).
+  reduce-scatter, steps s = 0..n-2: send chunk (r - s - 1) mod n, receive chunk
+      (r - s - 2) mod n and add it into your own copy. After n-1 steps rank r holds
+      the full sum of chunk r (the convention of docs/collectives.md and of
+      ``reduce_scatter``: rank r's result is chunk r).
+  all-gather, steps s = 0..n-2: send chunk (r - s) mod n (at s = 0 your finished
+      chunk r), receive chunk (r - s - 1) mod n (overwrite, no add).
 
 Each rank sends 2(n-1) chunks of S/n bytes: 2(n-1)/n * S, the lower bound for
 all-reduce, whatever n is. The grader counts it (``group.stats["send"]``).
@@ -27,8 +28,10 @@ Hints.
 * pdist's own version is ``pdist/comm/algorithms.py`` (``allreduce_ring``); try
   without reading it first.
 
-Grade: ``python -m pdist.grade 01`` (4 ranks under mpiexec; a deadlock is reported by
-the watchdog's roll-call, which names where each rank waits).
+Grade: ``python -m pdist.grade 01`` (4 ranks under mpiexec, and sub-groups of 1, 2 and 3
+of them, so your ring runs at n = 1..4; buffers whose size does not divide by n, some
+smaller than n; a deadlock is reported by the watchdog's roll-call, which names where
+each rank waits).
 """
 from pdist.engine.backend import xp  # noqa: F401
 from pdist.comm.algorithms import chunk_bounds  # noqa: F401

@@ -25,8 +25,10 @@ Hints.
 * ``logits, loss = module(x_part, y_part)``; ``(loss * (1.0 / k)).backward()``;
   ``loss.item()``.
 
-Grade: ``python -m pdist.grade 02`` (2 ranks; checks: equal to single-process training
-in float64, bytes = 2(n-1)/n*Psi*b per step, accumulation with k = 2).
+Grade: ``python -m pdist.grade 02`` (3 ranks and a sub-group of 2: n = 1, 2, 3; checks:
+every averaged gradient equals one process's gradient of the whole batch, a None and an
+F-ordered gradient, equal to single-process training in float64, bytes =
+2(n-1)/n*Psi*b per step, accumulation with k = 2: its gradient and its loss).
 """
 from pdist.engine.backend import xp  # noqa: F401
 

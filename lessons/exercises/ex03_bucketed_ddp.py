@@ -18,7 +18,8 @@ Math (Li et al. 2020, sec. 3.2). One all-reduce per bucket instead of per parame
 the same 2(n-1)/n*Psi*b bytes, far fewer latencies (alpha). Backward produces
 gradients roughly in reverse registration order, so build buckets walking the
 parameters *in reverse*, closing a bucket when adding the next parameter would pass
-the cap (a bigger parameter gets a bucket of its own). Every rank must issue the
+the cap (a bucket may hold exactly the cap; a bigger parameter gets a bucket of its
+own, and no bucket is empty). Every rank must issue the
 same all-reduces in the same order: issue bucket i only after bucket i-1, even if i
 is complete first.
 
@@ -29,8 +30,11 @@ Hints.
 * A bucket is complete when ``len(b.ready) == len(b.params)``.
 * After the waits: ``b.work = None``, ``b.ready.clear()``, ``ddp.next = 0``.
 
-Grade: ``python -m pdist.grade 03`` (2 ranks; buckets = DDP's, equal to single-process
-training, buckets issued during backward, one all-reduce per bucket).
+Grade: ``python -m pdist.grade 03`` (3 ranks and a sub-group of 2; buckets = DDP's at
+several caps, some met exactly, some smaller than a parameter; the averaged gradient;
+buckets issued in order, each once, ``ddp.next`` advanced; every Work waited on and the
+buckets reset; equal to single-process training; buckets issued during backward; one
+all-reduce per bucket).
 """
 
 

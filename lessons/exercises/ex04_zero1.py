@@ -19,8 +19,9 @@ Hints.
 * Set ``shard.grad`` to that chunk, call ``optimizer.step()``, then
   ``group.all_gather(flat_params, shard.data)``.
 
-Grade: ``python -m pdist.grade 04`` (3 ranks, so chunks are uneven; equal to
-single-process training; bytes 2(n-1)/n*Psi*b, no all-reduce; Adam state = 2 x shard).
+Grade: ``python -m pdist.grade 04`` (3 ranks on a model of Psi = 4816, so chunks are
+uneven; shard.grad = this rank's chunk of the average; equal to single-process training;
+bytes 2(n-1)/n*Psi*b, no all-reduce; Adam state = 2 x shard).
 """
 from pdist.engine.backend import xp  # noqa: F401
 from pdist.comm.algorithms import chunk_bounds  # noqa: F401

@@ -29,9 +29,10 @@ Hints.
   ``unit.hi - unit.lo`` elements; ``unit.shard.grad = out``; then drop the full
   gradient (``unit.grad_flat = None`` and every ``p.grad = None``).
 
-Grade: ``python -m pdist.grade 05`` (3 ranks, so units are padded; equal to
-single-process training; every unit freed after forward; two gathers per unit per
-step; bytes 3(n-1)/n*Psi_pad*b).
+Grade: ``python -m pdist.grade 05`` (3 ranks, so units are padded; parameters are views
+of unit.full; free leaves empty parameters and unit.full None; shard.grad is the
+average and the full gradient is dropped; equal to single-process training; every unit
+freed after forward; two gathers per unit per step; bytes 3(n-1)/n*Psi_pad*b).
 """
 from pdist.engine.backend import xp  # noqa: F401
 

@@ -25,7 +25,9 @@ Hints.
 * ``from pdist import functional as F``; ``F.linear(x, weight, bias=None)`` is x W + b.
   The layer has ``layer.weight``, ``layer.bias``, ``layer.group``.
 
-Grade: ``python -m pdist.grade 06`` (2 ranks).
+Grade: ``python -m pdist.grade 06`` (4 ranks and sub-groups, so t = 1, 2, 3, 4; f and g
+alone: identity and sum, never changing the arrays they are given; the TP MLP's output
+and every gradient; one all-reduce forward, one backward).
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp  # noqa: F401

@@ -18,7 +18,8 @@ Hints.
 * Try ``check_schedule(one_f_one_b(4, 8), 8)`` (returns the peak stash per stage) and
   ``pdist.parallel.pipeline.draw`` to look at it.
 
-Grade: ``python -m pdist.grade 08`` (one process).
+Grade: ``python -m pdist.grade 08`` (one process; p = 1..4 with m = 1, 2, p - 1, p,
+2p + 1, so m < p and m = p - 1 are covered).
 """
 from pdist.parallel.pipeline.schedules import BACKWARD, FORWARD, _program  # noqa: F401
 

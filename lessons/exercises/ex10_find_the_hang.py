@@ -25,7 +25,8 @@ Hints.
   by every rank, every step?
 * ``loss.item()`` is this rank's loss, not the global batch's.
 
-Grade: ``python -m pdist.grade 10`` (4 ranks).
+Grade: ``python -m pdist.grade 10`` (4 ranks and a sub-group of 2: n = 2 and 4; trained
+with SGD, so a summed gradient moves the weights n times too far, and with AdamW).
 """
 import numpy as np
 

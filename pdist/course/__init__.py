@@ -4,6 +4,7 @@
     summary.py      the lessons' JSON summary, written atomically as strict JSON
     grade.py        the autograder (``python -m pdist.grade``, ``make grade``)
     checks*.py      each exercise's checks, run under mpiexec
+    handout.py      the student copy (``make handout DIR=...``, ``python -m pdist.course handout DIR``)
     common.py       what the checks share
     solutions.py    the library's own answers (``--reference``)
 """

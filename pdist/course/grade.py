@@ -35,12 +35,12 @@ LAUNCH_S = 120          # the whole launch, should the watchdog itself be stuck
 # (id, file, points, ranks, what it teaches)
 EXERCISES = [
     ("01", "ex01_ring_allreduce.py", 10, 4, "ring all-reduce over isend/irecv"),
-    ("02", "ex02_data_parallel.py", 8, 2, "data parallelism by hand"),
-    ("03", "ex03_bucketed_ddp.py", 12, 2, "bucketed DDP with overlap"),
+    ("02", "ex02_data_parallel.py", 8, 3, "data parallelism by hand"),
+    ("03", "ex03_bucketed_ddp.py", 12, 3, "bucketed DDP with overlap"),
     ("04", "ex04_zero1.py", 10, 3, "ZeRO-1"),
     ("05", "ex05_zero3_unit.py", 12, 3, "ZeRO-3 for one unit"),
-    ("06", "ex06_tensor_parallel.py", 12, 2, "Column/RowParallelLinear"),
-    ("07", "ex07_vocab_parallel_ce.py", 10, 2, "vocab-parallel cross-entropy"),
+    ("06", "ex06_tensor_parallel.py", 12, 4, "Column/RowParallelLinear"),
+    ("07", "ex07_vocab_parallel_ce.py", 10, 3, "vocab-parallel cross-entropy"),
     ("08", "ex08_one_f_one_b.py", 10, 1, "the 1F1B schedule as data"),
     ("09", "ex09_resharding.py", 8, 1, "resharding reads"),
     ("10", "ex10_find_the_hang.py", 8, 4, "find the hang"),
@@ -218,6 +218,10 @@ def main(argv=None):
     ap.add_argument("--csv", metavar="PATH", help="with --class: write the CSV here (default stdout)")
     args = ap.parse_args(argv)
     exs = select(args.exercises)
+    if args.reference:
+        from pdist.course.common import NOT_IN_COPY, reference_available
+        if not reference_available():
+            raise SystemExit(f"pdist.grade: --reference: {NOT_IN_COPY}")
     if args.class_dir:
         if not os.path.isdir(args.class_dir):
             raise SystemExit(f"pdist.grade: --class {args.class_dir}: no such folder")

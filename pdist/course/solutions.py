@@ -18,14 +18,14 @@ def ring_all_reduce(group, buf):
     bounds = chunk_bounds(buf.size, n)
     tmp = xp.empty(max(b - a for a, b in bounds), dtype=buf.dtype)
     right, left = (r + 1) % n, (r - 1) % n
-    for s in range(n - 1):                       # reduce-scatter
-        sa, sb = bounds[(r - s) % n]
-        ra, rb = bounds[(r - s - 1) % n]
+    for s in range(n - 1):                       # reduce-scatter: rank r ends owning chunk r
+        sa, sb = bounds[(r - s - 1) % n]
+        ra, rb = bounds[(r - s - 2) % n]
         group.sendrecv(buf[sa:sb], right, tmp[:rb - ra], left)
         buf[ra:rb] += tmp[:rb - ra]
-    for s in range(n - 1):                       # all-gather: rank r owns chunk r+1
-        sa, sb = bounds[(r + 1 - s) % n]
-        ra, rb = bounds[(r - s) % n]
+    for s in range(n - 1):                       # all-gather: pass the finished chunks on
+        sa, sb = bounds[(r - s) % n]
+        ra, rb = bounds[(r - s - 1) % n]
         group.sendrecv(buf[sa:sb], right, buf[ra:rb], left)
 
 
@@ -50,8 +50,14 @@ def accumulate_gradients(module, x, y, k):
 
 # ------------------------------------------------ 03: bucketed DDP (Li et al. 2020, sec. 3.2)
 def make_buckets(params, cap_bytes):
-    from pdist.parallel.data_parallel import build_buckets
-    return build_buckets(params, cap_bytes, cap_bytes)      # the library's, with one cap
+    groups, cur, size = [], [], 0
+    for p in reversed(params):                  # backward's order: the last parameters first
+        if cur and size + p.data.nbytes > cap_bytes:
+            groups.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += p.data.nbytes
+    return groups + ([cur] if cur else [])
 
 
 def on_grad_ready(ddp, p):
@@ -176,18 +182,28 @@ def vocab_parallel_ce_backward(probs, targets, vocab_start, grad_rows):
 
 # ------------------------------------------------ 08: 1F1B as data (Narayanan et al. 2021, sec. 2.1)
 def one_f_one_b(p, m):
-    from pdist.parallel.pipeline.schedules import one_f_one_b as library
-    return library(p, m)
+    from pdist.parallel.pipeline.schedules import BACKWARD, FORWARD, _program
+    programs = []
+    for s in range(p):
+        w = min(p - s - 1, m)                   # warm-up forwards
+        order = [(FORWARD, i, 0) for i in range(w)]
+        for i in range(m - w):                  # steady state: one forward, one backward
+            order += [(FORWARD, w + i, 0), (BACKWARD, i, 0)]
+        order += [(BACKWARD, i, 0) for i in range(m - w, m)]    # drain
+        programs.append(_program(p, s, 1, order))
+    return programs
 
 
 # ------------------------------------------------ 09: resharding reads (docs/checkpoint.md)
 def plan_reads(saved, offsets, shape):
-    from pdist.checkpoint.format import box_overlap     # what the checkpoint's reader does
     plan = []
     for i, s in enumerate(saved):
-        both = box_overlap(offsets, shape, s["offsets"], s["shape"])
-        if both is not None:
-            plan.append((i, *both))
+        lo = [max(o, a) for o, a in zip(offsets, s["offsets"])]
+        hi = [min(o + n, a + k) for o, n, a, k in zip(offsets, shape, s["offsets"], s["shape"])]
+        if all(a < b for a, b in zip(lo, hi)):
+            src = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, s["offsets"]))
+            dst = tuple(slice(a - o, b - o) for a, b, o in zip(lo, hi, offsets))
+            plan.append((i, src, dst))
     return plan
 
 
