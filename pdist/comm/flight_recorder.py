@@ -16,9 +16,11 @@ import json
 import os
 import time
 
+from pdist.engine.backend import env_number
+
 _step = [0]
 _cur = [None]            # the Entry this rank is working on (what its waits belong to)
-_flight = collections.deque(maxlen=int(os.environ.get("PDIST_FLIGHT_RECORDER", "64")))
+_flight = collections.deque(maxlen=env_number("PDIST_FLIGHT_RECORDER", 64, "integer (calls kept)", 64, integer=True))
 
 
 class Entry:

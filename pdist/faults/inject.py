@@ -24,7 +24,7 @@ Faults (``kind:key=value,...``; several joined by ``;`` or given as several --in
     exit:rank=R,step=S                 rank R calls sys.exit(0) at the start of step S
                                        (a rank-dependent early exit)
     nan:rank=R,step=S                  rank R writes NaN into a gradient after the compute
-                                       of step S (``check_finite=True`` names it)
+                                       of step S (``check_finite``, on by default, names it)
 
 The faults of the step are a step hook (pdist/measure/hooks.py) around the phases of
 ``Strategy.forward_backward``: ``set`` subscribes the Injector (order 10, inside the

@@ -31,7 +31,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.measure import hooks
-from pdist.engine.backend import to_numpy, xp
+from pdist.engine.backend import env_flag, to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
 from pdist.engine.precision import policy_of
@@ -40,11 +40,18 @@ from pdist.parallel.nonfinite import NonFiniteCheck
 from pdist.parallel.state import StateDicts
 
 
+def finite_default():
+    """``check_finite``'s default: on, unless ``PDIST_CHECK_FINITE=0`` (read when a ``Local``
+    is built). On costs one ``isfinite`` pass over this rank's gradients per step; the count
+    rides on the per-step loss all-reduce, so no extra collective (docs/failures.md)."""
+    return env_flag("PDIST_CHECK_FINITE", True)
+
+
 class Strategy(StateDicts, NonFiniteCheck):
     """What every layer of the chain answers. ``Local`` ends the chain; wrappers
     (``ParallelModule``) delegate to ``inner`` and add their own part."""
 
-    check_finite = False
+    check_finite = True       # (Local reads PDIST_CHECK_FINITE; wrappers inherit unless told)
     microbatches = 1          # backward passes per step (each parameter's grad completes this often)
     has_late_grads = False    # True when finish_grad_sync() still changes gradients after backward
     pipeline = False          # True when a pipeline runs the micro-batches (it replaces compute)
@@ -125,10 +132,11 @@ class Local(Strategy):
 
     stamps_step = False
 
-    def __init__(self, module, microbatches=1, policy=None):
+    def __init__(self, module, microbatches=1, policy=None, check_finite=None):
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.module, self.microbatches, self.inner = module, microbatches, None
+        self.check_finite = finite_default() if check_finite is None else bool(check_finite)
         self.policy = policy_of(self.parameters()) if policy is None else policy
 
     def set_policy(self, policy):     # (before the first step and any DDP/ZeRO: they read has_late_grads)
@@ -206,11 +214,11 @@ class ParallelModule(Strategy):
     phases; ``_aux`` is a private copy of the group for the per-step loss reduction, so
     the group's own byte counts hold only the strategy's traffic."""
 
-    def __init__(self, inner, group=None, check_finite=False):
+    def __init__(self, inner, group=None, check_finite=None):
         self.inner = inner if isinstance(inner, Strategy) else Local(inner)
         self.group = comm.default_group(group)
         self.module = self.inner.module
-        self.check_finite = bool(check_finite) or self.inner.check_finite
+        self.check_finite = self.inner.check_finite if check_finite is None else bool(check_finite)
         self._aux = self.group.split(0, name=f"{self.group.name}.step") if self.group.size > 1 else None
 
     microbatches = property(lambda self: self.inner.microbatches)
