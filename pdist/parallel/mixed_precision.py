@@ -61,6 +61,7 @@ class MixedPrecision(Strategy):
             self.masters.append(m)
         self._by_id = {id(t): m for t, m in zip(self.low, self.masters)}
         self._found_inf = False
+        self.check_batch = inner.check_batch
         self.policy = MixedPrecisionPolicy(dt)
         inner.set_policy(self.policy)                     # once: the strategies inside round as one process
 

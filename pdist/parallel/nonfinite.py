@@ -7,9 +7,16 @@ learns of it in the same step; only then, on this rare path, do the ranks gather
 what and raise one ``NonFiniteError`` naming the step, the ranks and the parameters.
 """
 from pdist import comm
-from pdist.engine.backend import xp
+from pdist.engine.backend import env_flag, xp
 from pdist.errors import NonFiniteError
 from pdist.optim import nonfinite_report
+
+
+def finite_default():
+    """``check_finite``'s default: on, unless ``PDIST_CHECK_FINITE=0`` (read when a ``Local``
+    is built). On costs one ``isfinite`` pass over this rank's gradients per step; the count
+    rides on the per-step loss all-reduce, so no extra collective (docs/failures.md)."""
+    return env_flag("PDIST_CHECK_FINITE", True)
 
 
 class NonFiniteCheck:
@@ -44,4 +51,4 @@ class NonFiniteCheck:
                              "train with check_finite=False / PDIST_CHECK_FINITE=0 to let it through).")
 
 
-__all__ = ["NonFiniteCheck"]
+__all__ = ["NonFiniteCheck", "finite_default"]
