@@ -114,10 +114,6 @@ class GradScaler:
         """A skipped step: count it, say it (verbose), stop after max_consecutive_skips, back off."""
         self.skipped += 1
         self.skipped_in_a_row += 1
-        if self.verbose:
-            print(f"[GradScaler] skipped a step: non-finite gradients at loss scale {self._scale:g}; "
-                  f"scale -> {self._scale * self._backoff_factor:g} ({self.skipped} skipped, "
-                  f"{self.skipped_in_a_row} in a row)", flush=True)
         k = self.max_consecutive_skips
         if k is not None and self.skipped_in_a_row >= k:
             self._found_inf, self._unscaled = None, set()
@@ -127,6 +123,10 @@ class GradScaler:
                 f"{self.skipped} skipped in all): an overflow backs off in a few steps, so the weights, the "
                 f"loss or the data hold NaN/inf. Find it (check_finite names the tensors under bf16/fp32), "
                 f"or raise GradScaler(max_consecutive_skips=...)")
+        if self.verbose:
+            print(f"[GradScaler] skipped a step: non-finite gradients at loss scale {self._scale:g}; "
+                  f"scale -> {self._scale * self._backoff_factor:g} ({self.skipped} skipped, "
+                  f"{self.skipped_in_a_row} in a row)", flush=True)
         self._scale *= self._backoff_factor
         self._growth_tracker = 0
 
