@@ -12,9 +12,10 @@ from pathlib import Path
 
 import pytest
 
+import pdist
 from pdist.testing import launch, reports
 
-ROOT = Path(__file__).resolve().parent.parent
+ROOT = Path(pdist.__file__).resolve().parent.parent     # the checkout whose pdist and lessons run
 W = Path(__file__).parent / "workers"
 LESSONS = ROOT / "lessons"
 BATCH_HEAD = ("every rank must pass the same global batch (x, y) to local_batch() (get_batch(step) must "
@@ -107,18 +108,29 @@ def test_batch_hash_cost_is_microseconds():
 
 
 # ------------------------------------------------------------------ 3. check_finite by default
-def _local_nan_step(check_finite=None):
-    import numpy as np
+NAN_STEP = """
+import numpy as np
 
-    from pdist import data
-    from pdist.course import lesson
-    from pdist.models.gpt import GPT
-    from pdist.parallel import Local
+from pdist import data
+from pdist.course import lesson
+from pdist.models.gpt import GPT
+from pdist.parallel import Local
+
+
+def nan_step(check_finite=None):
+    \"\"\"One step of Local(GPT) with a NaN weight; check_finite=None: the default.\"\"\"
     tokens, tok = data.char_dataset(20_000)
     kw = {} if check_finite is None else {"check_finite": check_finite}
     m = Local(GPT(lesson.gpt_config(tok.vocab_size, n_layer=1, n_head=2, n_embd=16, block_size=8), 0), **kw)
     m.parameters()[0].data.reshape(-1)[0] = np.nan
     return m.forward_backward(*m.local_batch(*data.get_batch(tokens, 4, 8, 0, 0)))
+"""
+
+
+def _local_nan_step(check_finite=None):
+    ns = {}
+    exec(NAN_STEP, ns)
+    return ns["nan_step"](check_finite)
 
 
 def test_check_finite_is_on_by_default_in_one_process():
@@ -129,7 +141,7 @@ def test_check_finite_is_on_by_default_in_one_process():
 
 
 def test_check_finite_env_switch():
-    code = "from tests.test_defaults import _local_nan_step; print('loss', _local_nan_step())"
+    code = NAN_STEP + "\nprint('loss', nan_step())"
     off = python("-c", code, env={"PDIST_CHECK_FINITE": "0"})
     assert off.returncode == 0 and "loss nan" in off.stdout, off.stderr
     bad = python("-c", code, env={"PDIST_CHECK_FINITE": "maybe"})
