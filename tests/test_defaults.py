@@ -196,7 +196,7 @@ def test_fp16_default_stops_after_100_skips_and_counts_recoveries():
                                "PDIST_TRACE_MAX=200000"),
     ("PDIST_WAIT_YIELD_US", "abc", "PDIST_WAIT_YIELD_US='abc': must be a non-negative number of microseconds, "
                                    "e.g. PDIST_WAIT_YIELD_US=1000"),
-    ("PDIST_FLIGHT_RECORDER", "-3", "PDIST_FLIGHT_RECORDER='-3': must be a positive integer (calls kept)")])
+    ("PDIST_FLIGHT_RECORDER", "-3", "PDIST_FLIGHT_RECORDER='-3': must be a non-negative integer (calls kept; 0: off)")])
 def test_environment_variables_are_validated_by_name(var, value, message):
     res = python("-c", "from pdist import comm; comm.init()", env={var: value})
     assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]

@@ -4,7 +4,7 @@ silent garbage.
 
 Before each collective (object collectives and splits included), each rank
 forms a fingerprint ``f = (op, seq, step, size, dtype, reduce-op, root,
-algorithm, async_op, local_error)`` and the group runs one small non-blocking
+algorithm, async_op, batch, local_error)`` and the group runs one small non-blocking
 all-reduce of ``[f, -f]`` with MAX, which yields ``max_r f_r`` and
 ``min_r f_r``. If they differ anywhere (or any rank found a local error, e.g.
 ``out`` too small), all ranks see it in the same result, so all of them gather
@@ -12,7 +12,9 @@ the fingerprints and raise one error that names the op, its sequence number,
 and every differing field's value per (world) rank. A rank that skips a
 collective is caught at its next one (op or seq differ); a rank that skips or
 repeats a training step (``comm.set_step``) at its first collective of the
-next step. Dtypes compare by kind and item size (``int64 == longlong``).
+next step; ranks handed different global batches (the hash a strategy stamps with
+the step, pdist/parallel/batch_check.py) at the step's first collective
+(``BatchMismatchError``). Dtypes compare by kind and item size (``int64 == longlong``).
 
 Channels. The exchange runs on the group's own fingerprint communicator and
 the verdict on another, so both stay in step on every rank whatever happened

@@ -24,7 +24,8 @@ from pdist.engine.backend import env_number
 _step = [0]
 _batch = [0]             # hash of this step's global batch (0: none stamped)
 _cur = [None]            # the Entry this rank is working on (what its waits belong to)
-_flight = collections.deque(maxlen=env_number("PDIST_FLIGHT_RECORDER", 64, "integer (calls kept)", 64, integer=True))
+_flight = collections.deque(maxlen=env_number("PDIST_FLIGHT_RECORDER", 64, "integer (calls kept; 0: off)", 64,
+                                              integer=True, zero_ok=True))
 
 
 class Entry:

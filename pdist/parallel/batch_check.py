@@ -7,7 +7,7 @@ depends on what the process imported) trains a silently wrong model. So the oute
 ``local_batch`` hashes (x, y), ``forward_backward`` stamps the hash on the step, and the
 collective check (pdist/comm/check.py) compares it at every collective of the step: a
 difference raises ``BatchMismatchError`` on every rank of the group, naming the ranks and what
-``get_batch`` must return. Cost: one blake2b pass over the batch's bytes per step (about 2 us for
+``get_batch`` must return. Cost: one blake2b pass over the batch's bytes per step (14 us for
 a lesson's 16 x 32 int64 tokens; docs/failures.md), on the host (a device array is copied).
 ``PDIST_CHECK_BATCH=0`` or ``model.check_batch = False`` turns it off.
 """
@@ -20,7 +20,7 @@ from pdist.engine.backend import env_flag
 def batch_default():
     """``check_batch``'s default: on, unless ``PDIST_CHECK_BATCH=0`` (read when a ``Local`` is
     built). The outermost ``local_batch(x, y)`` hashes the global batch it is handed (blake2b,
-    about 2 us for a lesson's 16 x 32 tokens) and ``forward_backward`` stamps the hash on the
+    14 us for a lesson's 16 x 32 tokens) and ``forward_backward`` stamps the hash on the
     step (``comm.set_step(k, batch=h)``): every collective of the step compares it, so ranks
     handed different global batches (a loader seeded by rank) raise BatchMismatchError at the
     step's first collective, on every rank of the group."""

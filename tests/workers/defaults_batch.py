@@ -7,6 +7,7 @@ PyTorch DDP code often is) or "step" (pdist's get_batch, the same on every rank)
 ``model.check_batch = False`` (the check switched off: the run trains, silently wrong).
 Each rank reports what it raised and how many steps it finished (pdist.testing.report)."""
 import sys
+import time
 
 from pdist import comm, data
 from pdist.comm.check import BatchMismatchError
@@ -38,9 +39,10 @@ def batch(step):
     return data.get_batch(tokens, 8, cfg.block_size, seed, step)
 
 
+t_fault = time.time()            # the fault: step 0's batch (bench/defaults.py times detection from here)
 try:
     train(model, opt, batch, 3)
     raised = None
 except BatchMismatchError as e:
     raised = str(e)
-report(rank=rank, layout=layout, loader=loader, error=raised, steps_done=model.steps)
+report(rank=rank, layout=layout, loader=loader, error=raised, steps_done=model.steps, t_fault=t_fault)

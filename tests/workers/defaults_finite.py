@@ -10,6 +10,7 @@ NonFiniteError on every rank naming the count and the loss scale.
 Each rank reports what it raised (pdist.testing.report)."""
 import math
 import sys
+import time
 
 import numpy as np
 
@@ -34,12 +35,14 @@ else:
     model = DataParallel(GPT(cfg, 0), **({"check_finite": False} if case == "ddp_off" else {}))
 opt = lesson.make_adamw(model.parameters())
 losses = []
+t_fault = [None]
 
 
 def poison(step, loss):
     losses.append(loss)
     if step == 0 and rank == 1:          # before step 1's forward: a NaN weight on rank 1
         model.parameters()[0].data.reshape(-1)[0] = np.nan
+        t_fault[0] = time.time()
 
 
 def batch(step):
@@ -54,4 +57,4 @@ except NonFiniteError as e:
 scaler = getattr(model, "scaler", None)
 report(rank=rank, case=case, error=raised, steps_done=model.steps,
        last_loss_finite=bool(losses) and math.isfinite(losses[-1]),
-       skipped=None if scaler is None else scaler.skipped)
+       skipped=None if scaler is None else scaler.skipped, t_fault=t_fault[0])
