@@ -202,6 +202,15 @@ def test_environment_variables_are_validated_by_name(var, value, message):
     assert res.returncode != 0 and message in res.stderr.strip().splitlines()[-1], res.stderr[-2000:]
 
 
+def test_bad_timeout_stops_every_rank_at_init(tmp_path):
+    script = tmp_path / "init.py"
+    script.write_text("from pdist import comm\ncomm.init()\nprint('trained', flush=True)\n")
+    res = job(2, script, env={"PDIST_TIMEOUT": "nan"}, tmp_path=tmp_path)
+    assert res.rc != 0 and "trained" not in res.out, res.out[-2000:]
+    msg = "ValueError: PDIST_TIMEOUT='nan': must be a positive number of seconds, e.g. PDIST_TIMEOUT=120"
+    assert res.out.count(msg) == 2, res.out[-2000:]         # both ranks
+
+
 def test_topology_rejects_zero_and_negative_links():
     from pdist.comm import topology
     for spec, what in [("nodes=1x2,inter=0GB/s:10us", "bandwidth '0'"), ("nodes=1x2,intra=-1GB/s:2us", "bandwidth '-1'"),
