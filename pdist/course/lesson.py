@@ -243,7 +243,7 @@ def _validate_inject(parser, args):
         parsed = inject.parse(faults)
         steps = getattr(args, "steps", None)
         if steps is not None:
-            inject.check(parsed, world_size=1 << 30, steps=steps)
+            inject.check(parsed, world_size=None, steps=steps)
     except ValueError as e:
         parser.error(str(e))
 

@@ -106,12 +106,12 @@ def _check_values(part, kind, kv):
 
 def check(faults, world_size, steps=None):
     """Usage errors for faults that cannot fire: a rank outside [0, world_size), a step
-    outside [0, steps) (when ``steps`` is known). ``faults``: ``parse``'s list. Returns it."""
+    outside [0, steps) (each when known, not None). ``faults``: ``parse``'s list. Returns it."""
     for kind, kv in faults:
         spec = f"{kind}:" + ",".join(f"{k}={'-'.join(map(str, v)) if isinstance(v, tuple) else v}"
                                      for k, v in kv.items())
         ranks = kv["ranks"] if kind == "slow-link" else (kv["rank"],)
-        missing = [r for r in ranks if r >= world_size]
+        missing = [r for r in ranks if world_size is not None and r >= world_size]
         if missing:
             raise ValueError(f"--inject {spec!r}: rank {missing[0]} does not exist: this job has {world_size} "
                              f"rank(s), 0..{world_size - 1} (the fault would never fire)")
