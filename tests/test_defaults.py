@@ -165,7 +165,7 @@ def test_fp16_skips_are_counted_and_k_in_a_row_stop_every_rank(tmp_path):
         assert rep["error"] and rep["error"].startswith(
             "GradScaler: 5 steps in a row skipped (non-finite gradients at every loss scale from 65536 down to 4096; "
             "5 skipped in all)"), (r, rep)
-        assert rep["skipped"] == 5 and rep["steps_done"] == 1
+        assert rep["skipped"] == 5 and rep["steps_done"] == 6     # step 0 trained, steps 1-5 skipped
     assert res.out.count("[GradScaler] skipped a step") == 2 * 4       # verbose: a line per skip, per rank
 
 
