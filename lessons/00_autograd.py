@@ -91,7 +91,9 @@ def finite_difference_check(model, cfg, tokens, entries, args, h=1e-6):
 
 
 def main():
-    p = lesson.parser(__doc__, steps=STEPS, models=True)
+    p = lesson.parser(__doc__, steps=STEPS, models=True, no_inject=(
+        "lesson 00 trains one process with its own loop, outside the strategies that faults hook into; "
+        "faults start with lesson 02, e.g. mpirun -n 2 python lessons/02_data_parallel.py --inject nan:rank=1,step=3"))
     args = lesson.validate(p, p.parse_args())  # bad flags: usage message, exit 2, before training
     # under mpirun (MPICH, Open MPI) this single-process lesson runs on rank 0 only
     rank = int(os.environ.get("PMI_RANK", os.environ.get("OMPI_COMM_WORLD_RANK", "0")))

@@ -119,7 +119,9 @@ def parse_sizes_kib(p, text):
 
 
 def main():
-    p = lesson.parser(__doc__, steps=5, dtype="float64")
+    p = lesson.parser(__doc__, steps=5, dtype="float64", no_inject=(
+        "lesson 01 times collectives and trains nothing, and faults fire at training steps; "
+        "faults start with lesson 02, e.g. mpirun -n 2 python lessons/02_data_parallel.py --inject nan:rank=1,step=3"))
     p.add_argument("--sizes-kib", default="64,1024,4096", help="all-reduce sizes for the table")
     args = lesson.validate(p, p.parse_args())  # on every rank, before any collective
     sizes = parse_sizes_kib(p, args.sizes_kib)

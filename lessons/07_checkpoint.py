@@ -52,6 +52,9 @@ def parse():
     p.add_argument("--save-at", type=int, default=4, help="step after which to save (default %(default)s)")
     p.add_argument("--dir", default=None, help="checkpoint directory (default: a temporary one)")
     args = lesson.validate(p, p.parse_args())
+    problem = lesson.dir_problem(args.dir) if args.dir else None
+    if problem:
+        p.error(f"--dir {args.dir}: {problem}")
     if not 1 <= args.save_at < args.steps:
         p.error(f"--save-at must be in [1, --steps), got {args.save_at} with --steps {args.steps}")
     return p, args

@@ -53,7 +53,9 @@ CHILD_FAULTS = {"early exit": "exit:rank=1,step=3", "skipped collective": "skip-
 
 
 def parse():
-    p = lesson.parser(__doc__, steps=8, dtype="float32", batch_size=16)
+    p = lesson.parser(__doc__, steps=8, dtype="float32", batch_size=16, no_inject=(
+        "lesson 08 injects its own fault in each act (and clears it after); to inject one yourself, "
+        "use lessons 02-07, e.g. mpirun -n 2 python lessons/02_data_parallel.py --inject nan:rank=1,step=3"))
     p.add_argument("--child", default=None, help=argparse.SUPPRESS)     # act 3's child jobs
     args = lesson.validate(p, p.parse_args())
     return p, args

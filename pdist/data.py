@@ -1,7 +1,8 @@
 """Data that needs no download, and global batches that do not depend on the layout.
 
 * ``stdlib_corpus()``: the docstrings of a fixed list of Python standard-library
-  modules (they ship with Python itself), cleaned to printable ASCII.
+  modules, cleaned to printable ASCII, frozen in ``pdist/corpus.txt`` (the same
+  bytes in every process).
 * ``CharTokenizer``: one token per character.
 * ``get_batch(tokens, B, T, seed, step)``: the *global* batch of step ``step``,
   drawn from a generator seeded by (seed, step), so runs with 1, 2 or 4 ranks
@@ -9,35 +10,37 @@
   data-parallel rank its contiguous slice of rows.
 * Synthetic tasks for tests: ``regression_batch``.
 """
-import importlib
-import inspect
-import warnings
+import hashlib
+import os
 
 import numpy as np
 
-_MODULES = ("json", "collections", "functools", "itertools", "argparse", "pathlib", "textwrap",
-            "string", "heapq", "bisect", "fractions", "statistics", "random", "shutil", "csv",
-            "contextlib", "dataclasses", "enum", "typing", "abc", "copy", "pprint", "difflib")
+CORPUS_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "corpus.txt")
+CORPUS_SHA256 = "53214a2004d1184240b72c2602c6233c74ef31395bf4ccde11f5f0f181091afc"
+_cache = {}
 
 
 def stdlib_corpus(max_chars=None):
-    """Docstrings of standard-library modules, classes and functions, joined."""
-    parts = []
-    for name in _MODULES:
-        try:
-            mod = importlib.import_module(name)
-        except ImportError:  # pragma: no cover
-            continue
-        if mod.__doc__:
-            parts.append(mod.__doc__)
-        with warnings.catch_warnings():  # typing.io / typing.re warn when touched
-            warnings.simplefilter("ignore", DeprecationWarning)
-            for _, obj in sorted(vars(mod).items()):
-                if (inspect.isclass(obj) or inspect.isfunction(obj)) and getattr(obj, "__module__", "") == name:
-                    if isinstance(obj.__doc__, str):
-                        parts.append(inspect.cleandoc(obj.__doc__))
-    text = "\n\n".join(parts)
-    text = "".join(c if (32 <= ord(c) < 127 or c == "\n") else " " for c in text)
+    """Docstrings of standard-library modules, classes and functions, joined: the text of
+    ``pdist/corpus.txt`` (130,644 printable ASCII characters), the same bytes in every
+    process whatever it imported.
+
+    The file was generated once (Python 3.11, ``python -I``, nothing else imported) from
+    the docstrings of json, collections, functools, itertools, argparse, pathlib, textwrap,
+    string, heapq, bisect, fractions, statistics, random, shutil, csv, contextlib,
+    dataclasses, enum, typing, abc, copy, pprint, difflib. Reading them live made the
+    corpus depend on the process: importing typing_extensions (torch does) changes
+    typing's members, so two ranks could train on different batches. Its sha256 is
+    checked on the first read; a changed file is an error, not another corpus."""
+    if "text" not in _cache:
+        with open(CORPUS_FILE, "rb") as f:
+            raw = f.read()
+        digest = hashlib.sha256(raw).hexdigest()
+        if digest != CORPUS_SHA256:
+            raise RuntimeError(f"{CORPUS_FILE}: sha256 {digest} is not the bundled corpus's "
+                               f"{CORPUS_SHA256}; reinstall pdist (the file was changed)")
+        _cache["text"] = raw.decode("ascii")
+    text = _cache["text"]
     return text[:max_chars] if max_chars else text
 
 

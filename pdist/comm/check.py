@@ -4,7 +4,7 @@ silent garbage.
 
 Before each collective (object collectives and splits included), each rank
 forms a fingerprint ``f = (op, seq, step, size, dtype, reduce-op, root,
-algorithm, async_op, local_error)`` and the group runs one small non-blocking
+algorithm, async_op, batch, local_error)`` and the group runs one small non-blocking
 all-reduce of ``[f, -f]`` with MAX, which yields ``max_r f_r`` and
 ``min_r f_r``. If they differ anywhere (or any rank found a local error, e.g.
 ``out`` too small), all ranks see it in the same result, so all of them gather
@@ -12,7 +12,9 @@ the fingerprints and raise one error that names the op, its sequence number,
 and every differing field's value per (world) rank. A rank that skips a
 collective is caught at its next one (op or seq differ); a rank that skips or
 repeats a training step (``comm.set_step``) at its first collective of the
-next step. Dtypes compare by kind and item size (``int64 == longlong``).
+next step; ranks handed different global batches (the hash a strategy stamps with
+the step, pdist/parallel/batch_check.py) at the step's first collective
+(``BatchMismatchError``). Dtypes compare by kind and item size (``int64 == longlong``).
 
 Channels. The exchange runs on the group's own fingerprint communicator and
 the verdict on another, so both stay in step on every rank whatever happened
@@ -27,18 +29,25 @@ behaviour in MPI (garbage or a hang until the watchdog's deadline).
 """
 import numpy as np
 
+from pdist.comm.flight_recorder import _batch
 from pdist.comm.mpi import MPI, wait_all
 
 OPS = ["barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
        "all_gather_object", "broadcast_object", "gather_object", "split"]
 REDOPS = ["", "sum", "avg", "max", "min"]
 ALGOS = ["", "mpi", "naive", "ring", "tree", "pairwise"]
-FIELDS = ["op", "seq", "step", "size", "dtype", "reduce-op", "root", "algorithm", "async_op", "local error"]
+FIELDS = ["op", "seq", "step", "size", "dtype", "reduce-op", "root", "algorithm", "async_op", "batch",
+          "local error"]
 K = len(FIELDS)
 
 
 class CollectiveMismatchError(ValueError):
     """Ranks called a collective with different arguments (or one was invalid)."""
+
+
+class BatchMismatchError(CollectiveMismatchError):
+    """Ranks that must train on the same global batch were handed different ones (the batch
+    hash of the step stamp, ``flight_recorder.batch_hash``, differs)."""
 
 
 def default_on():
@@ -56,9 +65,10 @@ def dtype_code(dtype):
 
 def fingerprint(op, seq, step, size=0, dtype=None, redop="", root=-1, algorithm="", error=None,
                 async_op=False):
-    """The integers every rank must agree on (a Python list: cheap to build)."""
+    """The integers every rank must agree on (a Python list: cheap to build). ``batch``:
+    the step stamp's hash of the global batch (``set_step(k, batch=h)``; 0 outside a step)."""
     return [_OP[op], seq, step, size, dtype_code(dtype), _RED[redop], root, _ALG[algorithm],
-            int(bool(async_op)), 1 if error else 0]
+            int(bool(async_op)), _batch[0], 1 if error else 0]
 
 
 def agree(g, fp, error, describe, buf=None):
@@ -77,7 +87,7 @@ def agree_start(g, fp, error, describe, buf=None):
         if error:
             raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}': {error}")
         return _nothing
-    both = np.empty(2 * K, np.int64) if buf is None else buf[:2 * K]
+    both = np.empty(2 * K, np.int64) if buf is None or len(buf) < 2 * K else buf[:2 * K]
     both[:K] = fp
     both[K:] = [-v for v in fp]
     req = g._fp.Iallreduce(MPI.IN_PLACE, both, MPI.MAX)
@@ -114,6 +124,18 @@ def _field_line(name, values):
     return f"{name}: " + "; ".join(f"{_names(rs)} = {v}" for v, rs in groups.items())
 
 
+def _batch_headline(world, infos):
+    """'every rank must pass the same global batch ...; rank 1's differs from rank 0's: ...'."""
+    first = infos[0][0][9]
+    other = [world[r] for r, (f, _, _, _) in enumerate(infos) if f[9] != first]
+    who = f"rank {other[0]}'s" if len(other) == 1 else f"ranks {', '.join(map(str, other))}' batches"
+    return (f"step {infos[0][0][2]}: every rank must pass the same global batch (x, y) to local_batch() "
+            f"(get_batch(step) must return it on every rank); {who} {'differs' if len(other) == 1 else 'differ'} "
+            f"from rank {world[0]}'s: seed the loader with the step, not the rank "
+            f"(pdist.data.get_batch(tokens, B, T, seed, step)). PDIST_CHECK_BATCH=0 (or model.check_batch = "
+            f"False) turns this check off.")
+
+
 def _verdict(g, fp, error, describe, res):
     hi, lo = res[:K], [-v for v in res[K:]]
     if hi == lo and hi[-1] == 0:
@@ -126,7 +148,7 @@ def _verdict(g, fp, error, describe, res):
     decode = {"op": lambda f, d: OPS[f[0]], "seq": lambda f, d: f[1], "step": lambda f, d: f[2],
               "size": lambda f, d: f[3], "dtype": lambda f, d: d, "reduce-op": lambda f, d: REDOPS[f[5]] or "-",
               "root": lambda f, d: f[6], "algorithm": lambda f, d: ALGOS[f[7]] or "-",
-              "async_op": lambda f, d: bool(f[8])}
+              "async_op": lambda f, d: bool(f[8]), "batch": lambda f, d: f"{f[9]:016x}"}
     bad = [FIELDS[i] for i in range(K - 1) if hi[i] != lo[i]]
     fields = [_field_line(name, [(world[r], decode[name](f, d)) for r, (f, d, _, _) in enumerate(infos)])
               for name in bad]
@@ -135,6 +157,9 @@ def _verdict(g, fp, error, describe, res):
         who = f"rank {world[r]}" + ("" if g.name == "world" else f" ({g.name} rank {r})")
         lines.append(f"  {who}: {OPS[f[0]]} #{f[1]} step {f[2]} {desc_r}" + (f"  <- {err}" if err else ""))
     what = ("ranks disagree on " + ", ".join(bad)) if bad else "invalid arguments"
+    if "batch" in bad and "step" not in bad:
+        raise BatchMismatchError(_batch_headline(world, infos) + "\n" + f"{OPS[fp[0]]} #{fp[1]} on group "
+                                 f"'{g.name}': {what}\n" + "".join(f"  {x}\n" for x in fields) + "\n".join(lines))
     raise CollectiveMismatchError(
         f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}' ({g.size} ranks, world ranks {world}): {what}\n"
         + "".join(f"  {x}\n" for x in fields) + "\n".join(lines))

@@ -10,15 +10,22 @@ belong to, and what the watchdog's roll-call reports (watchdog.py).
 Step stamps. ``set_step(k)`` sets a process-wide training-step number that
 every collective's fingerprint carries (check.py), so a rank that skips or
 repeats a step is caught at its first collective of the next one.
+``set_step(k, batch=h)`` also stamps a 62-bit hash of the step's global batch
+(``batch_hash``; 0: none), so ranks handed different batches are caught at the
+step's first collective; ``set_batch(0)`` ends it when the step's work is done.
 """
 import collections
 import json
 import os
 import time
 
+from pdist.engine.backend import env_number
+
 _step = [0]
+_batch = [0]             # hash of this step's global batch (0: none stamped)
 _cur = [None]            # the Entry this rank is working on (what its waits belong to)
-_flight = collections.deque(maxlen=int(os.environ.get("PDIST_FLIGHT_RECORDER", "64")))
+_flight = collections.deque(maxlen=env_number("PDIST_FLIGHT_RECORDER", 64, "integer (calls kept; 0: off)", 64,
+                                              integer=True, zero_ok=True))
 
 
 class Entry:
@@ -36,9 +43,30 @@ class Entry:
         return d
 
 
-def set_step(step):
-    """The training step every following collective's fingerprint carries."""
+def set_step(step, batch=0):
+    """The training step every following collective's fingerprint carries, and the hash
+    of its global batch (``batch_hash``; 0: not checked)."""
     _step[0] = int(step)
+    _batch[0] = int(batch)
+
+
+def set_batch(batch):
+    """The batch hash the following collectives carry (0: none; the end of a step's work)."""
+    _batch[0] = int(batch)
+
+
+def batch_hash(*arrays):
+    """A 62-bit hash (never 0) of the arrays' shapes, dtypes and bytes: equal on two ranks
+    exactly when they hold the same batch (up to a 2^-62 collision). A device array is
+    copied to the host first. Cost: one pass of blake2b over the bytes (docs/failures.md)."""
+    import hashlib
+    import numpy as np
+    h = hashlib.blake2b(digest_size=8)
+    for a in arrays:
+        a = np.ascontiguousarray(a if isinstance(a, np.ndarray) else getattr(a, "get", lambda: np.asarray(a))())
+        h.update(f"{a.shape}{a.dtype.str};".encode())
+        h.update(a.data if a.size else b"")
+    return (int.from_bytes(h.digest(), "little") >> 2) or 1
 
 
 def get_step():

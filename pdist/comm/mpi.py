@@ -36,11 +36,13 @@ from mpi4py import MPI  # noqa: E402
 
 from pdist.measure import trace  # noqa: E402
 from pdist.comm import watchdog  # noqa: E402
+from pdist.engine.backend import env_number  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 
 SEGMENT_BYTES = 1 << 19    # ring reduce-scatter pipelines reductions in 512 KiB pieces
-YIELD_SECONDS = float(os.environ.get("PDIST_WAIT_YIELD_US", "1000")) * 1e-6  # Test + yield phase
+YIELD_SECONDS = env_number("PDIST_WAIT_YIELD_US", 1000, "number of microseconds", 1000,
+                           zero_ok=True) * 1e-6                                 # Test + yield phase
 SLEEP_MIN, SLEEP_MAX = 20e-6, 250e-6
 WAIT_SPAN_S = 50e-6
 USER_THREAD_VARS = ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")

@@ -36,6 +36,7 @@ the collective together, as on a real ring. The charged time is its own trace ca
 
 Cost when no topology is set: one attribute check (``group._link is None``) per call.
 """
+import math
 import os
 import re
 import time
@@ -81,7 +82,21 @@ def parse_link(text, name):
     if not m or m.group(2).lower() not in _BW or m.group(4) not in _LAT:
         raise ValueError(f"topology {name}={text!r}: expected BW:LAT like 12.5GB/s:10us "
                          f"(BW in {', '.join(_BW)}; LAT in {', '.join(_LAT)})")
-    return Link(name, float(m.group(1)) * _BW[m.group(2).lower()], float(m.group(3)) * _LAT[m.group(4)])
+    bw, lat = _positive(m.group(1), f"topology {name}={text!r}: bandwidth"), \
+        _positive(m.group(3), f"topology {name}={text!r}: latency")
+    return Link(name, bw * _BW[m.group(2).lower()], lat * _LAT[m.group(4)])
+
+
+def _positive(text, label, example="12.5GB/s:10us"):
+    """A finite number > 0 (a zero bandwidth divided by zero mid-step; a negative one
+    charged negative time), else a ValueError naming the spec."""
+    try:
+        v = float(text)
+    except ValueError:
+        v = float("nan")
+    if not (math.isfinite(v) and v > 0):
+        raise ValueError(f"{label} {text!r} must be a positive number, e.g. {example}")
+    return v
 
 
 class Topology:
@@ -106,7 +121,7 @@ class Topology:
                 self.node = {int(r): i for i, part in enumerate(nodes.split("/")) for r in part.split("+")}
             except ValueError:
                 raise ValueError(f"topology {spec!r}: nodes={nodes!r} is neither AxB nor 0+1/2+3") from None
-        scale = float(kv.get("scale", 1))
+        scale = _positive(kv.get("scale", "1"), f"topology {spec!r}: scale", "scale=1")
         self.intra = parse_link(kv.get("intra", DEFAULT_INTRA), "intra")
         self.inter = parse_link(kv.get("inter", DEFAULT_INTER), "inter")
         self.intra.scale = self.inter.scale = scale
@@ -165,6 +180,9 @@ def set(spec):
 
 def set_slow_links(links):
     """[((a, b), gbps, latency_us)]: links between world ranks a and b (pdist.faults.inject)."""
+    for (a, b), g, us in links:
+        _positive(str(g), f"slow link {a}-{b}: gbps", "gbps=1")
+        _positive(str(us), f"slow link {a}-{b}: us", "us=10")
     _state["slow"] = [((a, b), Link(f"slow {a}-{b}", g * 1e9 / 8, us * 1e-6)) for (a, b), g, us in links]
     _attach_all()
 

@@ -22,7 +22,6 @@ rank, where it is instead: waiting elsewhere, "exited after #k", "failed", or
 The calls a rank waits in are the flight recorder's entries (flight_recorder.py:
 the last 64 calls, the current one, the step stamp).
 """
-import os
 import time
 import weakref
 
@@ -53,11 +52,12 @@ _peers = {}              # world rank -> its latest control message
 def configure(timeout=None):
     """Start the watchdog (collective over COMM_WORLD: Dups the control channel).
     ``PDIST_TIMEOUT``, when set, wins over ``timeout``; default 600 s."""
-    env = os.environ.get("PDIST_TIMEOUT", "").strip()
-    if env:
+    from pdist.engine.backend import check_number, env_number
+    env = env_number("PDIST_TIMEOUT", None, "number of seconds", 120)
+    if env is not None:
         _S["timeout"] = float(env)
     elif timeout is not None:
-        _S["timeout"] = float(timeout)
+        _S["timeout"] = float(check_number(timeout, f"timeout={timeout!r}", "number of seconds", "timeout=120"))
     if _S["ctl"] is None:
         w = MPI.COMM_WORLD
         _S.update(rank=w.Get_rank(), size=w.Get_size(), ctl=w.Dup())

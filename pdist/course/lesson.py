@@ -16,12 +16,16 @@ TIMEOUT = 120     # s: a lesson's collectives wait this long at most (PDIST_TIME
 MODEL_DEFAULTS = dict(n_layer=2, n_head=4, n_embd=64, block_size=32)
 
 
-def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, models=False, **model):
+def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision=False, models=False,
+           no_inject=None, **model):
     """An ArgumentParser with the flags every training lesson accepts: --steps --seed
-    --dtype --json, and the model and batch size (--n-layer --n-head --n-embd
-    --block-size --batch-size; ``model`` overrides the lesson's defaults; ``models=True``:
-    --model gpt2|llama too). Call ``validate(p, p.parse_args())`` right after parsing."""
+    --dtype --json --inject --trace, and the model and batch size (--n-layer --n-head
+    --n-embd --block-size --batch-size; ``model`` overrides the lesson's defaults;
+    ``models=True``: --model gpt2|llama too). ``no_inject``: why this lesson cannot inject
+    faults (``validate`` then rejects --inject with that reason). Call
+    ``validate(p, p.parse_args())`` right after parsing."""
     p = argparse.ArgumentParser(description=doc, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.no_inject = no_inject
     if models:
         p.add_argument("--model", choices=["gpt2", "llama"], default="gpt2",
                        help="GPT-2, or Llama (RMSNorm, SwiGLU, RoPE, n_head / 2 kv heads; default %(default)s)")
@@ -67,14 +71,15 @@ def start(args):
         except ValueError as e:
             sys.exit(f"error: {e}")
     if getattr(args, "trace", None):
-        problem = json_path_problem(args.trace)
-        if problem:
-            sys.exit(f"error: --trace {args.trace}: {problem}")
         trace.set_detail(True)
     set_default_dtype(args.dtype)
     world = comm.init(timeout=TIMEOUT)
     if faults:
-        inject.set(faults)
+        try:                      # a rank or step that does not exist: a usage error on every rank
+            inject.set(faults, steps=getattr(args, "steps", None))
+        except ValueError as e:
+            print(f"usage error (rank {world.rank}): {e}", file=sys.stderr, flush=True)
+            sys.exit(2)
     tokens, tok = data.char_dataset()
     return world, tokens, tok
 
@@ -216,12 +221,50 @@ def validate(parser, args):
         parser.error(f"--n-embd ({n_embd}) must be divisible by --n-head ({n_head})")
     if getattr(args, "model", None) == "llama" and n_embd and n_head and (n_embd // n_head) % 2:
         parser.error(f"--model llama needs an even head size (RoPE): --n-embd / --n-head = {n_embd // n_head}")
-    path = getattr(args, "json", None)
-    if path:
-        problem = json_path_problem(path)
+    for attr in ("json", "trace"):          # both written at the end: checked before any work
+        path = getattr(args, attr, None)
+        problem = json_path_problem(path) if path else None
         if problem:
-            parser.error(f"--json {path}: {problem}")
+            parser.error(f"--{attr} {path}: {problem}")
+    _validate_inject(parser, args)
     return args
+
+
+def _validate_inject(parser, args):
+    """--inject: this lesson takes faults, their syntax, and their steps against --steps (the
+    ranks are checked against the world in ``start``, once it is known)."""
+    faults = getattr(args, "inject", None)
+    if not faults:
+        return
+    if getattr(parser, "no_inject", None):
+        parser.error(f"--inject {' '.join(faults)}: {parser.no_inject}")
+    from pdist.faults import inject
+    try:
+        parsed = inject.parse(faults)
+        steps = getattr(args, "steps", None)
+        if steps is not None:
+            inject.check(parsed, world_size=None, steps=steps)
+    except ValueError as e:
+        parser.error(str(e))
+
+
+def dir_problem(path):
+    """Why ``path`` cannot hold the files a lesson writes there, or None: an existing path
+    must be a writable directory; a new one needs a writable parent (it is created)."""
+    import os
+    import tempfile
+    target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
+    if os.path.exists(path) and not os.path.isdir(path):
+        return "exists and is not a directory"
+    if not os.path.isdir(target):
+        return f"its parent directory {target} does not exist"
+    try:
+        fd, probe = tempfile.mkstemp(dir=target, prefix=".pdist-probe-")
+    except OSError as e:
+        return f"cannot create a file in {target} ({e.strerror or e})"
+    os.close(fd)
+    os.unlink(probe)
+    return None
 
 
 def warn_shared_cores(world):

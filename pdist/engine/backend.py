@@ -53,6 +53,38 @@ def env_flag(name, default):
     raise ValueError(f"{name}={os.environ[name]!r}: expected one of 0/1/false/true/no/yes/off/on")
 
 
+def env_number(name, default, what, example, integer=False, zero_ok=False):
+    """A numeric environment variable: ``default`` when unset or empty, else a finite number
+    > 0 (>= 0 with ``zero_ok``; an integer with ``integer``). Anything else (abc, nan, inf,
+    0, -1) raises a ValueError naming the variable, what it means and an example:
+    ``PDIST_TIMEOUT='abc': must be a positive number of seconds, e.g. PDIST_TIMEOUT=120``."""
+    raw = os.environ.get(name, "").strip()
+    if raw == "":
+        return default
+    return check_number(raw, f"{name}={os.environ[name]!r}", what, f"{name}={example}", integer, zero_ok)
+
+
+def check_number(value, label, what, example, integer=False, zero_ok=False):
+    """``value`` (a number or its text) as a finite number > 0 (>= 0 with ``zero_ok``; an int
+    with ``integer``), else a ValueError: ``{label}: must be a positive {what}, e.g. {example}``."""
+    import math
+    import numbers
+    sign = "non-negative" if zero_ok else "positive"
+    v = float("nan")
+    if isinstance(value, str):
+        text = value.strip()
+        try:
+            v = int(text) if integer and text.lstrip("+-").isdigit() else (v if integer else float(text))
+        except ValueError:
+            pass
+    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and (
+            not integer or isinstance(value, numbers.Integral)):
+        v = value
+    if not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
+        raise ValueError(f"{label}: must be a {sign} {what}, e.g. {example}")
+    return v
+
+
 def local_rank():
     """This process's rank among the ranks on its node (MPICH, Open MPI, Slurm)."""
     for var in ("MPI_LOCALRANKID", "OMPI_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID", "LOCAL_RANK"):

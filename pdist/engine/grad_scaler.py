@@ -8,7 +8,12 @@ optimizer sees g = (S g) / S. S is dynamic:
     a step whose gradients hold inf or NaN is skipped, and S <- S * backoff_factor (0.5)
     after growth_interval (2000) steps in a row without one, S <- S * growth_factor (2)
 
-S starts at init_scale = 2^16. All factors are powers of two, so scaling and
+S starts at init_scale = 2^16. Skipped steps are counted (``skipped``: in all;
+``skipped_in_a_row``: since the last good step), and ``max_consecutive_skips`` (100) in a
+row stop the run: ``update()`` raises NonFiniteError naming the count and the loss scale
+(overflows back off in a few steps; a hundred in a row means a NaN in the weights or the
+data, which no scale cures: skipping silently would train nothing). ``verbose=True``
+prints one line per skip. All factors are powers of two, so scaling and
 unscaling are exact (no rounding), and a run with a scaler equals one without it
 as long as nothing overflows or flushes.
 
@@ -27,15 +32,22 @@ gradients (``optimizer.step()`` then changes nothing), and calls ``update()``.
 import math
 
 from pdist.engine.precision import any_nonfinite
+from pdist.errors import NonFiniteError
 
 
 class GradScaler:
     def __init__(self, init_scale=2.0 ** 16, growth_factor=2.0, backoff_factor=0.5, growth_interval=2000,
-                 enabled=True):
+                 enabled=True, max_consecutive_skips=100, verbose=False):
         if not (init_scale > 0 and growth_factor > 1 and 0 < backoff_factor < 1 and growth_interval >= 1):
             raise ValueError(f"GradScaler: need init_scale > 0, growth_factor > 1, 0 < backoff_factor < 1, "
                              f"growth_interval >= 1; got {init_scale}, {growth_factor}, {backoff_factor}, "
                              f"{growth_interval}")
+        if max_consecutive_skips is not None and not (
+                isinstance(max_consecutive_skips, int) and max_consecutive_skips >= 1):
+            raise ValueError(f"GradScaler: max_consecutive_skips must be a positive integer or None (never "
+                             f"stop), got {max_consecutive_skips!r}")
+        self.max_consecutive_skips, self.verbose = max_consecutive_skips, bool(verbose)
+        self.skipped = self.skipped_in_a_row = 0     # steps skipped: in all, and since the last good one
         self._scale = float(init_scale)
         self._growth_factor, self._backoff_factor = growth_factor, backoff_factor
         self._growth_interval, self._growth_tracker = int(growth_interval), 0
@@ -86,9 +98,9 @@ class GradScaler:
         if not self._enabled:
             return
         if self._found_inf:
-            self._scale *= self._backoff_factor
-            self._growth_tracker = 0
+            self._skip()
         else:
+            self.skipped_in_a_row = 0
             self._growth_tracker += 1
             if self._growth_tracker == self._growth_interval:
                 self._scale *= self._growth_factor
@@ -97,6 +109,26 @@ class GradScaler:
             raise FloatingPointError(f"GradScaler: the loss scale became {self._scale}; the gradients are "
                                      f"non-finite at every scale (a NaN in the model, not an overflow)")
         self._found_inf, self._unscaled = None, set()
+
+    def _skip(self):
+        """A skipped step: count it, say it (verbose), stop after max_consecutive_skips, back off."""
+        self.skipped += 1
+        self.skipped_in_a_row += 1
+        k = self.max_consecutive_skips
+        if k is not None and self.skipped_in_a_row >= k:
+            self._found_inf, self._unscaled = None, set()
+            raise NonFiniteError(
+                f"GradScaler: {self.skipped_in_a_row} steps in a row skipped (non-finite gradients at every "
+                f"loss scale from {self._scale / self._backoff_factor ** (k - 1):g} down to {self._scale:g}; "
+                f"{self.skipped} skipped in all): an overflow backs off in a few steps, so the weights, the "
+                f"loss or the data hold NaN/inf. Find it (check_finite names the tensors under bf16/fp32), "
+                f"or raise GradScaler(max_consecutive_skips=...)")
+        if self.verbose:
+            print(f"[GradScaler] skipped a step: non-finite gradients at loss scale {self._scale:g}; "
+                  f"scale -> {self._scale * self._backoff_factor:g} ({self.skipped} skipped, "
+                  f"{self.skipped_in_a_row} in a row)", flush=True)
+        self._scale *= self._backoff_factor
+        self._growth_tracker = 0
 
     def state_dict(self):
         return {"scale": self._scale, "growth_factor": self._growth_factor,

@@ -24,7 +24,7 @@ Faults (``kind:key=value,...``; several joined by ``;`` or given as several --in
     exit:rank=R,step=S                 rank R calls sys.exit(0) at the start of step S
                                        (a rank-dependent early exit)
     nan:rank=R,step=S                  rank R writes NaN into a gradient after the compute
-                                       of step S (``check_finite=True`` names it)
+                                       of step S (``check_finite``, on by default, names it)
 
 The faults of the step are a step hook (pdist/measure/hooks.py) around the phases of
 ``Strategy.forward_backward``: ``set`` subscribes the Injector (order 10, inside the
@@ -33,6 +33,7 @@ subscribed. Each fault, when it fires, prints
 ``[inject] rank R step S: ...`` with its wall-clock time (time.time(), so a parent can
 measure the time to detection) and adds an instant event to the trace (cat "fault").
 """
+import math
 import random
 import sys
 import time
@@ -78,8 +79,7 @@ def parse(spec):
         missing = [k for k in REQUIRED[kind] if k not in kv]
         if missing:
             raise ValueError(f"--inject {part!r}: {kind} needs {', '.join(missing)}")
-        if kind == "straggler" and kv["slowdown"] < 1:
-            raise ValueError(f"--inject {part!r}: slowdown must be >= 1")
+        _check_values(part, kind, kv)
         if kind == "slow-link":
             a, _, b = kv["ranks"].partition("-")
             if not (a.isdigit() and b.isdigit()) or a == b:
@@ -89,9 +89,53 @@ def parse(spec):
     return out
 
 
+def _check_values(part, kind, kv):
+    """The ranges of the values (finite, and what each fault can do)."""
+    bad = [k for k, v in kv.items() if isinstance(v, float) and not math.isfinite(v)]
+    if bad:
+        raise ValueError(f"--inject {part!r}: {bad[0]} must be a finite number")
+    rules = [("slowdown", lambda v: v >= 1, "must be >= 1 (1 = no slowdown)"),
+             ("extra", lambda v: v >= 0, "must be >= 0 (0.3 = 30% more tokens)"),
+             ("p", lambda v: 0 <= v <= 1, "must be in [0, 1] (a fraction of the steps)"),
+             ("gbps", lambda v: v > 0, "must be > 0 Gbit/s"), ("us", lambda v: v >= 0, "must be >= 0 us"),
+             ("rank", lambda v: v >= 0, "must be a rank >= 0"), ("step", lambda v: v >= 0, "must be a step >= 0")]
+    for k, ok, why in rules:
+        if k in kv and not ok(kv[k]):
+            raise ValueError(f"--inject {part!r}: {k}={kv[k]} {why}")
+
+
+def check(faults, world_size, steps=None):
+    """Usage errors for faults that cannot fire: a rank outside [0, world_size), a step
+    outside [0, steps) (each when known, not None). ``faults``: ``parse``'s list. Returns it."""
+    for kind, kv in faults:
+        spec = f"{kind}:" + ",".join(f"{k}={'-'.join(map(str, v)) if isinstance(v, tuple) else v}"
+                                     for k, v in kv.items())
+        ranks = kv["ranks"] if kind == "slow-link" else (kv["rank"],)
+        missing = [r for r in ranks if world_size is not None and r >= world_size]
+        if missing:
+            raise ValueError(f"--inject {spec!r}: rank {missing[0]} does not exist: this job has {world_size} "
+                             f"rank(s), 0..{world_size - 1} (the fault would never fire)")
+        if steps is not None and kv.get("step", 0) >= steps:
+            raise ValueError(f"--inject {spec!r}: step {kv['step']} does not exist: this run trains steps "
+                             f"0..{steps - 1} (--steps {steps}; the fault would never fire)")
+    return faults
+
+
 def _rank():
     from pdist import comm
     return comm.get_world().rank
+
+
+def _first_grad(model):
+    """The first gradient this rank holds after the compute: the first strategy of the chain
+    whose tensors have one (under bf16/fp16 the fp32 masters get theirs only after the
+    sync, so the NaN goes into the low-precision gradient the sync averages)."""
+    for s in (model.chain() if hasattr(model, "chain") else [model]):
+        g = next((t.grad for t in s.parameters() if t.grad is not None), None)
+        if g is not None:
+            return g
+    raise RuntimeError("--inject nan: this rank holds no gradient after the compute (no parameter "
+                       "of the model requires a gradient here), so there is nothing to poison")
 
 
 class Injector(hooks.StepHook):
@@ -150,8 +194,7 @@ class Injector(hooks.StepHook):
             with trace.span("injected delay", cat="compute", factor=1 + extra):
                 time.sleep(extra * seconds)
         if ("nan", step) in self.at:
-            p = next(t for t in model.parameters() if t.grad is not None)
-            p.grad.reshape(-1)[0] = float("nan")
+            _first_grad(model).reshape(-1)[0] = float("nan")
             self._say(step, "nan")
 
     def skip_sync(self, step):
@@ -161,11 +204,15 @@ class Injector(hooks.StepHook):
         return False
 
 
-def set(spec):
+def set(spec, steps=None):
     """Activate the faults of ``spec`` (see the module doc) on this rank; ``None`` or ""
     clears. Collective only through ``comm.get_world()`` (no communication). A slow link
-    is installed in the simulated topology (pdist/comm/topology.py)."""
+    is installed in the simulated topology (pdist/comm/topology.py). A fault that cannot
+    fire (a rank not in the world; a step >= ``steps``, when given) is a ValueError."""
+    from pdist import comm
     faults = parse(spec)
+    if faults:
+        check(faults, comm.get_world().size, steps)
     from pdist.comm import topology
     topology.set_slow_links([(kv["ranks"], kv["gbps"], kv.get("us", 10.0)) for k, kv in faults
                              if k == "slow-link"])
@@ -185,4 +232,4 @@ def clear():
     topology.set_slow_links([])
 
 
-__all__ = ["parse", "set", "clear", "ACTIVE", "Injector", "KINDS"]
+__all__ = ["parse", "check", "set", "clear", "ACTIVE", "Injector", "KINDS"]

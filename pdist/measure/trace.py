@@ -40,15 +40,15 @@ and ``record`` a single flag check and unsubscribes the step hooks;
 """
 import collections
 import json
-import os
 import time
 
-from pdist.engine.backend import device_event, elapsed_seconds, env_flag, synchronize
+from pdist.engine.backend import device_event, elapsed_seconds, env_flag, env_number, synchronize
 from pdist.measure import hooks
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
 DETAIL = [env_flag("PDIST_TRACE_DETAIL", False)]   # also the waits and the step phases (see below)
-_events = collections.deque(maxlen=int(os.environ.get("PDIST_TRACE_MAX", "200000")))
+_events = collections.deque(maxlen=env_number("PDIST_TRACE_MAX", 200000, "integer (events kept)", 200000,
+                                              integer=True))
 _device = collections.deque(maxlen=_events.maxlen)   # (name, start event, end event, args): GPU time
 _anchor = []        # (event, perf_counter seconds): where the device clock meets the host's
 now = time.perf_counter

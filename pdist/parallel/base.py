@@ -30,21 +30,24 @@ none of them. ``pieces()`` says where each piece of each single-process tensor l
 import numpy as np
 
 from pdist import comm
+from pdist.comm.flight_recorder import set_batch
 from pdist.measure import hooks
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
 from pdist.engine.precision import policy_of
 from pdist.parallel.layout import whole
-from pdist.parallel.nonfinite import NonFiniteCheck
+from pdist.parallel.batch_check import BatchCheck, _pending, batch_default
+from pdist.parallel.nonfinite import NonFiniteCheck, finite_default
 from pdist.parallel.state import StateDicts
 
 
-class Strategy(StateDicts, NonFiniteCheck):
+class Strategy(StateDicts, NonFiniteCheck, BatchCheck):
     """What every layer of the chain answers. ``Local`` ends the chain; wrappers
     (``ParallelModule``) delegate to ``inner`` and add their own part."""
 
-    check_finite = False
+    check_finite = True       # (Local reads PDIST_CHECK_FINITE; wrappers inherit unless told)
+    check_batch = True        # (Local reads PDIST_CHECK_BATCH; wrappers inherit)
     microbatches = 1          # backward passes per step (each parameter's grad completes this often)
     has_late_grads = False    # True when finish_grad_sync() still changes gradients after backward
     pipeline = False          # True when a pipeline runs the micro-batches (it replaces compute)
@@ -86,8 +89,9 @@ class Strategy(StateDicts, NonFiniteCheck):
         to the phases (pdist/measure/hooks.py); with none, each phase is its plain call."""
         if step is not None:
             self.steps = int(step)
-        if self.stamps_step:        # collectives carry the step: a rank that skips one is caught
-            comm.set_step(self.steps)
+        if self.stamps_step:        # collectives carry the step (and the batch's hash: check_batch)
+            comm.set_step(self.steps, batch=_pending[0] if self.check_batch else 0)
+        _pending[0] = 0
         run = hooks.step(self, x)   # the subscribed instruments around each phase (pdist/measure/hooks.py)
         run("zero_grad", self.zero_grad)
         local = run("compute", self._compute_checked, x, y)
@@ -95,6 +99,7 @@ class Strategy(StateDicts, NonFiniteCheck):
         bad = self._nonfinite(local) if self.check_finite else []
         v = run("stats", self.reduce_stats, np.array([local, float(len(bad))]))
         run.end()
+        set_batch(0)                # the step's collectives are done; later ones carry no batch
         if v[1] > 0:
             self._raise_nonfinite(bad)
         self.steps += 1
@@ -125,10 +130,12 @@ class Local(Strategy):
 
     stamps_step = False
 
-    def __init__(self, module, microbatches=1, policy=None):
+    def __init__(self, module, microbatches=1, policy=None, check_finite=None):
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.module, self.microbatches, self.inner = module, microbatches, None
+        self.check_finite = finite_default() if check_finite is None else bool(check_finite)
+        self.check_batch = batch_default()
         self.policy = policy_of(self.parameters()) if policy is None else policy
 
     def set_policy(self, policy):     # (before the first step and any DDP/ZeRO: they read has_late_grads)
@@ -206,11 +213,12 @@ class ParallelModule(Strategy):
     phases; ``_aux`` is a private copy of the group for the per-step loss reduction, so
     the group's own byte counts hold only the strategy's traffic."""
 
-    def __init__(self, inner, group=None, check_finite=False):
+    def __init__(self, inner, group=None, check_finite=None):
         self.inner = inner if isinstance(inner, Strategy) else Local(inner)
         self.group = comm.default_group(group)
         self.module = self.inner.module
-        self.check_finite = bool(check_finite) or self.inner.check_finite
+        self.check_finite = self.inner.check_finite if check_finite is None else bool(check_finite)
+        self.check_batch = self.inner.check_batch
         self._aux = self.group.split(0, name=f"{self.group.name}.step") if self.group.size > 1 else None
 
     microbatches = property(lambda self: self.inner.microbatches)

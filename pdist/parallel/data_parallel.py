@@ -56,7 +56,7 @@ class _DataParallelBase(ParallelModule):
     """What both implementations share: the group, the start-up check and sync of the
     replicas, this rank's rows of the batch, and the loss's weight 1/n."""
 
-    def __init__(self, module, group=None, init_sync="broadcast", check_finite=False):
+    def __init__(self, module, group=None, init_sync="broadcast", check_finite=None):
         if init_sync not in ("broadcast", "verify"):
             raise ValueError(f"init_sync must be 'broadcast' or 'verify', got {init_sync!r}")
         super().__init__(module, group, check_finite)
@@ -161,7 +161,7 @@ class DataParallel(_DataParallelBase):
     waiting for communication that backward had not hidden."""
 
     def __init__(self, module, group=None, bucket_cap_mb=25, first_bucket_cap_mb=1, init_sync="broadcast",
-                 check_finite=False):
+                 check_finite=None):
         if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
             raise ValueError(f"bucket caps must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb}, "
                              f"first_bucket_cap_mb={first_bucket_cap_mb}")

@@ -61,6 +61,7 @@ class MixedPrecision(Strategy):
             self.masters.append(m)
         self._by_id = {id(t): m for t, m in zip(self.low, self.masters)}
         self._found_inf = False
+        self.check_batch = inner.check_batch
         self.policy = MixedPrecisionPolicy(dt)
         inner.set_policy(self.policy)                     # once: the strategies inside round as one process
 
@@ -137,12 +138,18 @@ class MixedPrecision(Strategy):
             m.grad = None                                 # the optimizer skips this step
 
     def forward_backward(self, x, y, step=None):
+        """The step; with fp16's scaler, ``skipped_step`` says whether it was skipped (every rank
+        agrees), ``scaler.skipped`` counts them, and ``max_consecutive_skips`` in a row raise
+        NonFiniteError on every rank (grad_scaler.py)."""
         self._found_inf = False
         loss = super().forward_backward(x, y, step)
+        self.skipped_step = self._found_inf
         if self.scaler is not None:
             self.scaler.record(self._found_inf)
             self.scaler.update()
         return loss
+
+    skipped_step = False
 
     # ------------------------------------------------------------ state
     def after_load(self):

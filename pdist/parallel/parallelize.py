@@ -56,7 +56,7 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
                 chunks=1, data_parallel="bucketed", bucket_cap_mb=25, first_bucket_cap_mb=1,
-                check_finite=False, precision="fp32", scaler=None):
+                check_finite=None, precision="fp32", scaler=None):
     """The GPT ``model`` on this rank of ``mesh`` (a DeviceMesh), as one strategy of the one
     shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
     used when zero_stage = 0; ZeRO stages 1-3 replace it. ``precision``: "fp32" (the model's
@@ -68,7 +68,8 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
                  data_parallel, precision)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision))
-    s.check_finite = bool(check_finite)
+    if check_finite is not None:       # None: PDIST_CHECK_FINITE (default on)
+        s.check_finite = bool(check_finite)
     if mesh.tp_world_size > 1:
         s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)
     cast_module(model, precision)          # after tensor parallelism built its (fp32) shards

@@ -60,7 +60,7 @@ class PipelineParallel(ParallelModule):
     has_late_grads = True    # gradients complete over the whole schedule (and the tied embedding)
 
     def __init__(self, model, group=None, schedule="1f1b", microbatches=4, chunks=1, partition=None,
-                 loss_fn=None, act_shape=None, check_finite=False):
+                 loss_fn=None, act_shape=None, check_finite=None):
         super().__init__(model, group, check_finite)
         g = self.group
         self.pp_world_size, self.pp_rank = g.size, g.rank

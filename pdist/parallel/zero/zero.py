@@ -80,7 +80,7 @@ class ZeRO(ParallelModule):
     ``parameters()`` are this rank's flat shards, one Tensor per unit: the
     optimizer is built over them (stage 0: the whole flat buffers)."""
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=False):
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
         super().__init__(module, group, check_finite)
