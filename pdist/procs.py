@@ -154,10 +154,21 @@ def child_subreaper(on=True):
     return bool(_prctl) and _prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
 
 
+def spawning():
+    """Hold this while starting a launch and ``track``-ing it, so that ``kill_orphans``
+    (which holds it too) never takes a launch being born for an orphan."""
+    return _LOCK
+
+
 def kill_orphans(keep=()):
-    """SIGKILL and reap every child of this process that is not in ``keep``: with
-    ``child_subreaper()`` on, those are descendants of ended launches that were
-    reparented here. Returns their PIDs."""
+    """SIGKILL and reap every child of this process that is neither a live launch nor in
+    ``keep``: with ``child_subreaper()`` on, those are descendants of ended launches
+    that were reparented here. Returns their PIDs."""
+    with _LOCK:
+        return _kill_orphans(keep)
+
+
+def _kill_orphans(keep):
     me, gone = os.getpid(), []
     keep = set(keep) | {p.pid for p, _ in list(_LIVE.values())}
     for name in os.listdir("/proc") if os.path.isdir("/proc") else []:
@@ -182,7 +193,7 @@ def die_with_parent():
 
 
 # ------------------------------------------------------------ live launches and signals
-_LIVE, _LOCK, _PREVIOUS = {}, threading.Lock(), {}
+_LIVE, _LOCK, _PREVIOUS = {}, threading.RLock(), {}
 CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 

@@ -88,9 +88,10 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
     procs.install_signal_cleanup()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            env=full_env, start_new_session=True, preexec_fn=procs.die_with_parent)
-    procs.track(proc, mark)
+    with procs.spawning():
+        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                env=full_env, start_new_session=True, preexec_fn=procs.die_with_parent)
+        procs.track(proc, mark)
     cap = procs.Capture(proc.stdout, max_output)
     try:
         rc = proc.wait(timeout=timeout)
