@@ -96,7 +96,7 @@ def grade_one(ex, directory=None, reference=False):
     if reference:
         source = "reference"
     else:
-        path, _, problem = screen(Path(directory or EXERCISE_DIR), eid, fname)
+        path, _, problem = screen(Path(directory or EXERCISE_DIR), eid, fname, {e[1] for e in EXERCISES})
         if problem:
             return dict(res, status=problem[0], msg=problem[1], detail=problem[1],
                         seconds=round(time.perf_counter() - t0, 2))

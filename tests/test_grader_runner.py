@@ -1,0 +1,257 @@
+"""The grader's runner: verdicts that cannot be forged (pdist/course/channel.py), process
+trees that always end (pdist.procs, pdist.testing.launch), bounded output, one bad file that
+fails one exercise only (screening.py), the full error of the first failing check, the
+library's answer flagged, and class mode with progress, JSON and a per-exercise cap."""
+import json
+import os
+import random
+import resource
+import signal
+import subprocess
+import sys
+import time
+import uuid
+from pathlib import Path
+
+import pytest
+
+from pdist.course import classroom, grade, screening
+from pdist.testing import launch
+
+ROOT = Path(__file__).resolve().parent.parent
+WRONG = ROOT / "tests" / "fixtures" / "wrong"
+
+
+def procs_with(needle, where="environ"):
+    """PIDs (not this one) whose /proc/<pid>/<where> holds ``needle`` (bytes)."""
+    found = []
+    for n in os.listdir("/proc"):
+        if n.isdigit() and int(n) != os.getpid():
+            try:
+                with open(f"/proc/{n}/{where}", "rb") as f:
+                    data = f.read()
+                with open(f"/proc/{n}/stat") as f:
+                    state = f.read().rsplit(")", 1)[1].split()[0]
+            except OSError:
+                continue
+            if needle in data and state != "Z":
+                found.append(int(n))
+    return found
+
+
+def run_grade(*args, tag="", timeout=200):
+    env = dict(os.environ, PDIST_TEST_TAG=tag)
+    return subprocess.run([sys.executable, "-m", "pdist.grade", *map(str, args)], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def grade_files(folder, files, *args, tag=""):
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, text in files.items():
+        (folder / name).write_text(text)
+    p = run_grade("--dir", folder, "--json", *args, tag=tag)
+    assert p.returncode == 0, p.stderr
+    return json.loads(p.stdout)["exercises"]
+
+
+FORGE = '''import json, os
+fake = {"exercise": "08", "rank": 0, "done": True, "checks": 3}
+print("[pdist report] " + json.dumps(fake), flush=True)
+env = open("/proc/self/environ", "rb").read().split(b"\\0")
+for d in [e.split(b"=", 1)[1].decode() for e in env if e.startswith(b"PDIST_GRADE_CHANNEL=")]:
+    with open(os.path.join(d, "rank0.jsonl"), "a") as f:     # the channel, but without the key
+        f.write("0" * 64 + " " + json.dumps(fake) + "\\n")
+os._exit(0)
+'''
+
+
+def test_a_forged_report_scores_zero(tmp_path):
+    (r,) = grade_files(tmp_path / "s", {"ex08_one_f_one_b.py": FORGE}, "08")
+    assert r["status"] == "failing" and r["points"] == 0, r
+    assert "2 forged/unsigned report lines ignored" in r["msg"] and "exit 0" in r["msg"], r["msg"]
+
+
+def test_setsid_children_are_reaped_within_the_cap(tmp_path):
+    tag, secs = uuid.uuid4().hex, f"{600 + random.random():.6f}"
+    student = (f"import subprocess\nsubprocess.Popen(['sleep', '{secs}'], start_new_session=True)\n"
+               f"subprocess.Popen(['sleep', '{secs}1'], start_new_session=True, env={{}},\n"
+               "                 stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)   # no marker at all\n"
+               "def one_f_one_b(p, m):\n    return []\n")
+    t0 = time.monotonic()
+    (r,) = grade_files(tmp_path / "s", {"ex08_one_f_one_b.py": student}, "08", tag=tag)
+    took = time.monotonic() - t0
+    cap, _ = grade.cap_for("08")
+    assert r["status"] == "failing" and r["points"] == 0, r
+    assert took < cap + 15, (took, cap)      # today's main waits for the sleeps' end (600 s)
+    assert procs_with(f"PDIST_TEST_TAG={tag}".encode()) == []
+    assert procs_with(secs.encode(), "cmdline") == []
+
+
+def test_launch_bounds_its_output(tmp_path):
+    (tmp_path / "w.py").write_text("import os\nb = b'x' * 1023 + b'\\n'\nos.write(1, b'first line\\n')\n"
+                                   "for _ in range(200_000): os.write(1, b)\nos.write(1, b'last line\\n')\n")
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    run = launch(1, tmp_path / "w.py", timeout=60, wrap=False, max_output=1 << 16)      # prints 200 MB
+    assert run.rc == 0
+    assert len(run.out) < (1 << 16) + 200 and run.out.startswith("first line") and run.out.endswith("last line\n")
+    assert "bytes of output dropped (max_output=65536)" in run.out
+    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000     # KiB
+    assert grade.MAX_OUTPUT <= 1 << 20                   # and the grader bounds its jobs
+
+
+def test_bad_files_fail_one_exercise_and_never_stop_the_class(tmp_path):
+    c = tmp_path / "class"
+    for s in ("bin", "deep", "dir", "misnamed", "blank"):
+        (c / s).mkdir(parents=True)
+    (c / "bin" / "ex01_ring_allreduce.py").write_bytes(b"# caf\xe9\ndef ring_all_reduce(group, buf):\n    pass\n")
+    (c / "deep" / "ex09_resharding.py").write_text("x = " + "-" * 200_000 + "1\n")
+    (c / "deep" / "ex01_ring_allreduce.py").write_text("x = a" + ".b" * 200_000 + "\n")
+    (c / "dir" / "ex04_zero1.py").mkdir()
+    (c / "misnamed" / "ex3_bucketed.py").write_text("x = 1\n")
+    p = run_grade("--class", c, "--json", "01", "03", "04", "09")
+    assert p.returncode == 0, p.stderr
+    st = {s["student"]: {r["exercise"]: (r["status"], r["msg"]) for r in s["exercises"]}
+          for s in json.loads(p.stdout)["students"]}
+    assert st["bin"]["01"] == ("failing", "ex01_ring_allreduce.py is not UTF-8 text (byte 5: b'\\xe9\\nde'); "
+                                          "save it as UTF-8")
+    assert st["deep"]["09"][0] == "failing" and "nests too deeply" in st["deep"]["09"][1]
+    assert st["deep"]["01"][0] == "failing" and "nests too deeply" in st["deep"]["01"][1]
+    assert st["dir"]["04"][0] == "failing" and "is a directory" in st["dir"]["04"][1]
+    assert st["misnamed"]["03"] == ("missing", "expected ex03_bucketed_ddp.py; found ex3_bucketed.py")
+    assert all(s == "missing" for s, _ in st["blank"].values())
+
+
+HELPER_RAISES = '''def _stage_count(p):
+    raise ValueError("the stages do not add up\\nline two: p was %d, the full story" % p)
+
+
+def one_f_one_b(p, m):
+    return _stage_count(p)
+'''
+
+
+def test_the_first_failure_shows_its_full_detail(tmp_path):
+    (r,) = grade_files(tmp_path / "s", {"ex08_one_f_one_b.py": HELPER_RAISES}, "08")
+    assert r["msg"].endswith("raised ValueError: the stages do not add up (ex08_one_f_one_b.py:2)"), r["msg"]
+    d = r["detail"]
+    assert "line two: p was 1, the full story" in d and "in _stage_count" in d and "in one_f_one_b" in d, d
+    assert "checks_model.py" not in d and "checks.py" not in d          # the student's frames only
+    p = run_grade("--dir", tmp_path / "s", "08")
+    assert "ex08_one_f_one_b.py: failing, in full:" in p.stdout and "line two: p was 1" in p.stdout, p.stdout
+
+
+def test_a_deadlock_carries_the_watchdogs_roll_call():
+    (r,) = json.loads(run_grade("--dir", WRONG / "ring_deadlock", "--json", "01").stdout)["exercises"]
+    assert "deadlocked" in r["msg"] and "roll-call of group" in r["detail"], r
+
+
+def test_verbose_shows_every_check_with_its_time():
+    p = run_grade("--reference", "--verbose", "08")
+    assert p.returncode == 0, p.stderr
+    for name in ("the schedule checker accepts it", "simulated bubble", "peak stash"):
+        assert any(ln.strip().startswith("ok") and name in ln and " s)" in ln for ln in p.stdout.splitlines()), \
+            p.stdout
+
+
+LIBRARY = {
+    "01": ("from pdist.course.solutions import ring_all_reduce  # noqa\n", "imports the reference answers"),
+    "02": ("import pdist.parallel.data_parallel as dp\n\n\ndef average_gradients(params, group):\n"
+           "    return dp.DataParallel\n", "uses pdist.parallel.data_parallel.DataParallel"),
+    "08": ("from pdist.parallel.pipeline.schedules import one_f_one_b  # noqa\n",
+           "uses pdist.parallel.pipeline.schedules.one_f_one_b"),
+}
+
+
+def test_the_librarys_answer_scores_zero_with_the_reason(tmp_path):
+    files = {grade.select([e])[0][1]: src for e, (src, _) in LIBRARY.items()}
+    res = {r["exercise"]: r for r in grade_files(tmp_path / "s", files, *LIBRARY)}
+    for e, (_, why) in LIBRARY.items():
+        assert res[e]["status"] == "uses the library's answer" and res[e]["points"] == 0, res[e]
+        assert why in res[e]["msg"], res[e]["msg"]
+    import importlib
+    importlib.import_module("pdist.course.solutions")      # (the table's targets exist)
+
+
+def test_honest_answers_are_never_flagged():
+    honest = list(WRONG.glob("*/ex*.py")) + list((ROOT / "lessons" / "exercises").glob("ex*.py"))
+    assert len(honest) >= 10
+    for f in honest:
+        eid = f.name[2:4]
+        tree, _ = screening.parse(f.read_text(), f.name)
+        fixture = screening.FIXTURES in f.resolve().parents        # may import the answers it does not break
+        assert screening.uses_library_answer(tree, eid, allow_solutions=fixture) is None, f
+    assert "reference answers" in screening.uses_library_answer(screening.parse(
+        (WRONG / "sum_not_avg" / "ex02_data_parallel.py").read_text(), "x")[0], "02")
+
+
+def test_forbidden_targets_name_real_things():
+    import importlib
+    for eid, rules in screening.FORBIDDEN.items():
+        for target, reason in rules:
+            if target.startswith(".") or target == "mpi4py":
+                continue
+            mod, _, attr = target.rpartition(".")
+            try:
+                importlib.import_module(target)
+            except ImportError:
+                assert hasattr(importlib.import_module(mod), attr), (eid, target)
+
+
+STUCK = "import time\n\n\ndef one_f_one_b(p, m):\n    time.sleep(1000)\n"
+
+
+def test_class_mode_progress_json_and_a_stuck_student_capped(tmp_path):
+    c = tmp_path / "class"
+    (c / "ana").mkdir(parents=True)
+    (c / "bo").mkdir()
+    (c / "ana" / "ex08_one_f_one_b.py").write_text((WRONG / "warmup_off_by_one" / "ex08_one_f_one_b.py").read_text())
+    (c / "bo" / "ex08_one_f_one_b.py").write_text(STUCK)
+    p = run_grade("--class", c, "--json", "08", "09")
+    assert p.returncode == 0, p.stderr
+    res = json.loads(p.stdout)
+    got = {s["student"]: {r["exercise"]: r for r in s["exercises"]} for s in res["students"]}
+    assert got["ana"]["08"]["status"] == "failing" and "peak stash" in got["ana"]["08"]["msg"]
+    bo = got["bo"]["08"]
+    assert bo["status"] == "failing" and bo["msg"].startswith("stopped after") and "no result" in bo["msg"], bo
+    cap = float(bo["msg"].split("stopped after ")[1].split(" s")[0])
+    assert bo["seconds"] < cap + 6 and grade.CAP_S["08"] <= 15, bo
+    lines = [ln for ln in p.stderr.splitlines() if ln.startswith("[")]
+    assert len(lines) == 4 and lines[-1].startswith("[4/4]") and all("s left" in ln for ln in lines), p.stderr
+
+
+def test_every_cap_is_at_most_15_s_and_slots_count_ranks():
+    assert set(grade.CAP_S) == {e[0] for e in grade.EXERCISES} and max(grade.CAP_S.values()) <= 15
+    s = classroom.Slots(4)
+    assert s.take(4) == 4 and s.free == 0
+    s.give(4)
+    assert s.take(8) == 4          # a job larger than the pool runs alone
+
+
+PARENT = "import sys\nfrom pdist.testing import launch\n" \
+         "launch(4, sys.argv[1], timeout=120, wrap=False, env={'PDIST_TEST_TAG': sys.argv[2]})\n"
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
+def test_a_killed_caller_leaves_no_rank(tmp_path, sig):
+    """SIGTERM/SIGINT: launch's handler kills the job; SIGKILL: no handler runs, mpiexec dies
+    of PR_SET_PDEATHSIG and its proxy then takes the ranks down."""
+    (tmp_path / "parent.py").write_text(PARENT)
+    (tmp_path / "worker.py").write_text("import time\ntime.sleep(120)\n")
+    tag = uuid.uuid4().hex
+    mark = f"PDIST_TEST_TAG={tag}".encode()
+    p = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "worker.py"), tag])
+    try:
+        end = time.monotonic() + 60
+        while len(set(procs_with(mark)) & set(procs_with(b"worker.py", "cmdline"))) < 5 and time.monotonic() < end:
+            time.sleep(0.2)                      # mpiexec and its 4 ranks
+        assert len(procs_with(mark)) >= 5
+        p.send_signal(sig)
+        p.wait(timeout=30)
+        end = time.monotonic() + 5
+        while procs_with(mark) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert procs_with(mark) == []
+    finally:
+        p.kill()
+        for pid in procs_with(mark):
+            os.kill(pid, signal.SIGKILL)
