@@ -21,8 +21,6 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from pdist.course import grade as G
-
 
 class Slots:
     """A counting semaphore taken n at a time (n clamped to the pool)."""
@@ -47,10 +45,10 @@ def cores():
     return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
 
 
-def safe_grade_one(ex, folder):
-    """``grade_one``, with any grader error turned into this exercise's status."""
+def safe_grade_one(grade_one, ex, folder):
+    """``grade_one(ex, directory=folder)``, with any grader error turned into this exercise's status."""
     try:
-        return G.grade_one(ex, directory=folder)
+        return grade_one(ex, directory=folder)
     except Exception as e:      # one student's file must never stop the class
         eid, fname, pts, ranks, _ = ex
         msg = f"the grader could not grade this file ({type(e).__name__}: {e}); tell your instructor"
@@ -77,8 +75,9 @@ class Progress:
                   f"{spent:.0f} s so far, about {eta:.0f} s left", file=self.stream, flush=True)
 
 
-def grade_class(class_dir, exercises, out_csv=None, as_json=False, slots=None, stream=sys.stdout):
-    """Grade every student subfolder of ``class_dir``; returns [(row, results)] per student."""
+def grade_class(class_dir, exercises, grade_one, out_csv=None, as_json=False, slots=None, stream=sys.stdout):
+    """Grade every student subfolder of ``class_dir`` with ``grade_one`` (pdist.course.grade's);
+    returns [(row, results)] per student."""
     students = sorted(p for p in Path(class_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
     size = slots or max(cores(), max((e[3] for e in exercises), default=1))
     pool = Slots(size)
@@ -90,7 +89,7 @@ def grade_class(class_dir, exercises, out_csv=None, as_json=False, slots=None, s
         s, ex = task
         n = pool.take(ex[3])
         try:
-            res = safe_grade_one(ex, s)
+            res = safe_grade_one(grade_one, ex, s)
         finally:
             pool.give(n)
         results[(s.name, ex[0])] = res

@@ -167,7 +167,7 @@ def main(argv=None):
         from pdist.course.classroom import grade_class
         if not os.path.isdir(args.class_dir):
             raise SystemExit(f"pdist.grade: --class {args.class_dir}: no such folder")
-        grade_class(args.class_dir, exs, args.csv, as_json=args.json)
+        grade_class(args.class_dir, exs, grade_one, args.csv, as_json=args.json)
         return 0
     if args.dir and not os.path.isdir(args.dir):
         raise SystemExit(f"pdist.grade: --dir {args.dir}: no such folder")
