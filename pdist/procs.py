@@ -18,12 +18,14 @@ Contract:
   live launch's process group and marked processes are killed, then the signal takes
   its previous course (``install_signal_cleanup``). ``die_with_parent`` is a
   ``preexec_fn`` asking the kernel to SIGKILL the child when its parent thread dies
-  (``PR_SET_PDEATHSIG``), for a parent that is SIGKILLed and runs no handler.
+  (``PR_SET_PDEATHSIG``), for a parent that is SIGKILLed and runs no handler
+  (``die_with_parent_how`` picks it, or ``setpriv``, where threads run).
 Linux only for the /proc and prctl parts; elsewhere they do nothing.
 """
 import collections
 import ctypes
 import os
+import shutil
 import signal
 import threading
 import time
@@ -189,7 +191,22 @@ def _kill_orphans(keep):
 def die_with_parent():
     """``preexec_fn``: the kernel SIGKILLs this child when the thread that started it ends."""
     if _prctl is not None:
-        _prctl(_PR_SET_PDEATHSIG, int(signal.SIGKILL), 0, 0, 0)
+        _prctl(_PR_SET_PDEATHSIG, _SIGKILL, 0, 0, 0)
+
+
+_SIGKILL = int(signal.SIGKILL)
+_SETPRIV = shutil.which("setpriv")
+
+
+def die_with_parent_how():
+    """(preexec_fn, command prefix) that give a child ``PR_SET_PDEATHSIG=SIGKILL``: the
+    preexec_fn in a single-threaded process; with threads running (where preexec_fn may
+    deadlock), util-linux's ``setpriv --pdeathsig KILL`` if it is installed, else nothing."""
+    if _prctl is None:
+        return None, []
+    if threading.active_count() == 1:
+        return die_with_parent, []
+    return None, ([_SETPRIV, "--pdeathsig", "KILL", "--"] if _SETPRIV else [])
 
 
 # ------------------------------------------------------------ live launches and signals

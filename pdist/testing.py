@@ -87,10 +87,11 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
     py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
     procs.install_signal_cleanup()
+    pre, prefix = procs.die_with_parent_how()
     t0 = time.perf_counter()
     with procs.spawning():
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                                env=full_env, start_new_session=True, preexec_fn=procs.die_with_parent)
+        proc = subprocess.Popen(prefix + cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=pre)
         procs.track(proc, mark)
     cap = procs.Capture(proc.stdout, max_output)
     try:

@@ -227,19 +227,30 @@ def test_every_cap_is_at_most_15_s_and_slots_count_ranks():
     assert s.take(8) == 4          # a job larger than the pool runs alone
 
 
-PARENT = "import sys\nfrom pdist.testing import launch\n" \
-         "launch(4, sys.argv[1], timeout=120, wrap=False, env={'PDIST_TEST_TAG': sys.argv[2]})\n"
+PARENT = """import sys, threading
+from pdist import procs
+from pdist.testing import launch
+procs.install_signal_cleanup()
+job = lambda: launch(4, sys.argv[1], timeout=120, wrap=False, env={'PDIST_TEST_TAG': sys.argv[2]})
+if sys.argv[3] == "thread":      # as in class mode: the launch in a worker thread
+    t = threading.Thread(target=job)
+    t.start()
+    t.join()
+else:
+    job()
+"""
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGKILL])
-def test_a_killed_caller_leaves_no_rank(tmp_path, sig):
+@pytest.mark.parametrize("sig,how", [(signal.SIGTERM, "main"), (signal.SIGINT, "main"), (signal.SIGKILL, "main"),
+                                     (signal.SIGTERM, "thread"), (signal.SIGKILL, "thread")])
+def test_a_killed_caller_leaves_no_rank(tmp_path, sig, how):
     """SIGTERM/SIGINT: launch's handler kills the job; SIGKILL: no handler runs, mpiexec dies
-    of PR_SET_PDEATHSIG and its proxy then takes the ranks down."""
+    of PR_SET_PDEATHSIG (setpriv's, from a thread) and its proxy then takes the ranks down."""
     (tmp_path / "parent.py").write_text(PARENT)
     (tmp_path / "worker.py").write_text("import time\ntime.sleep(120)\n")
     tag = uuid.uuid4().hex
     mark = f"PDIST_TEST_TAG={tag}".encode()
-    p = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "worker.py"), tag])
+    p = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "worker.py"), tag, how])
     try:
         end = time.monotonic() + 60
         while len(set(procs_with(mark)) & set(procs_with(b"worker.py", "cmdline"))) < 5 and time.monotonic() < end:
