@@ -145,6 +145,45 @@ def test_a_deadlock_carries_the_watchdogs_roll_call():
     assert "deadlocked" in r["msg"] and "roll-call of group" in r["detail"], r
 
 
+NO_WAIT = """def make_buckets(params, cap_bytes):
+    out, cur, size = [], [], 0
+    for p in reversed(list(params)):
+        nb = p.data.nbytes
+        if cur and size + nb > cap_bytes:
+            out.append(cur)
+            cur, size = [], 0
+        cur.append(p)
+        size += nb
+    if cur:
+        out.append(cur)
+    return out
+
+
+def on_grad_ready(ddp, p):
+    b = ddp.bucket_of[id(p)]
+    b.ready.add(id(p))
+    while ddp.next < len(ddp.buckets) and len(ddp.buckets[ddp.next].ready) == len(ddp.buckets[ddp.next].params):
+        nb = ddp.buckets[ddp.next]
+        nb.work = ddp.group.all_reduce(nb.buffer, op="avg", async_op=True)
+        ddp.next += 1
+
+
+def finish_grad_sync(ddp):
+    for b in ddp.buckets[ddp.next:]:
+        b.work = ddp.group.all_reduce(b.buffer, op="avg", async_op=True)
+    for b in ddp.buckets:
+        b.work = None
+        b.ready.clear()
+    ddp.next = 0
+"""   # finish_grad_sync never waits
+
+
+def test_a_never_waited_work_is_named_in_the_one_line(tmp_path):
+    (r,) = grade_files(tmp_path / "s", {"ex03_bucketed_ddp.py": NO_WAIT}, "03")
+    assert "invalid arguments: async all_reduce" in r["msg"] and "was never waited on" in r["msg"], r["msg"]
+    assert "Traceback (your code's frames)" in r["detail"] and "rank 1:" in r["detail"], r["detail"]
+
+
 def test_verbose_shows_every_check_with_its_time():
     p = run_grade("--reference", "--verbose", "08")
     assert p.returncode == 0, p.stderr

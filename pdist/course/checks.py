@@ -9,7 +9,8 @@ sent (``group.stats``, the ring accounting of docs/design.md), no hang (the watc
 ``PDIST_TIMEOUT``). Each rank sends one signed report per check on the grader's channel
 (pdist/course/channel.py; never stdout); on the first failure it reports why (``msg``: one
 line; ``detail``: the full error, e.g. the watchdog's roll-call or the student's traceback)
-and exits, so the grader shows the first failing check. Messages say what differs, never what the answer is.
+and exits, so the grader shows the first failing check. Messages say what differs, never
+what the answer is.
 """
 import os
 import sys
@@ -67,7 +68,9 @@ def failure(e, source, timeout_error):
         return dict(kind="timeout", reason=e.reason, where=where, msg=head, detail=str(e))
     tb = traceback.extract_tb(e.__traceback__)
     at = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(tb) if _is_student(f, source)), "")
-    return dict(msg=f"raised {_one_line(e)}" + (f" ({at})" if at else ""), detail=student_traceback(e, source))
+    why = next((ln.split("  <- ", 1)[1] for ln in str(e).splitlines() if "  <- " in ln), "")  # a rank's reason
+    return dict(msg=f"raised {_one_line(e)}" + (f": {why}" if why else "") + (f" ({at})" if at else ""),
+                detail=student_traceback(e, source))
 
 
 def _one_line(e):
