@@ -25,6 +25,7 @@ Linux only for the /proc and prctl parts; elsewhere they do nothing.
 import collections
 import ctypes
 import os
+import select
 import shutil
 import signal
 import threading
@@ -48,16 +49,17 @@ class Capture:
             raise ValueError(f"max_output={max_output!r}: give None (keep all) or a byte count >= 2")
         self.pipe, self.limit = pipe, max_output
         self.head, self.tail, self.tail_len, self.dropped = bytearray(), collections.deque(), 0, 0
+        self.stop = False
         self.thread = threading.Thread(target=self._run, daemon=True)
         self.thread.start()
 
     def _run(self):
-        fd = self.pipe.fileno()
-        while True:
-            try:
-                chunk = os.read(fd, 1 << 16)
-            except (OSError, ValueError):       # closed under us by finish()
-                return
+        fd, poll = self.pipe.fileno(), select.poll()
+        poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
+        while not self.stop:
+            if not poll.poll(100):               # wake up now and then to see ``stop``
+                continue
+            chunk = os.read(fd, 1 << 16)
             if not chunk:
                 return
             self._keep(chunk)
@@ -82,9 +84,9 @@ class Capture:
         """Wait up to ``grace`` s for the end of the output, then stop reading (a process
         that escaped every kill may still hold the pipe: it gets EPIPE)."""
         self.thread.join(grace)
-        if self.thread.is_alive():
-            self.pipe.close()
-            self.thread.join(1.0)
+        self.stop = True
+        self.thread.join()
+        self.pipe.close()
         return self.text()
 
     def text(self):
@@ -150,10 +152,14 @@ def _state(pid):
     return s[0] if s else None
 
 
+_SUBREAPER = [False]
+
+
 def child_subreaper(on=True):
     """Make this process (``on``) the reaper of its descendants' orphans; False where
     the kernel refuses or this is not Linux."""
-    return bool(_prctl) and _prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0
+    _SUBREAPER[0] = bool(_prctl) and _prctl(_PR_SET_CHILD_SUBREAPER, int(on), 0, 0, 0) == 0 and on
+    return _SUBREAPER[0]
 
 
 def spawning():
@@ -165,7 +171,10 @@ def spawning():
 def kill_orphans(keep=()):
     """SIGKILL and reap every child of this process that is neither a live launch nor in
     ``keep``: with ``child_subreaper()`` on, those are descendants of ended launches
-    that were reparented here. Returns their PIDs."""
+    that were reparented here. Returns their PIDs; does nothing (returns []) in a process
+    that did not call ``child_subreaper()``, whose other children are not ours to kill."""
+    if not _SUBREAPER[0]:
+        return []
     with _LOCK:
         return _kill_orphans(keep)
 

@@ -104,7 +104,6 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
         proc.wait()
         procs.untrack(proc)
     out = cap.finish(grace=1.0)
-    proc.stdout.close()
     return Launch(rc, out, time.perf_counter() - t0)
 
 
