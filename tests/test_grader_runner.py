@@ -1,6 +1,7 @@
 """The grader's runner: unforgeable verdicts (course/channel.py), process trees that always end
 (pdist.procs, testing.launch), bounded output, a bad file failing one exercise only (screening.py),
 full detail of the first failure, the library's answer flagged, class mode with progress and JSON."""
+import importlib
 import json
 import os
 import random
@@ -86,12 +87,14 @@ def test_setsid_children_are_reaped_within_the_cap(tmp_path):
     assert procs_with(secs.encode(), "cmdline") == []
 
 
-def test_launch_bounds_its_output(tmp_path):
-    (tmp_path / "w.py").write_text("import os\nb = b'x' * 1023 + b'\\n'\nos.write(1, b'first line\\n')\n"
+def test_launch_bounds_its_output_and_reaps_setsid_children(tmp_path):
+    secs = f"{600 + random.random():.6f}"       # a setsid child holding the output pipe: found by launch's marker
+    (tmp_path / "w.py").write_text(f"import os, subprocess\nsubprocess.Popen(['sleep', '{secs}'], start_new_session=True)\n"
+                                   "b = b'x' * 1023 + b'\\n'\nos.write(1, b'first line\\n')\n"
                                    "for _ in range(200_000): os.write(1, b)\nos.write(1, b'last line\\n')\n")
     before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
     run = launch(1, tmp_path / "w.py", timeout=60, wrap=False, max_output=1 << 16)      # prints 200 MB
-    assert run.rc == 0
+    assert run.rc == 0 and run.seconds < 50 and procs_with(secs.encode(), "cmdline") == []
     assert len(run.out) < (1 << 16) + 200 and run.out.startswith("first line") and run.out.endswith("last line\n")
     assert "bytes of output dropped (max_output=65536)" in run.out
     assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000     # KiB
@@ -208,8 +211,7 @@ def test_honest_answers_are_never_flagged():
     honest = list(WRONG.glob("*/ex*.py")) + list((ROOT / "lessons" / "exercises").glob("ex*.py"))
     assert len(honest) >= 10
     for f in honest:
-        eid = f.name[2:4]
-        tree, _ = screening.parse(f.read_text(), f.name)
+        eid, (tree, _) = f.name[2:4], screening.parse(f.read_text(), f.name)
         fixture = screening.FIXTURES in f.resolve().parents        # may import the answers it does not break
         assert screening.uses_library_answer(tree, eid, allow_solutions=fixture) is None, f
     assert "reference answers" in screening.uses_library_answer(screening.parse(
@@ -217,7 +219,6 @@ def test_honest_answers_are_never_flagged():
 
 
 def test_forbidden_targets_name_real_things():
-    import importlib
     for eid, rules in screening.FORBIDDEN.items():
         for target, reason in rules:
             if target.startswith(".") or target == "mpi4py":
