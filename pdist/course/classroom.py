@@ -12,6 +12,7 @@ status for that exercise; the class always finishes. Output: one CSV row per stu
 as ``grade_one`` returns it, with the full detail).
 """
 import csv
+import io
 import json
 import os
 import sys
@@ -20,6 +21,8 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+
+from pdist.course.summary import write_text_atomic
 
 
 class Slots:
@@ -115,13 +118,14 @@ def grade_class(class_dir, exercises, grade_one, out_csv=None, as_json=False, sl
 
 
 def write_csv(rows, exercises, out_csv, stream):
+    """The CSV on ``stream``, or written atomically to ``out_csv``."""
     fields = ["student", "total"] + [c for e in exercises for c in (e[0], e[0] + "_status")]
-    f = open(out_csv, "w", newline="") if out_csv else stream
-    try:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for row, _ in rows:
-            w.writerow(row)
-    finally:
-        if out_csv:
-            f.close()
+    buf = io.StringIO()
+    w = csv.DictWriter(buf, fieldnames=fields)
+    w.writeheader()
+    for row, _ in rows:
+        w.writerow(row)
+    if out_csv:
+        write_text_atomic(out_csv, buf.getvalue())
+    else:
+        stream.write(buf.getvalue())

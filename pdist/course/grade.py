@@ -30,6 +30,7 @@ from pathlib import Path
 
 from pdist import procs
 from pdist.course.channel import Channel
+from pdist.course.summary import json_path_problem
 from pdist.course.screening import FORBIDDEN, not_started, screen  # noqa: F401 (the grader's API)
 from pdist.course.verdict import deadlock_line, verdict  # noqa: F401
 from pdist.testing import launch
@@ -167,6 +168,9 @@ def main(argv=None):
         from pdist.course.classroom import grade_class
         if not os.path.isdir(args.class_dir):
             raise SystemExit(f"pdist.grade: --class {args.class_dir}: no such folder")
+        problem = args.csv and json_path_problem(args.csv)
+        if problem:
+            raise SystemExit(f"pdist.grade: --csv {args.csv}: {problem}; give a file in a folder you can write")
         grade_class(args.class_dir, exs, grade_one, args.csv, as_json=args.json)
         return 0
     if args.dir and not os.path.isdir(args.dir):
