@@ -1,22 +1,19 @@
-"""The grader's runner: unforgeable verdicts (course/channel.py), process trees that always end
-(pdist.procs, testing.launch), bounded output, a bad file failing one exercise only (screening.py),
-full detail of the first failure, the library's answer flagged, class mode with progress and JSON."""
+"""The grader's runner: unforgeable verdicts (course/channel.py), a student's process tree
+reaped within the cap, a bad file failing one exercise only (screening.py), full detail of the
+first failure, the library's answer flagged, class mode with progress, JSON and caps.
+(launch itself: tests/test_launch_cleanup.py.)"""
 import importlib
 import json
 import os
 import random
-import resource
-import signal
 import subprocess
 import sys
 import time
 import uuid
 from pathlib import Path
 
-import pytest
-
 from pdist.course import classroom, grade, screening
-from pdist.testing import launch
+from pdist.course.channel import ENV, Channel, Reporter
 
 ROOT = Path(__file__).resolve().parent.parent
 WRONG = ROOT / "tests" / "fixtures" / "wrong"
@@ -71,6 +68,22 @@ def test_a_forged_report_scores_zero(tmp_path):
     assert "2 forged/unsigned report lines ignored" in r["msg"] and "exit 0" in r["msg"], r["msg"]
 
 
+def test_the_channel_takes_only_lines_signed_with_its_key(monkeypatch):
+    ch = Channel()
+    try:
+        monkeypatch.setenv(ENV, ch.env(2)[ENV])
+        rep = Reporter.from_env(1)
+        assert ENV not in os.environ and not os.path.exists(os.path.join(ch.dir, "key.1"))
+        rep.report(rank=1, ok=True)
+        with open(os.path.join(ch.dir, "rank1.jsonl")) as f:
+            good = f.read()
+        with open(os.path.join(ch.dir, "rank0.jsonl"), "w") as f:      # rank 1's line replayed as rank 0's
+            f.write(good + good.replace("true", "false"))
+        assert ch.read(2) == ([{"rank": 1, "ok": True}], 2)
+    finally:
+        ch.close()
+
+
 def test_setsid_children_are_reaped_within_the_cap(tmp_path):
     tag, secs = uuid.uuid4().hex, f"{600 + random.random():.6f}"
     student = (f"import subprocess\nsubprocess.Popen(['sleep', '{secs}'], start_new_session=True)\n"
@@ -85,20 +98,6 @@ def test_setsid_children_are_reaped_within_the_cap(tmp_path):
     assert took < cap + 15, (took, cap)      # today's main waits for the sleeps' end (600 s)
     assert procs_with(f"PDIST_TEST_TAG={tag}".encode()) == []
     assert procs_with(secs.encode(), "cmdline") == []
-
-
-def test_launch_bounds_its_output_and_reaps_setsid_children(tmp_path):
-    secs = f"{600 + random.random():.6f}"       # a setsid child holding the output pipe: found by launch's marker
-    (tmp_path / "w.py").write_text(f"import os, subprocess\nsubprocess.Popen(['sleep', '{secs}'], start_new_session=True)\n"
-                                   "b = b'x' * 1023 + b'\\n'\nos.write(1, b'first line\\n')\n"
-                                   "for _ in range(200_000): os.write(1, b)\nos.write(1, b'last line\\n')\n")
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
-    run = launch(1, tmp_path / "w.py", timeout=60, wrap=False, max_output=1 << 16)      # prints 200 MB
-    assert run.rc == 0 and run.seconds < 50 and procs_with(secs.encode(), "cmdline") == []
-    assert len(run.out) < (1 << 16) + 200 and run.out.startswith("first line") and run.out.endswith("last line\n")
-    assert "bytes of output dropped (max_output=65536)" in run.out
-    assert resource.getrusage(resource.RUSAGE_SELF).ru_maxrss - before < 100_000     # KiB
-    assert grade.MAX_OUTPUT <= 1 << 20                   # and the grader bounds its jobs
 
 
 def test_bad_files_fail_one_exercise_and_never_stop_the_class(tmp_path):
@@ -257,44 +256,3 @@ def test_every_cap_is_at_most_15_s_and_slots_count_ranks():
     s = classroom.Slots(4)
     assert s.take(4) == 4 and s.free == 0 and s.give(4) is None
     assert s.take(8) == 4          # a job larger than the pool runs alone
-
-
-PARENT = """import sys, threading
-from pdist import procs
-from pdist.testing import launch
-procs.install_signal_cleanup()
-job = lambda: launch(4, sys.argv[1], timeout=120, wrap=False, env={'PDIST_TEST_TAG': sys.argv[2]})
-if sys.argv[3] == "thread":      # as in class mode: the launch in a worker thread
-    t = threading.Thread(target=job)
-    t.start()
-    t.join()
-else:
-    job()
-"""
-
-
-@pytest.mark.parametrize("sig,how", [(signal.SIGTERM, "main"), (signal.SIGINT, "main"), (signal.SIGKILL, "main"),
-                                     (signal.SIGTERM, "thread"), (signal.SIGKILL, "thread")])
-def test_a_killed_caller_leaves_no_rank(tmp_path, sig, how):
-    """SIGTERM/SIGINT: launch's handler kills the job; SIGKILL: no handler runs, mpiexec dies
-    of PR_SET_PDEATHSIG (setpriv's, from a thread) and its proxy then takes the ranks down."""
-    (tmp_path / "parent.py").write_text(PARENT)
-    (tmp_path / "worker.py").write_text("import time\ntime.sleep(120)\n")
-    tag = uuid.uuid4().hex
-    mark = f"PDIST_TEST_TAG={tag}".encode()
-    p = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "worker.py"), tag, how])
-    try:
-        end = time.monotonic() + 60
-        while len(set(procs_with(mark)) & set(procs_with(b"worker.py", "cmdline"))) < 5 and time.monotonic() < end:
-            time.sleep(0.2)                      # mpiexec and its 4 ranks
-        assert len(procs_with(mark)) >= 5
-        p.send_signal(sig)
-        p.wait(timeout=30)
-        end = time.monotonic() + 5
-        while procs_with(mark) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert procs_with(mark) == []
-    finally:
-        p.kill()
-        for pid in procs_with(mark):
-            os.kill(pid, signal.SIGKILL)

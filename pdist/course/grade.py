@@ -108,7 +108,7 @@ def grade_one(ex, directory=None, reference=False):
         run = launch(ranks, CHECKS, eid, source, timeout=cap, wrap=False, max_output=MAX_OUTPUT,
                      env={"PDIST_TIMEOUT": WATCHDOG_S, "OMP_NUM_THREADS": 1, "PDIST_FLIGHT_DIR": chan.dir,
                           **chan.env(ranks)})
-        reps, forged = chan.read()
+        reps, forged = chan.read(ranks)
     finally:
         chan.close()
         procs.kill_orphans()
