@@ -6,7 +6,9 @@ Tests and graders use one function:
     out = mpirun(4, "tests/workers/dp_equiv.py", "--stage", "2", timeout=120)
 
 It launches the ``mpiexec`` that sits beside ``sys.executable`` (the venv's, from
-the ``mpich`` wheel), closes stdin, applies a timeout, and runs the script
+the ``mpich`` wheel), closes stdin, applies a timeout, leaves no process behind
+(pdist/procs.py: its process group and every process carrying its marker are killed
+when it ends, and when the caller gets SIGTERM/SIGINT/SIGHUP), and runs the script
 through ``python -m pdist.testing`` so that an exception on any rank prints
 ``[rank r] Traceback ...`` and aborts the whole job at once (no hang while the
 other ranks wait in a collective). On failure it raises ``MPIRunError`` whose
