@@ -83,3 +83,29 @@ def test_a_killed_caller_leaves_no_rank(tmp_path, sig, how):
         p.kill()
         for pid in procs_with(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_stops_class_mode_at_once(tmp_path):
+    """SIGINT to ``--class``: the running launches are killed, no new one starts, nothing is left."""
+    tag = uuid.uuid4().hex
+    for s in ("a", "b", "c", "d", "e", "f"):
+        (tmp_path / "class" / s).mkdir(parents=True)
+        (tmp_path / "class" / s / "ex08_one_f_one_b.py").write_text(
+            "import time\n\n\ndef one_f_one_b(p, m):\n    time.sleep(1000)\n")
+    p = subprocess.Popen([sys.executable, "-m", "pdist.grade", "--class", str(tmp_path / "class"), "08"],
+                         env=dict(os.environ, PDIST_TEST_TAG=tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    mark = f"PDIST_TEST_TAG={tag}".encode()
+    try:
+        end = time.monotonic() + 60
+        while not set(procs_with(mark)) & set(procs_with(b"checks.py", "cmdline")) and time.monotonic() < end:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        _, err = p.communicate(timeout=30)
+        assert time.monotonic() - t0 < 10 and p.returncode != 0, err
+        assert b"[6/6]" not in err, err                  # the queued students were never started
+        assert procs_with(mark) == []
+    finally:
+        p.kill()
+        for pid in procs_with(mark):
+            os.kill(pid, signal.SIGKILL)

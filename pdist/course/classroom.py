@@ -22,6 +22,7 @@ import traceback
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
+from pdist import procs
 from pdist.course.summary import write_text_atomic
 
 
@@ -88,18 +89,21 @@ def grade_class(class_dir, exercises, grade_one, out_csv=None, as_json=False, sl
     progress = Progress(len(tasks), max(1, size // 2))
     results = {}
 
+    stop = threading.Event()
+
     def work(task):
         s, ex = task
         n = pool.take(ex[3])
         try:
+            if stop.is_set():
+                return
             res = safe_grade_one(grade_one, ex, s)
         finally:
             pool.give(n)
         results[(s.name, ex[0])] = res
         progress(s.name, res)
 
-    with ThreadPoolExecutor(max_workers=size) as ex_pool:
-        list(ex_pool.map(work, tasks))
+    run_all(work, tasks, size, stop)
     rows = []
     for s in students:
         res = [results[(s.name, e[0])] for e in exercises]
@@ -115,6 +119,21 @@ def grade_class(class_dir, exercises, grade_one, out_csv=None, as_json=False, sl
     if out_csv or not as_json:
         write_csv(rows, exercises, out_csv, stream)
     return rows
+
+
+def run_all(work, tasks, workers, stop):
+    """``work(task)`` for every task on ``workers`` threads. Interrupted (Ctrl-C), it
+    starts no new task, kills the running launches and re-raises."""
+    pool = ThreadPoolExecutor(max_workers=workers)
+    try:
+        for f in [pool.submit(work, t) for t in tasks]:
+            f.result()
+    except BaseException:
+        stop.set()
+        pool.shutdown(wait=False, cancel_futures=True)
+        procs.kill_all_live()
+        raise
+    pool.shutdown()
 
 
 def write_csv(rows, exercises, out_csv, stream):
