@@ -63,14 +63,13 @@ def safe_grade_one(grade_one, ex, folder):
 class Progress:
     """One line per finished exercise on ``stream``: count, student, file, status, time, ETA."""
 
-    def __init__(self, total, parallel, stream=sys.stderr):
-        self.total, self.parallel, self.stream = total, parallel, stream
-        self.done, self.busy_s, self.t0, self.lock = 0, 0.0, time.perf_counter(), threading.Lock()
+    def __init__(self, total, stream=sys.stderr):
+        self.total, self.stream = total, stream
+        self.done, self.t0, self.lock = 0, time.perf_counter(), threading.Lock()
 
     def __call__(self, student, res):
         with self.lock:
             self.done += 1
-            self.busy_s += res["seconds"]
             spent = time.perf_counter() - self.t0
             left = self.total - self.done
             eta = spent / self.done * left       # the throughput seen so far, parallelism included
@@ -83,27 +82,16 @@ def grade_class(class_dir, exercises, grade_one, out_csv=None, as_json=False, sl
     """Grade every student subfolder of ``class_dir`` with ``grade_one`` (pdist.course.grade's);
     returns [(row, results)] per student."""
     students = sorted(p for p in Path(class_dir).iterdir() if p.is_dir() and not p.name.startswith("."))
-    size = slots or max(cores(), max((e[3] for e in exercises), default=1))
-    pool = Slots(size)
     tasks = [(s, ex) for s in students for ex in exercises]
-    progress = Progress(len(tasks), max(1, size // 2))
+    progress = Progress(len(tasks))
     results = {}
 
-    stop = threading.Event()
-
-    def work(task):
+    def one(task):
         s, ex = task
-        n = pool.take(ex[3])
-        try:
-            if stop.is_set():
-                return
-            res = safe_grade_one(grade_one, ex, s)
-        finally:
-            pool.give(n)
-        results[(s.name, ex[0])] = res
+        res = results[(s.name, ex[0])] = safe_grade_one(grade_one, ex, s)
         progress(s.name, res)
 
-    run_all(work, tasks, size, stop)
+    pooled(tasks, lambda t: t[1][3], one, slots)
     rows = []
     for s in students:
         res = [results[(s.name, e[0])] for e in exercises]
@@ -119,6 +107,23 @@ def grade_class(class_dir, exercises, grade_one, out_csv=None, as_json=False, sl
     if out_csv or not as_json:
         write_csv(rows, exercises, out_csv, stream)
     return rows
+
+
+def pooled(tasks, ranks_of, run, slots=None):
+    """``run(task)`` for every task, in parallel on a pool of ``slots`` (default
+    ``max(cores, largest job)``) where a task takes ``ranks_of(task)`` of them."""
+    size = slots or max([cores()] + [ranks_of(t) for t in tasks])
+    pool, stop = Slots(size), threading.Event()
+
+    def work(task):
+        n = pool.take(ranks_of(task))
+        try:
+            if not stop.is_set():
+                run(task)
+        finally:
+            pool.give(n)
+
+    run_all(work, tasks, size, stop)
 
 
 def run_all(work, tasks, workers, stop):
