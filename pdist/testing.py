@@ -6,7 +6,9 @@ Tests and graders use one function:
     out = mpirun(4, "tests/workers/dp_equiv.py", "--stage", "2", timeout=120)
 
 It launches the ``mpiexec`` that sits beside ``sys.executable`` (the venv's, from
-the ``mpich`` wheel), closes stdin, applies a timeout, and runs the script
+the ``mpich`` wheel), closes stdin, applies a timeout, leaves no process behind
+(pdist/procs.py: its process group and every process carrying its marker are killed
+when it ends, and when the caller gets SIGTERM/SIGINT/SIGHUP), and runs the script
 through ``python -m pdist.testing`` so that an exception on any rank prints
 ``[rank r] Traceback ...`` and aborts the whole job at once (no hang while the
 other ranks wait in a collective). On failure it raises ``MPIRunError`` whose
@@ -58,11 +60,20 @@ class Launch:
         return self.rc is None
 
 
-def launch(n, script, *args, timeout=180, env=None, wrap=True):
+def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
     """Run ``python script args`` on ``n`` ranks under ``mpiexec`` and return a
     ``Launch``; never raises on failure. ``wrap=False`` runs the script as a user
     would (``mpiexec -n n python script``), without ``-m pdist.testing``. In
-    ``env``, a value of None removes that variable."""
+    ``env``, a value of None removes that variable. ``max_output`` (bytes) keeps only
+    the first and last halves of the output (None: all of it).
+
+    No process outlives the call: the launch runs in its own session; when it ends (or
+    at ``timeout``) its process group and every process carrying its marker
+    (``pdist.procs``: ``setsid`` children included) are SIGKILLed, so a child that
+    holds the output pipe cannot keep the caller waiting. SIGTERM/SIGINT/SIGHUP of the
+    caller kill every live launch first; a SIGKILLed caller takes ``mpiexec`` down by
+    ``PR_SET_PDEATHSIG``."""
+    from pdist import procs
     script = str(script)
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
@@ -74,21 +85,28 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True):
             full_env.pop(k, None)
         else:
             full_env[k] = str(v)
+    mark = full_env[procs.MARK_VAR] = os.urandom(8).hex()
     py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
     cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
-    # its own process group: on timeout the whole launch (mpiexec, proxies, ranks) is killed
-    # by its process group, never by a name pattern
+    procs.install_signal_cleanup()
+    pre, prefix = procs.die_with_parent_how()
     t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, env=full_env, text=True, start_new_session=True)
+    with procs.spawning():
+        proc = subprocess.Popen(prefix + cmd, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=full_env, start_new_session=True, preexec_fn=pre)
+        procs.track(proc, mark)
+    cap = procs.Capture(proc.stdout, max_output)
     try:
-        out, _ = proc.communicate(timeout=timeout)
-        rc = proc.returncode
+        rc = proc.wait(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(proc)
-        out, _ = proc.communicate()
         rc = None
-    return Launch(rc, out or "", time.perf_counter() - t0)
+    finally:
+        procs.kill_group(proc.pid)              # its own process group: never a name pattern
+        procs.kill_marked(mark)
+        proc.wait()
+        procs.untrack(proc)
+    out = cap.finish(grace=1.0)
+    return Launch(rc, out, time.perf_counter() - t0)
 
 
 def mpirun(n, script, *args, timeout=180, env=None, check=True):
@@ -179,20 +197,6 @@ def _failure_message(n, script, rc, out):
     if blocks and all("Traceback" not in b for b in blocks):   # e.g. SystemExit(2) after a usage error
         body += "\n--- output ---\n" + out[-3000:]
     return head + "\n" + body
-
-
-def _kill_group(proc):
-    """SIGKILL the launch's process group (mpiexec and the ranks it started) and
-    wait (up to 5 s) until none of them is left."""
-    import signal
-    end = time.monotonic() + 5
-    try:
-        os.killpg(proc.pid, signal.SIGKILL)
-        while time.monotonic() < end:
-            time.sleep(0.02)
-            os.killpg(proc.pid, 0)          # raises once the group is empty
-    except ProcessLookupError:
-        pass
 
 
 def _world_rank():

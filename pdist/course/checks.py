@@ -6,9 +6,11 @@ SOURCE is a student's exercise file, or ``reference`` (pdist/course/solutions.py
 Every check compares the student's function, plugged into pdist's machinery, with pdist's
 own implementation: equality with single-process training (float64, rtol 1e-9), bytes
 sent (``group.stats``, the ring accounting of docs/design.md), no hang (the watchdog,
-``PDIST_TIMEOUT``). Each rank prints one ``report`` per check; on the first failure it
-reports why and exits, so the grader (which reads the reports) shows the first failing
-check. Messages say what differs, never what the answer is.
+``PDIST_TIMEOUT``). Each rank sends one signed report per check on the grader's channel
+(pdist/course/channel.py; never stdout); on the first failure it reports why (``msg``: one
+line; ``detail``: the full error, e.g. the watchdog's roll-call or the student's traceback)
+and exits, so the grader shows the first failing check. Messages say what differs, never
+what the answer is.
 """
 import os
 import sys
@@ -24,46 +26,72 @@ CHECKS = {f"{i:02d}": getattr(grade_checks_data if i <= 5 else grade_checks_mode
 
 
 def main(exercise, source):
+    from pdist.course.channel import Reporter
+    from pdist.testing import _world_rank
+    rep = Reporter.from_env(_world_rank())      # the key leaves the environment before any student code
     from pdist import comm
     from pdist.engine.backend import set_default_dtype
-    from pdist.testing import report
     set_default_dtype("float64")
     world = comm.init()
+    if world.size > 1:          # every rank has taken (and deleted) its key before any student code runs
+        from mpi4py import MPI
+        MPI.COMM_WORLD.Barrier()
+
+    def report(**kw):
+        rep.report(exercise=exercise, rank=world.rank, **kw)
     try:
         S = load(source)
         checks = CHECKS[exercise](S, world)
-    except Exception as e:
-        report(exercise=exercise, index=-1, check="loads", ok=False, rank=world.rank,
-               msg=f"the exercise file does not load: {type(e).__name__}: {e}")
+    except BaseException as e:   # SystemExit too: a module that exits while loading
+        report(index=-1, check="loads", ok=False, msg=f"the exercise file does not load: {_one_line(e)}",
+               detail=student_traceback(e, source))
         _stop()
     for i, (name, fn) in enumerate(checks):
         t0 = time.perf_counter()
         try:
             fn()
-        except NotImplementedError as e:
-            report(exercise=exercise, index=i, check=name, ok=False, rank=world.rank, kind="todo",
-                   msg=f"not written yet ({e})")
+        except BaseException as e:
+            report(index=i, check=name, ok=False, seconds=round(time.perf_counter() - t0, 3),
+                   **failure(e, source, comm.CollectiveTimeoutError))
             _stop()
-        except CheckFailed as e:
-            report(exercise=exercise, index=i, check=name, ok=False, rank=world.rank, msg=str(e))
-            _stop()
-        except comm.CollectiveTimeoutError as e:
-            head = str(e).splitlines()[0]
-            where = head.split(" did not complete")[0] if e.reason == "timeout" else head
-            report(exercise=exercise, index=i, check=name, ok=False, rank=world.rank, kind="timeout",
-                   reason=e.reason, where=where, msg=head)
-            _stop()
-        except Exception as e:
-            tb = traceback.extract_tb(e.__traceback__)
-            at = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(tb)
-                       if "student_exercise" in f.filename or f.filename == os.path.abspath(source)), "")
-            first = (str(e).splitlines() or [""])[0]
-            report(exercise=exercise, index=i, check=name, ok=False, rank=world.rank,
-                   msg=f"raised {type(e).__name__}: {first}" + (f" ({at})" if at else ""))
-            _stop()
-        report(exercise=exercise, index=i, check=name, ok=True, rank=world.rank,
-               seconds=round(time.perf_counter() - t0, 3))
-    report(exercise=exercise, done=True, rank=world.rank, checks=len(checks))
+        report(index=i, check=name, ok=True, seconds=round(time.perf_counter() - t0, 3))
+    report(done=True, checks=len(checks))
+
+
+def failure(e, source, timeout_error):
+    """The report fields of a failed check: ``msg`` (one line), ``detail`` (all of it)."""
+    if isinstance(e, NotImplementedError):
+        return dict(kind="todo", msg=f"not written yet ({e})", detail="")
+    if isinstance(e, CheckFailed):
+        msg = (str(e).splitlines() or [""])[0]
+        return dict(msg=msg, detail=getattr(e, "detail", "") or str(e))
+    if isinstance(e, timeout_error):
+        head = (str(e).splitlines() or [""])[0]
+        where = head.split(" did not complete")[0] if e.reason == "timeout" else head
+        return dict(kind="timeout", reason=e.reason, where=where, msg=head, detail=str(e))
+    tb = traceback.extract_tb(e.__traceback__)
+    at = next((f"{os.path.basename(f.filename)}:{f.lineno}" for f in reversed(tb) if _is_student(f, source)), "")
+    why = next((ln.split("  <- ", 1)[1] for ln in str(e).splitlines() if "  <- " in ln), "")  # a rank's reason
+    return dict(msg=f"raised {_one_line(e)}" + (f": {why}" if why else "") + (f" ({at})" if at else ""),
+                detail=student_traceback(e, source))
+
+
+def _one_line(e):
+    return f"{type(e).__name__}: " + (str(e).splitlines() or [""])[0]
+
+
+def _is_student(frame, source):
+    return "student_exercise" in frame.filename or (source != "reference"
+                                                     and frame.filename == os.path.abspath(source))
+
+
+def student_traceback(e, source):
+    """The traceback restricted to the student's frames (all frames when none is), then the
+    exception's full message."""
+    tb = traceback.extract_tb(e.__traceback__)
+    mine = [f for f in tb if _is_student(f, source)] or list(tb)
+    lines = ["Traceback (your code's frames):"] + [ln.rstrip() for ln in traceback.format_list(mine)]
+    return "\n".join(lines + [f"{type(e).__name__}: {e}"])
 
 
 def _stop():

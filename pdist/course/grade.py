@@ -4,33 +4,42 @@
     python -m pdist.grade 01 03            # only these (number, or a file name's start)
     python -m pdist.grade --reference      # the library's own answers: full points (CI)
     python -m pdist.grade --dir PATH       # grade the exercise files in another folder
-    python -m pdist.grade --json           # machine-readable scores
-    python -m pdist.grade --class DIR --csv OUT.csv   # one subfolder per student -> one CSV
+    python -m pdist.grade --json           # machine-readable scores, with each check's full detail
+    python -m pdist.grade --verbose        # every check of every exercise, passed ones with their time
+    python -m pdist.grade --class DIR [--json] [--csv OUT.csv]   # one subfolder per student
 
 An exercise whose functions all still raise ``NotImplementedError("exercise: ...")`` is
 "not started" and is never launched (a fresh clone grades in about a second). Any other
-is launched under a real ``mpiexec -n N`` (pdist.testing.launch) running its checks
-(pdist/course/checks.py) with a small ``PDIST_TIMEOUT``, so a deadlock becomes a result:
-the watchdog's roll-call says where each rank waits. The table shows the exercise, its
-points, its status (not started; failing, with the first failing check in one line;
-passed) and its time. Points are all or nothing per exercise.
+is screened first (pdist/course/screening.py: a misnamed, unreadable or unparsable file,
+or one that uses the library's own answer, gets its status without a launch), then
+launched under a real ``mpiexec -n N`` (pdist.testing.launch, output bounded, every process
+it started killed at the end) running its checks (pdist/course/checks.py) with a small
+``PDIST_TIMEOUT``, so a deadlock becomes a result: the watchdog's roll-call says where each
+rank waits. Each exercise has a time cap (``CAP_S``, scaled up on a loaded machine);
+results come back signed on a private channel (pdist/course/channel.py), never from
+stdout. The table shows the exercise, its points, its status (not started; failing, with
+the first failing check in one line; passed) and its time, then the full error of the
+first failing exercise. Points are all or nothing per exercise.
 """
 import argparse
-import ast
-import csv
 import json
 import os
 import sys
 import time
 from pathlib import Path
 
-from pdist.testing import launch, reports
+from pdist import procs
+from pdist.course.channel import Channel
+from pdist.course.summary import json_path_problem
+from pdist.course.screening import FORBIDDEN, not_started, screen  # noqa: F401 (the grader's API)
+from pdist.course.verdict import deadlock_line, verdict  # noqa: F401
+from pdist.testing import launch
 
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISE_DIR = ROOT / "lessons" / "exercises"
 CHECKS = Path(__file__).resolve().parent / "checks.py"
 WATCHDOG_S = 5          # PDIST_TIMEOUT inside a graded run: a deadlock is reported after this long
-LAUNCH_S = 120          # the whole launch, should the watchdog itself be stuck
+MAX_OUTPUT = 512 << 10  # a graded job's output kept: its first and last 256 KiB
 
 # (id, file, points, ranks, what it teaches)
 EXERCISES = [
@@ -46,38 +55,24 @@ EXERCISES = [
     ("10", "ex10_find_the_hang.py", 8, 4, "find the hang"),
 ]
 TOTAL = sum(e[2] for e in EXERCISES)
+# Each exercise's time cap on an idle machine (s): about twice its reference run's time
+# plus the watchdog's 5 s (a deadlock must be reported before the cap), at most 15 s.
+# Reference times (python -m pdist.grade --reference; 2026-12-01, 2 AMD EPYC cores at load
+# 4.5, divided by that slowdown of 2.2): 01 3.1, 02 4.5, 03 2.4, 04 2.2, 05 2.7, 06 2.3,
+# 07 2.4, 08 2.5, 09 2.4, 10 2.0 s. On a loaded machine the cap grows (``cap_for``).
+CAP_S = {"01": 13, "02": 15, "03": 12, "04": 12, "05": 13, "06": 12, "07": 12, "08": 10, "09": 10, "10": 13}
+MAX_SLOWDOWN = 3.0
 
 
-def not_started(path):
-    """True when every function of the file that raises NotImplementedError("exercise: ...")
-    does nothing else (a docstring may precede it), and there is at least one: nothing
-    has been written yet. A file with some functions written is launched, and its first
-    unwritten function fails its check with "not written yet"."""
-    tree = ast.parse(Path(path).read_text())
-    todo = 0
-    for node in ast.walk(tree):
-        if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-            continue
-        if not any(_is_todo(s) for s in ast.walk(node)):
-            continue
-        body = [s for s in node.body if not (isinstance(s, ast.Expr) and isinstance(s.value, ast.Constant)
-                                             and isinstance(s.value.value, str))]
-        if len(body) != 1 or not _is_todo(body[0]):
-            return False
-        todo += 1
-    return todo > 0
-
-
-def _is_todo(stmt):
-    if not isinstance(stmt, ast.Raise) or stmt.exc is None:
-        return False
-    exc = stmt.exc
-    name = exc.func.id if isinstance(exc, ast.Call) and isinstance(exc.func, ast.Name) else \
-        exc.id if isinstance(exc, ast.Name) else None
-    if name != "NotImplementedError":
-        return False
-    args = exc.args if isinstance(exc, ast.Call) else []
-    return bool(args) and isinstance(args[0], ast.Constant) and str(args[0].value).startswith("exercise:")
+def cap_for(eid):
+    """(cap in s, why): ``CAP_S[eid]`` times the machine's slowdown, load average / cores,
+    clamped to [1, MAX_SLOWDOWN]."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
+    slow = min(MAX_SLOWDOWN, max(1.0, load / cores))
+    base = CAP_S[eid]
+    why = f"cap {base} s" + (f" x {slow:.1f} for load {load:.1f} on {cores} cores" if slow > 1 else "")
+    return base * slow, why
 
 
 def select(names):
@@ -94,117 +89,71 @@ def select(names):
 
 
 def grade_one(ex, directory=None, reference=False):
-    """{"exercise", "file", "points", "max", "status", "detail", "seconds"} for one exercise."""
+    """{"exercise", "file", "points", "max", "ranks", "status", "msg", "detail", "checks",
+    "seconds"} for one exercise; ``msg`` is one line, ``detail`` starts with it and goes on
+    with the full error. Never raises for a bad submission."""
     eid, fname, pts, ranks, _ = ex
-    res = {"exercise": eid, "file": fname, "max": pts, "points": 0, "ranks": ranks}
+    res = {"exercise": eid, "file": fname, "max": pts, "points": 0, "ranks": ranks, "msg": "", "detail": "",
+           "checks": []}
     t0 = time.perf_counter()
     if reference:
         source = "reference"
     else:
-        path = Path(directory or EXERCISE_DIR) / fname
-        if not path.exists():
-            return dict(res, status="missing", detail=f"no {path}", seconds=0.0)
-        try:
-            if not_started(path):
-                return dict(res, status="not started", detail="", seconds=round(time.perf_counter() - t0, 2))
-        except SyntaxError as e:
-            return dict(res, status="failing", detail=f"syntax error line {e.lineno}: {e.msg}", seconds=0.0)
+        path, _, problem = screen(Path(directory or EXERCISE_DIR), eid, fname, {e[1] for e in EXERCISES})
+        if problem:
+            return dict(res, status=problem[0], msg=problem[1], detail=problem[1],
+                        seconds=round(time.perf_counter() - t0, 2))
         source = str(path.resolve())
-    run = launch(ranks, CHECKS, eid, source, timeout=LAUNCH_S, wrap=False,
-                 env={"PDIST_TIMEOUT": WATCHDOG_S, "OMP_NUM_THREADS": 1, "PDIST_FLIGHT_DIR": _tmp()})
-    res["seconds"] = round(time.perf_counter() - t0, 2)
-    status, detail = verdict(run, ranks)
-    res.update(status=status, detail=detail, points=pts if status == "passed" else 0)
+    cap, why = cap_for(eid)
+    chan = Channel()
+    try:
+        run = launch(ranks, CHECKS, eid, source, timeout=cap, wrap=False, max_output=MAX_OUTPUT,
+                     env={"PDIST_TIMEOUT": WATCHDOG_S, "OMP_NUM_THREADS": 1, "PDIST_FLIGHT_DIR": chan.dir,
+                          **chan.env(ranks)})
+        reps, forged = chan.read(ranks)
+    finally:
+        chan.close()
+        procs.kill_orphans()
+    v = verdict(reps, forged, run, ranks, cap, WATCHDOG_S)
+    if run.timed_out:
+        v["msg"] += f" [{why}]"
+    detail = v["msg"] + ("\n" + v["detail"] if v["detail"] and v["detail"].strip() not in v["msg"] else "")
+    res.update(v, detail=detail if v["msg"] else "", seconds=round(time.perf_counter() - t0, 2),
+               points=pts if v["status"] == "passed" else 0)
     return res
 
 
-def _tmp():
-    import tempfile
-    return tempfile.gettempdir()
-
-
-def verdict(run, ranks):
-    """(status, one-line detail) from a graded run's reports."""
-    reps = [r for r in reports(run.out) if "exercise" in r]
-    done = {r["rank"] for r in reps if r.get("done")}
-    fails = [r for r in reps if r.get("ok") is False]
-    if not fails and len(done) == ranks and run.rc == 0:
-        return "passed", ""
-    if fails:
-        first = min(fails, key=lambda r: (r["index"], r["rank"]))
-        same = [r for r in fails if r["index"] == first["index"]]
-        if all(r.get("kind") == "todo" for r in same):
-            return "failing", f"{first['check']}: {first['msg']}"
-        timeouts = [r for r in same if r.get("kind") == "timeout" and r.get("reason") == "timeout"]
-        if timeouts:
-            return "failing", f"{first['check']}: " + deadlock_line(timeouts)
-        return "failing", f"{first['check']}: {first['msg']}" + (f" (rank {first['rank']})" if ranks > 1 else "")
-    if run.timed_out:
-        return "failing", f"no result within {LAUNCH_S} s (a rank is stuck outside pdist's collectives?)"
-    tail = [ln for ln in run.out.strip().splitlines() if ln.strip()]
-    err = next((ln for ln in reversed(tail) if "Error" in ln or "error" in ln), tail[-1] if tail else "")
-    return "failing", f"crashed (exit {run.rc}): {err.strip()[:200]}"
-
-
-def deadlock_line(timeouts):
-    """'your code deadlocked: ranks 0, 1, 2, 3 all wait in send (0 to 1, ...)' from each
-    rank's watchdog headline ('send to rank 1 on group 'world'')."""
-    waits = {r["rank"]: r["where"] for r in timeouts}
-    ops = {w.split()[0] for w in waits.values()}
-    ranks = sorted(waits)
-    who = ("rank " + str(ranks[0])) if len(ranks) == 1 else \
-        ("rank " + " and rank ".join(map(str, ranks)) if len(ranks) == 2 else "ranks " + ", ".join(map(str, ranks)))
-    if len(ops) == 1 and len(ranks) > 1:
-        head = f"deadlocked: {who} are {'both' if len(ranks) == 2 else 'all'} in {ops.pop()}"
-    else:
-        head = f"deadlocked: {who} wait{'s' if len(ranks) == 1 else ''}"
-    where = "; ".join(f"{r}: {waits[r].split(' on group')[0]}" for r in ranks)
-    return f"{head} ({where}; watchdog after PDIST_TIMEOUT={WATCHDOG_S} s)"
-
-
 def grade(exercises, directory=None, reference=False, progress=None):
-    results = []
-    for ex in exercises:
-        res = grade_one(ex, directory, reference)
-        results.append(res)
+    """``grade_one`` of each exercise, in parallel up to the cores (classroom.pooled: a job
+    of n ranks takes n of max(cores, largest job) slots); results in the given order."""
+    from pdist.course.classroom import pooled
+    results = {}
+
+    def one(ex):
+        res = results[ex[0]] = grade_one(ex, directory, reference)
         if progress:
             progress(res)
-    return results
+    pooled(exercises, lambda ex: ex[3], one)
+    return [results[e[0]] for e in exercises]
 
 
-def table(results):
+def table(results, verbose=False):
+    """The scores table; then the full detail of the first failing exercise (``verbose``:
+    every check of every exercise, and every failing exercise's detail)."""
     w = max(len(r["file"]) for r in results)
     lines = [f"{'exercise':<{w}}  {'points':>7}  {'time':>6}  status"]
     for r in results:
-        st = r["status"] + (f": {r['detail']}" if r.get("detail") else "")
+        st = r["status"] + (f": {r['msg']}" if r.get("msg") else "")
         lines.append(f"{r['file']:<{w}}  {r['points']:>3}/{r['max']:<3}  {r['seconds']:>5.1f}s  {st}")
+        if verbose:
+            lines += [f"{'':<{w}}      {'ok  ' if c['ok'] else 'FAIL'} {c['check']} ({c['seconds']:.2f} s)"
+                      + (f": {c['msg']}" if c.get("msg") else "") for c in r.get("checks", [])]
     got, mx = sum(r["points"] for r in results), sum(r["max"] for r in results)
     lines.append(f"{'total':<{w}}  {got:>3}/{mx:<3}")
+    shown = [r for r in results if r["status"] != "passed" and "\n" in (r.get("detail") or "")]
+    for r in shown if verbose else shown[:1]:
+        lines += ["", f"{r['file']}: {r['status']}, in full:"] + ["    " + ln for ln in r["detail"].splitlines()]
     return "\n".join(lines)
-
-
-def grade_class(class_dir, exercises, out_csv=None):
-    """Every subfolder of class_dir is a student holding their exercise files: one CSV row each."""
-    students = sorted(p for p in Path(class_dir).iterdir() if p.is_dir())
-    rows = []
-    for s in students:
-        res = grade(exercises, directory=s)
-        row = {"student": s.name, "total": sum(r["points"] for r in res)}
-        for r in res:
-            row[r["exercise"]] = r["points"]
-            row[r["exercise"] + "_status"] = r["status"] + (f": {r['detail']}" if r.get("detail") else "")
-        rows.append((row, res))
-    fields = ["student", "total"] + [c for e in exercises for c in (e[0], e[0] + "_status")]
-    f = open(out_csv, "w", newline="") if out_csv else sys.stdout
-    try:
-        w = csv.DictWriter(f, fieldnames=fields)
-        w.writeheader()
-        for row, _ in rows:
-            w.writerow(row)
-    finally:
-        if out_csv:
-            f.close()
-    return rows
 
 
 def main(argv=None):
@@ -212,20 +161,27 @@ def main(argv=None):
     ap.add_argument("exercises", nargs="*", help="exercise numbers (01..10) or file names; default: all")
     ap.add_argument("--reference", action="store_true", help="grade the library's own answers (full points)")
     ap.add_argument("--dir", help=f"folder holding the exercise files (default {EXERCISE_DIR})")
-    ap.add_argument("--json", action="store_true", help="print the scores as JSON")
+    ap.add_argument("--json", action="store_true", help="print the scores as JSON, with every check's detail")
+    ap.add_argument("--verbose", "-v", action="store_true", help="show every check of every exercise")
     ap.add_argument("--class", dest="class_dir", metavar="DIR",
-                    help="grade every student subfolder of DIR into one CSV")
-    ap.add_argument("--csv", metavar="PATH", help="with --class: write the CSV here (default stdout)")
+                    help="grade every student subfolder of DIR (a CSV on stdout, or JSON with --json)")
+    ap.add_argument("--csv", metavar="PATH", help="with --class: write the CSV here")
     args = ap.parse_args(argv)
     exs = select(args.exercises)
     if args.reference:
         from pdist.course.common import NOT_IN_COPY, reference_available
         if not reference_available():
             raise SystemExit(f"pdist.grade: --reference: {NOT_IN_COPY}")
+    procs.child_subreaper()       # orphans of the students' processes come back here, to be killed
+    procs.install_signal_cleanup()
     if args.class_dir:
+        from pdist.course.classroom import grade_class
         if not os.path.isdir(args.class_dir):
             raise SystemExit(f"pdist.grade: --class {args.class_dir}: no such folder")
-        grade_class(args.class_dir, exs, args.csv)
+        problem = args.csv and json_path_problem(args.csv)
+        if problem:
+            raise SystemExit(f"pdist.grade: --csv {args.csv}: {problem}; give a file in a folder you can write")
+        grade_class(args.class_dir, exs, grade_one, args.csv, as_json=args.json)
         return 0
     if args.dir and not os.path.isdir(args.dir):
         raise SystemExit(f"pdist.grade: --dir {args.dir}: no such folder")
@@ -236,7 +192,7 @@ def main(argv=None):
         print(json.dumps({"total": sum(r["points"] for r in res), "max": sum(r["max"] for r in res),
                           "exercises": res}, indent=1))
     else:
-        print(table(res))
+        print(table(res, args.verbose))
     return 1 if args.reference and any(r["status"] != "passed" for r in res) else 0
 
 

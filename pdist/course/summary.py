@@ -1,6 +1,6 @@
 """The lessons' JSON summary (a contract, docs/design.md "The lessons' JSON summary"):
 strict JSON (non-finite numbers become ``null``), written atomically; and the check that
-a ``--json`` path can be written, before any work."""
+a ``--json`` path (or the grader's ``--csv``) can be written, before any work."""
 import json
 import math
 import os
@@ -24,20 +24,24 @@ def json_path_problem(path):
 
 
 def write_json_atomic(path, obj):
-    """Write ``obj`` as strict JSON to ``path`` so that readers see the old file or
-    the whole new one: a temporary file in the same directory (same file system,
-    so the rename is atomic), flushed and fsync'ed, then ``os.replace``. Non-finite
-    floats become ``null`` (see ``_jsonable``)."""
+    """Write ``obj`` as strict JSON to ``path`` atomically (``write_text_atomic``).
+    Non-finite floats become ``null`` (see ``_jsonable``)."""
+    write_text_atomic(path, json.dumps(_jsonable(obj), indent=1, allow_nan=False) + "\n")
+
+
+def write_text_atomic(path, text):
+    """Write ``text`` to ``path`` so that readers see the old file or the whole new one:
+    a temporary file in the same directory (same file system, so the rename is atomic),
+    flushed and fsync'ed, then ``os.replace``; the directory is fsync'ed too."""
     path = os.fspath(path)
     d = os.path.dirname(os.path.abspath(path))
-    text = json.dumps(_jsonable(obj), indent=1, allow_nan=False)
     fd, tmp = tempfile.mkstemp(dir=d, prefix=f".{os.path.basename(path)}.", suffix=".tmp")
     try:
         umask = os.umask(0)
         os.umask(umask)
         os.fchmod(fd, 0o666 & ~umask)  # mkstemp makes 0600; a summary is an ordinary file
-        with os.fdopen(fd, "w") as f:
-            f.write(text + "\n")
+        with os.fdopen(fd, "w", newline="") as f:
+            f.write(text)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
