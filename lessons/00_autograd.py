@@ -121,7 +121,7 @@ def run(args):
     entries = [(n, (tok.stoi["e"], 3 + k)) for k, n in enumerate(TOKEN_ROWS[args.model])] + FD_ENTRIES[args.model]
     fd = finite_difference_check(model, cfg, tokens, entries, args)
     print(lesson.table([[n, str(i), a, b, f"{r:.1e}", "ok" if ok else "WRONG"] for n, i, a, b, r, ok in fd],
-                       ["parameter", "index", "backward", "finite diff", "rel err", ""], floatfmt="{:.6e}"))
+                       ["parameter", "index", "backward", "finite diff", "rel err", "agree"], floatfmt="{:.6e}"))
 
     k = max(1, min(10, args.steps // 4))
     start, end = losses[0], float(np.mean(losses[-k:]))
