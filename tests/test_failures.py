@@ -5,6 +5,7 @@ Each scenario of tests/workers/fail_cases.py runs under a real ``mpiexec`` at
 noted, with ``PDIST_TIMEOUT=4``. A failing job must exit non-zero well before
 the harness's own kill, with the right error from every rank that waits."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -204,3 +205,18 @@ def test_poll_has_a_deadline(monkeypatch):
     monkeypatch.setitem(watchdog._S, "timeout", 0.05)
     with pytest.raises(watchdog.CollectiveTimeoutError, match="did not complete within 0.05 s"):
         watchdog.poll(lambda: False)
+
+
+def test_flight_dumps_go_to_a_temp_dir_not_the_checkout(tmp_path):
+    """Without PDIST_FLIGHT_DIR (a student running exercise 10 by hand) the dumps go to
+    <tmp>/pdist-flight-<uid>, never the current directory, and the report names the file."""
+    tmp, here = tmp_path / "tmp", Path.cwd() / "pdist_flight_rank1.json"
+    tmp.mkdir()
+    before = here.stat().st_mtime if here.exists() else None
+    res = launch(2, W / "fail_cases.py", "exception", timeout=60, wrap=False,
+                 env={"PDIST_TIMEOUT": str(TIMEOUT), "PDIST_FLIGHT_DIR": None, "TMPDIR": str(tmp)})
+    f = ended(res, "exception")
+    dump = tmp / f"pdist-flight-{os.getuid()}" / "pdist_flight_rank1.json"
+    assert json.loads(dump.read_text())["rank"] == 1
+    assert f"flight recorder: {dump}" in f[1], f[1]
+    assert (here.stat().st_mtime if here.exists() else None) == before, "a dump was written to the cwd"
