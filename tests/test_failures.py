@@ -110,6 +110,10 @@ def test_async_never_waited(n, tmp_path):
     f = ended(run(n, "async_unwaited", tmp_path), "async_unwaited")
     for r in range(n):
         assert "async all_reduce #4 on group 'world' was never waited on" in f[r], f[r]
+        # the headline names the rank that dropped it, the agreeing ranks share one line
+        head = next(ln for ln in f[r].splitlines() if "CollectiveMismatchError:" in ln)
+        assert "): rank 1: async all_reduce #4 on group 'world' was never waited on" in head, head
+        assert "invalid arguments" not in f[r] and f"{names(others(n))}: barrier #5" in f[r], f[r]
 
 
 def test_async_never_waited_at_exit(tmp_path):
