@@ -132,6 +132,9 @@ def test_lesson_08_passes_and_its_trace_validates(tmp_path):
     assert run.rc == 0 and "PASS: 08_when_it_breaks" in out and out.count("PASS: act") == 4, \
         (run.rc, verdicts or out[-3000:])
     assert json.loads(js.read_text())["check"] == "PASS"
+    # act 3 says which rank skipped which collective, not "invalid arguments"
+    assert "=> rank 3 skipped a collective: it never waited on all_reduce #" in out, out[-4000:]
+    assert "invalid arguments" not in out and "ranks 0, 1, 2: all_reduce #" in out, out[-4000:]
     doc = json.loads(path.read_text())
     validate_chrome_trace(doc)
     ev = doc["traceEvents"]
