@@ -148,18 +148,35 @@ def default_dtype():
     return _state["dtype"]
 
 
-try:
-    import ml_dtypes
-    bfloat16 = _np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
-    bfloat16 = None
+def _bfloat16():
+    """``numpy.dtype(ml_dtypes.bfloat16)``, or None without ml_dtypes. Imported on first use:
+    ml_dtypes' import costs about 0.6 s of CPU, paid by every rank of every job otherwise."""
+    if "bfloat16" not in _state:
+        try:
+            import ml_dtypes
+            _state["bfloat16"] = _np.dtype(ml_dtypes.bfloat16)
+        except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
+            _state["bfloat16"] = None
+    return _state["bfloat16"]
 
-LOW_DTYPES = tuple(d for d in (bfloat16, _np.dtype(_np.float16)) if d is not None)
+
+def __getattr__(name):
+    """``backend.bfloat16`` and ``backend.LOW_DTYPES``, made on first access (PEP 562)."""
+    if name == "bfloat16":
+        return _bfloat16()
+    if name == "LOW_DTYPES":
+        return tuple(d for d in (_bfloat16(), _np.dtype(_np.float16)) if d is not None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_low(dtype):
-    """True for the 2-byte floating dtypes (bfloat16, float16): mixed precision's parameters."""
-    return dtype in LOW_DTYPES
+    """True for the 2-byte floating dtypes (bfloat16, float16): mixed precision's parameters.
+    A bfloat16 dtype exists only once ml_dtypes is imported, so this never imports it."""
+    try:
+        dt = _np.dtype(dtype)
+    except TypeError:
+        return False
+    return dt == _np.float16 or dt.name == "bfloat16"
 
 
 def words(a):
