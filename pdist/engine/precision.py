@@ -250,7 +250,8 @@ def any_nonfinite(arrays):
     return bool(checks) and not bool(to_numpy(xp.stack(checks).all()))
 
 
-__all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "unrounded", "linear",
+# bfloat16 comes from __getattr__ below (ml_dtypes imported on first use)
+__all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "unrounded", "linear",  # noqa: F822
            "embedding", "FullPrecisionPolicy", "MixedPrecisionPolicy", "FULL_PRECISION", "policy_for", "policy_of",
            "GradAccumulator", "any_nonfinite"]
 
