@@ -233,7 +233,7 @@ def act_hangs(world, args):
                             "error": errors[0] if errors else run.out[-400:]}
             rows.append([name, spec, run.rc, detect, run.seconds, "yes" if caught else "NO"])
             print(f"\n-- {name} ({spec}):\n" + explain(run.out), flush=True)
-        print(lesson.table(rows, ["fault", "inject", "exit code", "detected after s", "job s", "caught"],
+        print("\n" + lesson.table(rows, ["fault", "inject", "exit code", "detected after s", "job s", "caught"],
                           floatfmt="{:.2f}"), flush=True)
     result = world.broadcast_object(result)
     ok = all(v["caught"] and v["detect_s"] < 20 for v in result.values())
