@@ -1,6 +1,6 @@
 """Lesson 00 -- autograd: train a small GPT in one process, with pdist's own engine.
 
-    python lessons/00_autograd.py            # 1000 steps, about 8 s on one core
+    python lessons/00_autograd.py            # 1000 steps: 27-50 s on 2 loaded cores (README)
     python lessons/00_autograd.py --steps 50 --dtype float64 --json out.json
     python lessons/00_autograd.py --model llama   # Llama: RMSNorm, SwiGLU, RoPE, grouped-query attention
 
