@@ -1,4 +1,5 @@
-"""Killing ``make test`` leaves no process behind, under pytest-xdist too.
+"""Killing ``make test`` leaves no process behind, under pytest-xdist too; and its workers
+count each job's ranks (tests/conftest.py).
 
 A small suite (one test that launches a 2-rank job which sleeps, through
 ``pdist.testing.launch``, with this suite's conftest) runs as ``pytest -n 2`` in a
@@ -7,6 +8,7 @@ process group of its own. Once the job's ranks are up, the group gets the signal
 to the foreground group); within a few seconds no process of that run may be left: not
 the workers, not mpiexec, not its proxies or ranks. The ranks carry a token of this test
 in their arguments, which is how they are found (listed only, never killed by name)."""
+import json
 import os
 import shutil
 import signal
@@ -79,3 +81,39 @@ def test_killing_the_xdist_suite_leaves_no_process(sig, tmp_path):
         if suite.poll() is None:
             os.killpg(suite.pid, signal.SIGKILL)
             suite.wait()
+
+
+POOLED = '''
+import json, os, time
+from pathlib import Path
+from pdist.testing import launch
+
+def _job(i):
+    r = launch(2, Path(__file__).with_name("stamp.py"), str(Path(__file__).with_name(f"span{i}.json")))
+    assert r.rc == 0, r.out
+
+def test_a():
+    assert launch.__name__ == "launch_counted"
+    _job(0)
+
+def test_b():
+    _job(1)
+'''
+STAMP = ("import json, os, sys, time\nt0 = time.time(); time.sleep(1.5)\n"
+         "if os.environ.get('PMI_RANK', '0') == '0':\n"
+         "    open(sys.argv[1], 'w').write(json.dumps([t0, time.time()]))\n")
+
+
+def test_xdist_workers_count_each_jobs_ranks(tmp_path):
+    """Two workers, two tests, each launching a 2-rank job, with a pool of 2 rank units: the
+    jobs must run one after the other (with 4 units they could overlap)."""
+    (tmp_path / "stamp.py").write_text(STAMP)
+    (tmp_path / "test_pooled.py").write_text(POOLED)
+    shutil.copy(ROOT / "tests" / "conftest.py", tmp_path / "conftest.py")
+    env = dict(os.environ, PDIST_TEST_UNITS="2",
+               PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
+    p = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2", str(tmp_path)],
+                       cwd=tmp_path, env=env, capture_output=True, text=True, timeout=240)
+    assert p.returncode == 0, p.stdout[-3000:] + p.stderr[-2000:]
+    (a0, a1), (b0, b1) = sorted(json.loads((tmp_path / f"span{i}.json").read_text()) for i in (0, 1))
+    assert a1 <= b0, f"the two 2-rank jobs overlapped with 2 units: {a0, a1} and {b0, b1}"
