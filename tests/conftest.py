@@ -152,7 +152,9 @@ SLOW = [
 # Tests that hold the whole pool (as if marked cores("all")): their messages name where each
 # rank waits, which a rank starved of a core under a second job reaches late (seen 2 in 5
 # runs of test_exception_on_one_rank[harness-4] under -n 4 at load 5-6).
-ALONE = ["tests/test_failures.py::"]
+ALONE = ["tests/test_failures.py::",
+         # the grader grades in parallel up to the cores, in subprocesses (uncounted launches)
+         "tests/test_grade.py::test_reference", "tests/test_grade.py::test_class_mode"]
 
 
 def pytest_collection_modifyitems(config, items):

@@ -47,7 +47,6 @@ def test_partly_written_counts_as_started(tmp_path):
     assert not grade.not_started(f)
 
 
-@pytest.mark.cores("all")      # the grader grades in parallel up to the cores, in subprocesses
 def test_reference_gets_full_points():
     p = run_grade("--reference", "--json")
     res = json.loads(p.stdout)
@@ -77,7 +76,6 @@ def test_every_exercise_has_a_wrong_answer_fixture():
     assert {p.name for p in WRONG.iterdir() if p.is_dir()} == set(WRONG_ANSWERS)
 
 
-@pytest.mark.cores("all")      # the grader grades in parallel up to the cores, in subprocesses
 def test_class_mode_rejects_each_wrong_answer(tmp_path):
     out = tmp_path / "class.csv"
     p = run_grade("--class", str(WRONG), "--csv", str(out))
