@@ -25,11 +25,18 @@ lesson: $(STAMP)
 	if [ "$(N)" = "1" ]; then $(PY) $$f $(ARGS); \
 	else $(MPIRUN) -n $(N) $(PY) $$f $(ARGS); fi
 
-test: $(STAMP)
-	$(PY) -m pytest -q tests
+# the suite in parallel: TEST_JOBS pytest-xdist workers (default 2 per core) that share the
+# cores by counting each job's ranks (tests/conftest.py); TEST_JOBS=0 runs it in one process
+CORES     := $(shell nproc 2>/dev/null || echo 2)
+TEST_JOBS ?= $(shell echo $$(( $(CORES) * 2 )))
+PYTEST    := $(PY) -m pytest -q tests $(if $(filter 0,$(TEST_JOBS)),,-n $(TEST_JOBS))
 
+test: $(STAMP)
+	$(PYTEST)
+
+# the suite without the tests marked slow (setup.cfg)
 test-fast: $(STAMP)
-	$(PY) -m pytest -q tests -m "not slow"
+	$(PYTEST) -m "not slow"
 
 # files under 300 lines, functions under 60, 0 import cycles in pdist/ (stdlib only; CI runs it)
 budgets:

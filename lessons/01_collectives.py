@@ -48,7 +48,7 @@ def demo(g):
     out = np.empty(b - a, x.dtype); g.reduce_scatter(out, x)              # noqa: E702
     show(g, f"reduce_scatter: rank r gets chunk r of the sum (chunks {chunk_bounds(k, n)})", out)
     full = np.empty(k, x.dtype); g.all_gather(full, x[a:b].copy())        # noqa: E702
-    show(g, "all_gather: each rank's chunk r of its input, concatenated", full)
+    show(g, "all_gather: rank q sends chunk q of its input; every rank gets all n chunks in rank order", full)
     y = x.copy(); g.broadcast(y, src=n - 1)                               # noqa: E702
     show(g, f"broadcast(src={n - 1}): everyone gets rank {n - 1}'s array", y)
     y = x.copy(); g.reduce(y, dst=0)                                      # noqa: E702

@@ -230,6 +230,25 @@ def peak_bytes(cfg, stage, world, args, tokens, prec):
     return pk.peak_bytes
 
 
+def print_tables(rows, rss_rows, check_rss):
+    """Rank 0's tables, each at most 100 characters wide: memory per rank against the formula;
+    bytes sent, loss and time per step; what each process holds (RSS, in MiB)."""
+    print("Memory per rank (rank 0), against the formula:")
+    print(lesson.table([m for m, _ in rows], ["stage", "params", "grads", "optim", "total", "formula",
+                                              "=", "peak"]))
+    print("\nBytes sent per step (mean over ranks) against the ring's theory; "
+          "the loss beside one process's:")
+    print(lesson.table([c for _, c in rows], ["stage", "sent/step", "theory", "loss", "baseline",
+                                              "rel err", "ms/step"]))
+    print(f"\nWhat each process holds (RSS, the OS's count, in MiB; the last step; "
+          f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked here'}):")
+    print(lesson.table([r[:9] for r in rss_rows], ["stage", "rank", "baseline", "init peak", "rss",
+                                                   "malloc held", "trimmed", "base+formula", "Δ"]))
+    print("\n... and its peak, against baseline + the traced peak:")
+    print(lesson.table([r[:2] + r[9:] for r in rss_rows], ["stage", "rank", "rss peak", "base+peak", "Δ"]))
+    print()
+
+
 def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
     """Every stage in one precision: the tables (rank 0), and (the JSON's runs, PASS on every rank)."""
     n, rank, mixed = world.size, world.rank, prec != "fp32"
@@ -275,26 +294,20 @@ def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
                      "seconds_per_step": sps, "rss_checked": check_rss})
         fb = lesson.fmt_bytes
         formula = FORMULA_MIXED[stage] if mixed else FORMULA[stage] if b == 4 else "2x " + FORMULA[stage]
-        rows.append([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
-                     f"{formula} = {fb(sum(want))}",
-                     "yes" if got == want else "NO", fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}",
-                     fb(peak), f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"])
+        rows.append(([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)), f"{formula} = {fb(sum(want))}",
+                      "yes" if got == want else "NO", fb(peak)],
+                     [stage, fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}", f"{losses[-1]:.6f}",
+                      f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"]))
         rss_rows += [[stage] + rss_row(m) for m in mems]
         numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
         del model, z, opt      # the next stage's baseline RSS must not hold this one's model
 
     if rank == 0:
-        print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters ({n_units} flat units: "
-              f"root wte+wpe, {cfg.n_layer} blocks, ln_f), Ψ_pad = {numel_padded:,}, {name} "
-              f"(b = {b}{', K = 12' if mixed else ''}), AdamW, {args.steps} steps, "
-              f"global batch {args.batch_size}\n")
-        print(lesson.table(rows, ["stage", "params", "grads", "optim", "total", "formula", "=",
-                                  "sent/step", "theory", "peak", "loss", "baseline", "rel err", "ms/step"]))
-        print(f"\nWhat each process holds (RSS, the OS's count; the last step; "
-              f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked here'}):")
-        print(lesson.table(rss_rows, ["stage", "rank", "baseline", "init peak", "rss", "malloc held",
-                                      "trimmed", "base+formula", "Δ", "rss peak", "base+peak", "Δ"]))
-        print()
+        print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters, Ψ_pad = {numel_padded:,}, "
+              f"AdamW, {args.steps} steps, global batch {args.batch_size}\n"
+              f"  {n_units} flat units: root wte+wpe, {cfg.n_layer} blocks, ln_f\n"
+              f"  {name} (b = {b}{', K = 12' if mixed else ''})\n")
+        print_tables(rows, rss_rows, check_rss)
     return runs, ok_all
 
 
@@ -327,8 +340,8 @@ def main():
         runs += r
         ok_all &= ok
     lesson.finish("03_zero", ok_all, runs, args, rank=rank, world_size=n,
-                  detail=f"(stages {stages} on {n} ranks: shards equal the single-process run, "
-                         f"memory = formula, bytes = theory)" if ok_all else
+                  detail=f"(stages {stages} on {n} ranks: shards equal the single-process run,\n"
+                         f"  memory = formula, bytes = theory)" if ok_all else
                   "(a stage differs from the single-process run, the formula or the theory: see the table)")
 
 

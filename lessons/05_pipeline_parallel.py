@@ -176,7 +176,7 @@ def report(rows, show, pp, cfg, args, n):
     planned_tl, measured_tl = show
     print(f"\n1F1B, p={pp}, m={2 * pp}, planned (t_b = 2 t_f):\n{ascii_timeline(planned_tl)}")
     print(f"\nmeasured (last step, {max(e for r_ in measured_tl for _, _, e in r_) * 1e3:.1f} ms):\n"
-          f"{ascii_timeline(measured_tl, width=90, legend=False)}\n")
+          f"{ascii_timeline(measured_tl, width=90, axis='ms')}\n")
     if args.png:
         plot_timeline([planned_tl, measured_tl], ["1F1B planned (units of t_f)", "measured"], args.png,
                       unit=["t_f", "seconds"])

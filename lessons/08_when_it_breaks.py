@@ -35,6 +35,7 @@ import re
 import shutil
 import sys
 import tempfile
+import textwrap
 import time
 
 import numpy as np
@@ -192,6 +193,29 @@ def clean_env():
     return dict({k: None for k in drop}, PDIST_TIMEOUT="20")
 
 
+def explain(out):
+    """One rank's error from a child job, wrapped to 100 columns: the error line, the lines that
+    say who is where (roll-call or fingerprints), and for a dropped Work which rank skipped which
+    collective and where the job caught it."""
+    from pdist.testing import failures
+    texts = [t for t in failures(out).values() if re.search(r"Collective\w+Error:", t)]
+    if not texts:
+        return "  " + out[-800:]
+    lines = texts[0].splitlines()
+    first = next(i for i, ln in enumerate(lines) if re.search(r"Collective\w+Error:", ln))
+    error = re.sub(r"^.*?(Collective\w+Error:)", r"\1", lines[first])
+    body = [ln for ln in lines[first + 1:] if ln.strip() and not ln.startswith("flight recorder:")]
+    said = textwrap.wrap(error, 98, initial_indent="  ", subsequent_indent="      ")
+    for ln in body[:6]:
+        said += textwrap.wrap(ln.strip(), 100, initial_indent="    ", subsequent_indent="        ")
+    m = re.search(r"CollectiveMismatchError: (\w+ #\d+) on group .*?: (rank \d+): async (\w+ #\d+) on group "
+                  r"'([^']+)' was never waited on", error)
+    if m:
+        said.append(f"  => {m[2]} skipped a collective: it never waited on {m[3]} (its gradient sync),\n"
+                    f"     so its gradients were never averaged; every rank is told at the next one, {m[1]}")
+    return "\n".join(said)
+
+
 def act_hangs(world, args):
     say(world, "\n== act 3: a hang turned into an error (child jobs of 4 ranks, PDIST_TIMEOUT=20 s) ==")
     from pdist.testing import launch
@@ -205,16 +229,13 @@ def act_hangs(world, args):
             stamps = [float(x) for x in re.findall(r"\[inject\] rank \d+ step \d+: .*? at t=([0-9.]+)", run.out)]
             errors = [ln.split("] ", 1)[-1] for ln in run.out.splitlines()
                       if re.search(r"(CollectiveMismatchError|CollectiveTimeoutError):", ln)]
-            roll = [ln for ln in run.out.splitlines() if "roll-call" in ln or re.search(r"^\[rank \d+\]\s+(arrived|rank \d+:)", ln)]
             detect = t_end - stamps[0] if stamps else float("nan")
             caught = run.rc not in (0, None) and bool(errors) and "finished all steps" not in run.out
             result[name] = {"rc": run.rc, "detect_s": detect, "seconds": run.seconds, "caught": caught,
                             "error": errors[0] if errors else run.out[-400:]}
             rows.append([name, spec, run.rc, detect, run.seconds, "yes" if caught else "NO"])
-            print(f"\n-- {name} ({spec}):\n  " + (errors[0] if errors else run.out[-800:]), flush=True)
-            for ln in roll[:6]:
-                print("  " + ln, flush=True)
-        print(lesson.table(rows, ["fault", "inject", "exit code", "detected after s", "job s", "caught"],
+            print(f"\n-- {name} ({spec}):\n" + explain(run.out), flush=True)
+        print("\n" + lesson.table(rows, ["fault", "inject", "exit code", "detected after s", "job s", "caught"],
                           floatfmt="{:.2f}"), flush=True)
     result = world.broadcast_object(result)
     ok = all(v["caught"] and v["detect_s"] < 20 for v in result.values())

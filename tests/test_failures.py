@@ -5,6 +5,7 @@ Each scenario of tests/workers/fail_cases.py runs under a real ``mpiexec`` at
 noted, with ``PDIST_TIMEOUT=4``. A failing job must exit non-zero well before
 the harness's own kill, with the right error from every rank that waits."""
 import json
+import os
 import re
 import subprocess
 import sys
@@ -109,6 +110,10 @@ def test_async_never_waited(n, tmp_path):
     f = ended(run(n, "async_unwaited", tmp_path), "async_unwaited")
     for r in range(n):
         assert "async all_reduce #4 on group 'world' was never waited on" in f[r], f[r]
+        # the headline names the rank that dropped it, the agreeing ranks share one line
+        head = next(ln for ln in f[r].splitlines() if "CollectiveMismatchError:" in ln)
+        assert "): rank 1: async all_reduce #4 on group 'world' was never waited on" in head, head
+        assert "invalid arguments" not in f[r] and f"{names(others(n))}: barrier #5" in f[r], f[r]
 
 
 def test_async_never_waited_at_exit(tmp_path):
@@ -143,6 +148,7 @@ def test_object_collective_mismatch(n, tmp_path):
         assert f"root: {names(others(n))} = 0; rank 1 = 1" in f[r], f[r]
 
 
+@pytest.mark.cores("all")      # timing-sensitive: alone under pytest-xdist (tests/conftest.py)
 def test_subgroup_mismatch_ends_every_rank(tmp_path):
     """DeviceMesh(dp=2, tp=2): ranks 0, 1 disagree inside their tp group; ranks 2, 3
     wait in a world barrier and end too, naming the failing world ranks."""
@@ -204,3 +210,18 @@ def test_poll_has_a_deadline(monkeypatch):
     monkeypatch.setitem(watchdog._S, "timeout", 0.05)
     with pytest.raises(watchdog.CollectiveTimeoutError, match="did not complete within 0.05 s"):
         watchdog.poll(lambda: False)
+
+
+def test_flight_dumps_go_to_a_temp_dir_not_the_checkout(tmp_path):
+    """Without PDIST_FLIGHT_DIR (a student running exercise 10 by hand) the dumps go to
+    <tmp>/pdist-flight-<uid>, never the current directory, and the report names the file."""
+    tmp, here = tmp_path / "tmp", Path.cwd() / "pdist_flight_rank1.json"
+    tmp.mkdir()
+    before = here.stat().st_mtime if here.exists() else None
+    res = launch(2, W / "fail_cases.py", "exception", timeout=60, wrap=False,
+                 env={"PDIST_TIMEOUT": str(TIMEOUT), "PDIST_FLIGHT_DIR": None, "TMPDIR": str(tmp)})
+    f = ended(res, "exception")
+    dump = tmp / f"pdist-flight-{os.getuid()}" / "pdist_flight_rank1.json"
+    assert json.loads(dump.read_text())["rank"] == 1
+    assert f"flight recorder: {dump}" in f[1], f[1]
+    assert (here.stat().st_mtime if here.exists() else None) == before, "a dump was written to the cwd"

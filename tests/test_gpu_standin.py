@@ -28,6 +28,7 @@ FILES = [("tests/test_pipeline.py", None), ("tests/test_comm.py", "not harness_k
          ("tests/test_lessons_00.py", "not gradient_is_wrong"), ("tests/test_tensor_parallel.py", None)]
 
 
+@pytest.mark.cores(4)          # a whole test file in a subprocess: its jobs of up to 4 ranks
 @pytest.mark.parametrize("path,select", FILES, ids=[f for f, _ in FILES])
 def test_file_passes_on_the_standin(path, select):
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path] + (["-k", select] if select else [])

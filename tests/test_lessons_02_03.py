@@ -47,6 +47,8 @@ def test_lesson_03_three_ranks(tmp_path):
     out = tmp_path / "s.json"
     text = mpirun(3, L03, "--steps", "2", "--json", out, timeout=120)
     assert "PASS: 03_zero (stages [0, 1, 2, 3] on 3 ranks" in text, text
+    wide = [line for line in text.splitlines() if len(line) > 100]
+    assert not wide, f"lesson 03 prints lines over 100 characters: {wide}"
     s = json.loads(out.read_text())
     check_summary(s, "03_zero", 3, ["zero0", "zero1", "zero2", "zero3"], 2, "float32")
     for stage, r in enumerate(s["runs"]):

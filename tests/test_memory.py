@@ -74,7 +74,10 @@ def test_rss_peak_sees_a_freed_temporary_and_resets():
     if not memory.reset_rss_peak():
         pytest.skip("the RSS peak cannot be reset here (no /proc/self/clear_refs)")
     with memory.RSSPeak() as rp:
-        t = np.ones(8 << 20)                         # 64 MiB, freed inside the block
+        # 64 MiB in a mapping of its own (new pages, whatever free heap a long-lived pytest
+        # worker holds), every page touched, unmapped inside the block
+        t = host_memory.mapped_empty(8 << 20, np.float64)
+        t[:] = 1.0
         del t
     with memory.RSSPeak() as quiet:
         np.ones(10).sum()

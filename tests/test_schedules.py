@@ -113,3 +113,25 @@ def test_png(tmp_path):
     planned = sim.simulate(S.gpipe(3, 4))
     path = plot_timeline([planned, planned], ["a", "b"], str(tmp_path / "pp.png"))
     assert (tmp_path / "pp.png").stat().st_size > 1000 and path.endswith(".png")
+
+
+def test_measured_timeline_labels_every_span_and_aligns_its_time_axis():
+    """A measured timeline (seconds): each span starts with as much of its label as fits, so a
+    reader can tell the micro-batches apart, and the axis's ticks sit on the columns they name."""
+    p, m = 2, 4
+    planned = sim.simulate(S.one_f_one_b(p, m))
+    measured = [[(i, t0 * 1e-3, t1 * 1e-3) for i, t0, t1 in rank] for rank in planned]  # 1 t_f = 1 ms
+    end = max(t1 for rank in measured for _, _, t1 in rank)
+    text = ascii_timeline(measured, width=round(3 * end * 1e3), axis="ms")  # three columns per ms
+    rows = text.splitlines()
+    for row in rows[:p]:
+        for mb in range(m):
+            assert f"F{mb}" in row and f"B{mb}=" in row, row
+    ruler, times = rows[p], rows[p + 1]
+    left = len("stage 0 |")
+    assert ruler.index("+") == left and times.index("0") == left          # 0 ms under column 0
+    assert len(ruler) == left + round(3 * end * 1e3) + 1 == rows[0].rindex("|") + 1  # ends on the border
+    for tick in (c for c, ch in enumerate(ruler) if ch == "+"):
+        label = times[tick:].split()[0]
+        assert float(label) == pytest.approx((tick - left) / 3), (tick, label)
+    assert times.rstrip().endswith(" ms") and "one column = 0.33 ms" in text

@@ -51,7 +51,7 @@ class BatchMismatchError(CollectiveMismatchError):
 
 
 def default_on():
-    from pdist.engine.backend import env_flag
+    from pdist.engine.env import env_flag
     return env_flag("PDIST_CHECK_COLLECTIVES", True)
 
 
@@ -152,14 +152,33 @@ def _verdict(g, fp, error, describe, res):
     bad = [FIELDS[i] for i in range(K - 1) if hi[i] != lo[i]]
     fields = [_field_line(name, [(world[r], decode[name](f, d)) for r, (f, d, _, _) in enumerate(infos)])
               for name in bad]
-    lines = []
-    for r, (f, d, desc_r, err) in enumerate(infos):
-        who = f"rank {world[r]}" + ("" if g.name == "world" else f" ({g.name} rank {r})")
-        lines.append(f"  {who}: {OPS[f[0]]} #{f[1]} step {f[2]} {desc_r}" + (f"  <- {err}" if err else ""))
-    what = ("ranks disagree on " + ", ".join(bad)) if bad else "invalid arguments"
+    lines = _rank_lines(g, infos, bad)
+    what = _headline(bad, [(world[r], err) for r, (*_, err) in enumerate(infos)])
     if "batch" in bad and "step" not in bad:
         raise BatchMismatchError(_batch_headline(world, infos) + "\n" + f"{OPS[fp[0]]} #{fp[1]} on group "
                                  f"'{g.name}': {what}\n" + "".join(f"  {x}\n" for x in fields) + "\n".join(lines))
     raise CollectiveMismatchError(
         f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}' ({g.size} ranks, world ranks {world}): {what}\n"
         + "".join(f"  {x}\n" for x in fields) + "\n".join(lines))
+
+
+def _headline(bad, errors):
+    """What went wrong, first: the fields the ranks disagree on, else each rank's own error
+    ('rank 3: async all_reduce #34 ... was never waited on'), grouped by error."""
+    if bad:
+        return "ranks disagree on " + ", ".join(bad)
+    said = _by_value([(r, e) for r, e in errors if e])
+    return "; ".join(f"{_names(rs)}: {e}" for e, rs in said.items()) or "invalid arguments"
+
+
+def _rank_lines(g, infos, bad):
+    """One line per distinct (call, error), naming the ranks that made it: identical
+    fingerprints are one line 'ranks 0, 1, 2: all_reduce #36 step 5 size=...'; a rank's own
+    error follows its call unless the headline already gave it (no field differs)."""
+    calls = _by_value([(r, (f"{OPS[f[0]]} #{f[1]} step {f[2]} {desc}", err))
+                       for r, (f, _, desc, err) in enumerate(infos)])
+    lines = []
+    for (call, err), rs in calls.items():
+        who = _names([g.ranks[r] for r in rs]) + ("" if g.name == "world" else f" ({g.name} {_names(rs)})")
+        lines.append(f"  {who}: {call}" + ((f"  <- {err}" if bad else "  <- the error above") if err else ""))
+    return lines

@@ -3,8 +3,9 @@
 Each rank keeps its last ``PDIST_FLIGHT_RECORDER`` (64) collectives and
 point-to-point calls in a ring buffer (one small ``Entry`` per call, made by
 ``enter``); ``dump()`` writes them as JSON to ``pdist_flight_rank{r}.json`` in
-``PDIST_FLIGHT_DIR`` (default: the current directory) when a rank fails
-(failures.py). ``_cur[0]`` is the entry this rank works on now: what its waits
+``PDIST_FLIGHT_DIR`` (default: ``flight_dir()``, ``pdist-flight-<uid>`` in the system's
+temporary directory, never the checkout) when a rank fails (failures.py), and the failure
+report prints the file's absolute path. ``_cur[0]`` is the entry this rank works on now: what its waits
 belong to, and what the watchdog's roll-call reports (watchdog.py).
 
 Step stamps. ``set_step(k)`` sets a process-wide training-step number that
@@ -17,9 +18,10 @@ step's first collective; ``set_batch(0)`` ends it when the step's work is done.
 import collections
 import json
 import os
+import tempfile
 import time
 
-from pdist.engine.backend import env_number
+from pdist.engine.env import env_number
 
 _step = [0]
 _batch = [0]             # hash of this step's global batch (0: none stamped)
@@ -85,13 +87,28 @@ def flight():
     return [e.as_dict() for e in _flight]
 
 
+def flight_dir():
+    """Where the dumps go: ``PDIST_FLIGHT_DIR`` if set, else ``<tmp>/pdist-flight-<uid>``
+    (created, owner-only), the same on every rank of a node without any communication."""
+    d = os.environ.get("PDIST_FLIGHT_DIR")
+    if d:
+        return os.path.abspath(d)
+    uid = os.getuid() if hasattr(os, "getuid") else os.environ.get("USERNAME", "user")
+    d = os.path.join(tempfile.gettempdir(), f"pdist-flight-{uid}")
+    os.makedirs(d, mode=0o700, exist_ok=True)
+    return d
+
+
 def dump(reason, rank, timeout_s):
-    """Write this rank's flight recorder as JSON; returns the file's path."""
-    path = os.path.join(os.environ.get("PDIST_FLIGHT_DIR", "."), f"pdist_flight_rank{rank}.json")
+    """Write this rank's flight recorder as JSON (atomically: a temporary file, then
+    ``os.replace``); returns the file's absolute path, or why it was not written."""
     try:
-        with open(path, "w") as f:
+        path = os.path.join(flight_dir(), f"pdist_flight_rank{rank}.json")
+        tmp = f"{path}.{os.getpid()}.tmp"
+        with open(tmp, "w") as f:
             json.dump({"rank": rank, "step": _step[0], "reason": reason, "timeout_s": timeout_s,
                        "current": _cur[0].as_dict() if _cur[0] else None, "entries": flight()}, f, indent=1)
+        os.replace(tmp, path)
     except OSError as e:          # a read-only directory must not hide the real error
         return f"(not written: {e})"
     return path

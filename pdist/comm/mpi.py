@@ -36,7 +36,7 @@ from mpi4py import MPI  # noqa: E402
 
 from pdist.measure import trace  # noqa: E402
 from pdist.comm import watchdog  # noqa: E402
-from pdist.engine.backend import env_number  # noqa: E402
+from pdist.engine.env import env_number  # noqa: E402
 
 _state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
 
@@ -77,7 +77,7 @@ def setup(comm=None):
     Returns (threads, cooperative); threads is None when the user's setting stands."""
     if _state["cooperative"] is not None:
         return _state["limits_n"], _state["cooperative"]
-    from pdist.engine.backend import env_flag
+    from pdist.engine.env import env_flag
     cores, local = cores_available(), local_size(comm)
     threads = max(1, cores // local)
     if any(os.environ.get(v, "").strip() for v in USER_THREAD_VARS):

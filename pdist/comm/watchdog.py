@@ -52,7 +52,7 @@ _peers = {}              # world rank -> its latest control message
 def configure(timeout=None):
     """Start the watchdog (collective over COMM_WORLD: Dups the control channel).
     ``PDIST_TIMEOUT``, when set, wins over ``timeout``; default 600 s."""
-    from pdist.engine.backend import check_number, env_number
+    from pdist.engine.env import check_number, env_number
     env = env_number("PDIST_TIMEOUT", None, "number of seconds", 120)
     if env is not None:
         _S["timeout"] = float(env)

@@ -277,6 +277,6 @@ def warn_shared_cores(world):
     if ranks <= cores:
         return False
     if world.rank == 0:
-        print(f"note: {ranks} ranks share {cores} cores on this node: the timings below are shared-core "
-              f"timings (the checks are unaffected)", flush=True)
+        print(f"note: {ranks} ranks share {cores} cores on this node: shared-core timings below "
+              f"(the checks are unaffected)", flush=True)
     return True

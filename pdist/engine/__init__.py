@@ -1,6 +1,7 @@
 """The engine: arrays, autograd and the ops every model is made of.
 
     backend.py       xp = NumPy or CuPy (PDIST_DEVICE), to_numpy, dtype facts
+    env.py           PDIST_* environment variables, read by name and checked
     autograd.py      Tensor, Function, hooks, no_grad
     backprop.py      the backward walk: reverse topological order, gradient sums, leaves
     ops.py           the operators of Tensor (arithmetic, matmul, reductions), hand-derived backwards

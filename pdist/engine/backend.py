@@ -36,53 +36,6 @@ class _XP:
 xp = _XP()
 
 
-_TRUE, _FALSE = ("1", "true", "yes", "on"), ("0", "false", "no", "off")
-
-
-def env_flag(name, default):
-    """A boolean environment variable: 1/true/yes/on or 0/false/no/off (any case);
-    ``default`` when unset or empty. Anything else raises a ValueError that names
-    the variable and the values it accepts."""
-    raw = os.environ.get(name, "").strip().lower()
-    if raw == "":
-        return bool(default)
-    if raw in _TRUE:
-        return True
-    if raw in _FALSE:
-        return False
-    raise ValueError(f"{name}={os.environ[name]!r}: expected one of 0/1/false/true/no/yes/off/on")
-
-
-def env_number(name, default, what, example, integer=False, zero_ok=False):
-    """A numeric environment variable: ``default`` when unset or empty, else a finite number
-    > 0 (>= 0 with ``zero_ok``; an integer with ``integer``). Anything else (abc, nan, inf,
-    0, -1) raises a ValueError naming the variable, what it means and an example:
-    ``PDIST_TIMEOUT='abc': must be a positive number of seconds, e.g. PDIST_TIMEOUT=120``."""
-    raw = os.environ.get(name, "").strip()
-    if raw == "":
-        return default
-    return check_number(raw, f"{name}={os.environ[name]!r}", what, f"{name}={example}", integer, zero_ok)
-
-
-def check_number(value, label, what, example, integer=False, zero_ok=False):
-    """``value`` (a number or its text) as a finite number > 0 (>= 0 with ``zero_ok``; an int
-    with ``integer``), else a ValueError: ``{label}: must be a positive {what}, e.g. {example}``."""
-    import math
-    import numbers
-    sign = "non-negative" if zero_ok else "positive"
-    v = float("nan")
-    if isinstance(value, str):
-        text = value.strip()
-        try:
-            v = int(text) if integer and text.lstrip("+-").isdigit() else (v if integer else float(text))
-        except ValueError:
-            pass
-    elif isinstance(value, numbers.Real) and not isinstance(value, bool) and (
-            not integer or isinstance(value, numbers.Integral)):
-        v = value
-    if not (math.isfinite(v) and (v >= 0 if zero_ok else v > 0)):
-        raise ValueError(f"{label}: must be a {sign} {what}, e.g. {example}")
-    return v
 
 
 def local_rank():
@@ -180,18 +133,35 @@ def default_dtype():
     return _state["dtype"]
 
 
-try:
-    import ml_dtypes
-    bfloat16 = _np.dtype(ml_dtypes.bfloat16)
-except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
-    bfloat16 = None
+def _bfloat16():
+    """``numpy.dtype(ml_dtypes.bfloat16)``, or None without ml_dtypes. Imported on first use:
+    ml_dtypes' import costs about 0.6 s of CPU, paid by every rank of every job otherwise."""
+    if "bfloat16" not in _state:
+        try:
+            import ml_dtypes
+            _state["bfloat16"] = _np.dtype(ml_dtypes.bfloat16)
+        except ImportError:  # pragma: no cover - ml_dtypes is an install requirement
+            _state["bfloat16"] = None
+    return _state["bfloat16"]
 
-LOW_DTYPES = tuple(d for d in (bfloat16, _np.dtype(_np.float16)) if d is not None)
+
+def __getattr__(name):
+    """``backend.bfloat16`` and ``backend.LOW_DTYPES``, made on first access (PEP 562)."""
+    if name == "bfloat16":
+        return _bfloat16()
+    if name == "LOW_DTYPES":
+        return tuple(d for d in (_bfloat16(), _np.dtype(_np.float16)) if d is not None)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def is_low(dtype):
-    """True for the 2-byte floating dtypes (bfloat16, float16): mixed precision's parameters."""
-    return dtype in LOW_DTYPES
+    """True for the 2-byte floating dtypes (bfloat16, float16): mixed precision's parameters.
+    A bfloat16 dtype exists only once ml_dtypes is imported, so this never imports it."""
+    try:
+        dt = _np.dtype(dtype)
+    except TypeError:
+        return False
+    return dt == _np.float16 or dt.name == "bfloat16"
 
 
 def words(a):

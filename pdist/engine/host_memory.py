@@ -12,7 +12,8 @@ import sys
 
 import numpy as _np
 
-from pdist.engine.backend import env_flag, is_gpu, xp
+from pdist.engine.backend import is_gpu, xp
+from pdist.engine.env import env_flag
 
 MMAP_THRESHOLD = 32 << 20    # glibc's largest: arrays under 32 MiB come from the heap and are reused
 TRIM_THRESHOLD = 256 << 20   # the heap's free top is kept up to 256 MiB (activations, temporaries)

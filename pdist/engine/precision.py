@@ -48,7 +48,8 @@ import numpy as np
 
 from pdist.engine import functional as F
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine.backend import bfloat16, is_low, scatter_add, to_numpy, xp
+from pdist.engine import backend
+from pdist.engine.backend import is_low, scatter_add, to_numpy, xp
 from pdist.engine.grad_rounding import (FullGradAccumulator, FullPartialGrads, FullPipelineGrads, GradAccumulator,
                                         PartialGrads, PipelineGrads)
 from pdist.engine.index_checks import check_indices
@@ -60,9 +61,10 @@ def low_dtype(precision):
     """The parameters' dtype of a precision name: None for "fp32" (the model's own)."""
     if precision not in PRECISIONS:
         raise ValueError(f"precision must be one of {PRECISIONS}, got {precision!r}")
-    if precision == "bf16" and bfloat16 is None:  # pragma: no cover
+    if precision == "bf16" and backend.bfloat16 is None:  # pragma: no cover
         raise ImportError("precision='bf16' needs the ml_dtypes package (pip install ml_dtypes)")
-    return {"fp32": None, "bf16": bfloat16, "fp16": np.dtype(np.float16)}[precision]
+    return {"fp32": None, "bf16": backend.bfloat16 if precision == "bf16" else None,
+            "fp16": np.dtype(np.float16)}[precision]
 
 
 def cast_module(module, precision):
@@ -202,7 +204,9 @@ class MixedPrecisionPolicy(FullPrecisionPolicy):
     dtype, the gradients' sums (micro-batches, ranks, sequence shards, a tied embedding) in
     fp32 and rounded once, where one process rounds (the module docstring)."""
 
-    def __init__(self, param_dtype=bfloat16):
+    def __init__(self, param_dtype="bfloat16"):
+        if isinstance(param_dtype, str) and param_dtype == "bfloat16":
+            param_dtype = backend.bfloat16        # ml_dtypes, imported on first use
         dt = np.dtype(param_dtype) if param_dtype is not None else None
         if dt is None or not is_low(dt):
             raise ValueError(f"MixedPrecisionPolicy(param_dtype={param_dtype!r}): param_dtype must be bfloat16 "
@@ -246,6 +250,14 @@ def any_nonfinite(arrays):
     return bool(checks) and not bool(to_numpy(xp.stack(checks).all()))
 
 
-__all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "unrounded", "linear",
+# bfloat16 comes from __getattr__ below (ml_dtypes imported on first use)
+__all__ = ["PRECISIONS", "bfloat16", "low_dtype", "is_low", "cast_module", "weight", "unrounded", "linear",  # noqa: F822
            "embedding", "FullPrecisionPolicy", "MixedPrecisionPolicy", "FULL_PRECISION", "policy_for", "policy_of",
            "GradAccumulator", "any_nonfinite"]
+
+
+def __getattr__(name):
+    """``precision.bfloat16``: the backend's, made on first access (PEP 562)."""
+    if name == "bfloat16":
+        return backend.bfloat16
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -42,7 +42,8 @@ import collections
 import json
 import time
 
-from pdist.engine.backend import device_event, elapsed_seconds, env_flag, env_number, synchronize
+from pdist.engine.backend import device_event, elapsed_seconds, synchronize
+from pdist.engine.env import env_flag, env_number
 from pdist.measure import hooks
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}

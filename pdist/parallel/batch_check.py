@@ -14,7 +14,7 @@ a lesson's 16 x 32 int64 tokens; docs/failures.md), on the host (a device array 
 import functools
 
 from pdist.comm.flight_recorder import batch_hash
-from pdist.engine.backend import env_flag
+from pdist.engine.env import env_flag
 
 
 def batch_default():

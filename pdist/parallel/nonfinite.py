@@ -7,7 +7,8 @@ learns of it in the same step; only then, on this rare path, do the ranks gather
 what and raise one ``NonFiniteError`` naming the step, the ranks and the parameters.
 """
 from pdist import comm
-from pdist.engine.backend import env_flag, xp
+from pdist.engine.backend import xp
+from pdist.engine.env import env_flag
 from pdist.errors import NonFiniteError
 from pdist.optim import nonfinite_report
 

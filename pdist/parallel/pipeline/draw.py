@@ -26,10 +26,39 @@ def _computes(spans):
     return [[(i, s, e) for i, s, e in rank if i.op in COMPUTE] for rank in spans]
 
 
-def ascii_timeline(spans, width=None, cols_per_unit=None, legend=True):
-    """Text picture of a timeline. Planned timelines (unit costs) get
-    ``cols_per_unit`` columns per t_f (default: wide enough for the labels);
-    measured ones are scaled to ``width`` columns (default 100)."""
+def _draw_span(row, c0, c1, text, fill, clip):
+    """Columns [c0, c1) of ``row``: the label then the fill. A span narrower than its label gets
+    only the fill, or with ``clip`` as much of the label as fits ('F', 'B3' for 'B3b')."""
+    shown = text if c1 - c0 >= len(text) else text[:c1 - c0] if clip else ""
+    for c in range(c0, c1):
+        row[c] = shown[c - c0] if c - c0 < len(shown) else fill
+
+
+def time_axis(end, ncols, unit="ms", per_unit=1e3, indent=9):
+    """Two lines under a measured timeline: a ruler with '+' at round times and the times in
+    ``unit`` (seconds * ``per_unit``) starting at their column. ``end`` seconds span ``ncols``."""
+    total = end * per_unit
+    step = next((m * 10 ** k for k in range(-3, 7) for m in (1, 2, 5) if total / (m * 10 ** k) <= 8),
+                total or 1.0)
+    ticks = [i * step for i in range(int(total / step) + 1)]
+    ruler, labels = ["-"] * (ncols + 1), [" "] * (ncols + 12)
+    free = 0
+    for t in ticks:
+        c = min(ncols, round(t / total * ncols)) if total else 0
+        ruler[c] = "+"
+        text = f"{t:g}" + (f" {unit}" if t == ticks[-1] else "")
+        if c >= free:
+            labels[c:c + len(text)] = text
+            free = c + len(text) + 1
+    return (" " * indent + "".join(ruler) + "\n"
+            + " " * indent + "".join(labels).rstrip())
+
+
+def ascii_timeline(spans, width=None, cols_per_unit=None, legend=True, axis=None):
+    """Text picture of a timeline, one row per stage. Planned timelines (unit costs) get
+    ``cols_per_unit`` columns per t_f (default: wide enough for the labels); measured ones
+    (seconds) are scaled to ``width`` columns (default 100), every span starts with as much
+    of its label as fits, and ``axis="ms"`` adds a time axis aligned with the columns."""
     spans = _computes(spans)
     v = 1 + max((i.chunk for r in spans for i, _, _ in r), default=0)
     end = max((e for r in spans for _, _, e in r), default=0.0) or 1.0
@@ -44,13 +73,16 @@ def ascii_timeline(spans, width=None, cols_per_unit=None, legend=True):
         for ins, t0, t1 in rank:
             c0 = min(ncols - 1, round(t0 * scale))
             c1 = max(c0 + 1, min(ncols, round(t1 * scale)))
-            text = label(ins, v)
-            for c in range(c0, c1):
-                row[c] = text[c - c0] if c - c0 < len(text) and c1 - c0 > len(text) - 1 else FILL[ins.op]
+            _draw_span(row, c0, c1, label(ins, v), FILL[ins.op], clip=not cols_per_unit)
         lines.append(f"stage {s} |{''.join(row)}| idle {idle[s]:5.1%}")
+    if axis:
+        lines.append(time_axis(end, ncols, unit=axis, per_unit={"s": 1, "ms": 1e3, "us": 1e6}[axis]))
     if legend:
         lines.append(f"{'':8}F<mb> forward ('-'), B<mb> backward ('='), '.' idle"
                      + ("; letter = model chunk" if v > 1 else ""))
+        if not cols_per_unit:
+            lines.append(f"{'':8}one column = {end / ncols * 1e3:.2g} ms; a span narrower than its "
+                         "label shows what fits ('F', 'B')")
     return "\n".join(lines)
 
 
