@@ -150,10 +150,22 @@ def test_one_step_reads_the_device_twice_and_traces_device_time():
             "dev = [e for e in trace.events() if e['cat'] == 'device']\n"
             "assert sorted({e['name'] for e in dev}) == ['backward', 'forward'] and len(dev) == 8, dev\n"
             "assert all(e['end'] >= e['start'] for e in dev)\n"
+            "m.check_finite = False\n"
+            "r0 = cupy.host_reads[0]\n"
+            "m.forward_backward(x, y)\n"
+            "unchecked = cupy.host_reads[0] - r0\n"
+            "m.check_finite = True\n"
+            "from pdist.comm.flight_recorder import batch_hash\n"
+            "r0 = cupy.host_reads[0]\n"
+            "h = batch_hash(x, y)\n"
+            "assert cupy.host_reads[0] - r0 == 1, 'batch_hash copied the batch'\n"
+            "x2 = x.copy(); x2[3, 4] += 1\n"
+            "assert h == batch_hash(x.copy(), y) and h != batch_hash(x2, y) and h != batch_hash(y, x)\n"
             "bad = cupy.asarray(np.where(np.arange(64).reshape(8, 8) == 5, 50, 1))\n"
             "try:\n    m.forward_backward(bad, y)\n"
             "except IndexError as e:\n    assert 'embedding index out of range: values span [1, 50]' in str(e), e\n"
             "else:\n    raise SystemExit('no IndexError for token id 50 of 50')\n"
-            "print('reads', reads)\n")
+            "print('reads', reads, unchecked)\n")
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
-    assert p.stdout.strip() == "reads 2", p.stdout + p.stderr[-3000:]
+    # 2 reads: the id checks and the losses; check_finite (on by default) adds its one flag
+    assert p.stdout.strip() == "reads 3 2", p.stdout + p.stderr[-3000:]

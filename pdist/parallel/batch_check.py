@@ -8,7 +8,8 @@ depends on what the process imported) trains a silently wrong model. So the oute
 collective check (pdist/comm/check.py) compares it at every collective of the step: a
 difference raises ``BatchMismatchError`` on every rank of the group, naming the ranks and what
 ``get_batch`` must return. Cost: one blake2b pass over the batch's bytes per step (14 us for
-a lesson's 16 x 32 int64 tokens; docs/failures.md), on the host (a device array is copied).
+a lesson's 16 x 32 int64 tokens; docs/failures.md), on the host (a device array is folded on the device and
+only its 32-byte sums are copied: flight_recorder.batch_hash).
 ``PDIST_CHECK_BATCH=0`` or ``model.check_batch = False`` turns it off.
 """
 import functools
