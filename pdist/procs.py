@@ -7,8 +7,8 @@ Contract:
   ``max_output`` bytes: the first half and the last half, with one line in between
   saying how many bytes were dropped. ``None`` keeps everything.
 * Every launch puts ``PDIST_LAUNCH_MARK=<random>`` in its environment. Every process
-  it starts inherits it, ``setsid`` children included (a new session does not change
-  the environment). ``kill_marked(mark)`` SIGKILLs every process whose
+  it starts inherits it, including children that call ``setsid()`` (leaving the process
+  group does not change the environment). ``kill_marked(mark)`` SIGKILLs every process whose
   ``/proc/<pid>/environ`` holds that marker, until none is left.
 * ``child_subreaper()`` makes this process the one that orphans of its descendants are
   reparented to (``PR_SET_CHILD_SUBREAPER``), so a process that also scrubbed its

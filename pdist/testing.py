@@ -67,10 +67,11 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
     ``env``, a value of None removes that variable. ``max_output`` (bytes) keeps only
     the first and last halves of the output (None: all of it).
 
-    No process outlives the call: the launch runs in its own session; when it ends (or
-    at ``timeout``) its process group and every process carrying its marker
-    (``pdist.procs``: ``setsid`` children included) are SIGKILLed, so a child that
-    holds the output pipe cannot keep the caller waiting. SIGTERM/SIGINT/SIGHUP of the
+    No process outlives the call: mpiexec starts as the leader of a new process group
+    (``start_new_session``); when it ends (or at ``timeout``) that group and every
+    process carrying its marker (``pdist.procs``, children that called ``setsid()``
+    included) are SIGKILLed, so a child that holds the output pipe cannot keep the
+    caller waiting. SIGTERM/SIGINT/SIGHUP of the
     caller kill every live launch first; a SIGKILLed caller takes ``mpiexec`` down by
     ``PR_SET_PDEATHSIG``."""
     from pdist import procs

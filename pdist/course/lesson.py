@@ -9,7 +9,7 @@ import argparse
 import json
 import sys
 
-from pdist.course.summary import json_path_problem, write_json_atomic
+from pdist.course.summary import cannot_create_in, json_path_problem, write_json_atomic
 
 
 TIMEOUT = 120     # s: a lesson's collectives wait this long at most (PDIST_TIMEOUT, when set, wins)
@@ -252,19 +252,12 @@ def dir_problem(path):
     """Why ``path`` cannot hold the files a lesson writes there, or None: an existing path
     must be a writable directory; a new one needs a writable parent (it is created)."""
     import os
-    import tempfile
     target = path if os.path.exists(path) else os.path.dirname(os.path.abspath(path))
     if os.path.exists(path) and not os.path.isdir(path):
         return "exists and is not a directory"
     if not os.path.isdir(target):
         return f"its parent directory {target} does not exist"
-    try:
-        fd, probe = tempfile.mkstemp(dir=target, prefix=".pdist-probe-")
-    except OSError as e:
-        return f"cannot create a file in {target} ({e.strerror or e})"
-    os.close(fd)
-    os.unlink(probe)
-    return None
+    return cannot_create_in(target)
 
 
 def warn_shared_cores(world):

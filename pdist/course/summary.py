@@ -14,6 +14,12 @@ def json_path_problem(path):
         return "is a directory"
     if not os.path.isdir(d):
         return f"directory {d} does not exist"
+    return cannot_create_in(d)
+
+
+def cannot_create_in(d):
+    """Why no file can be created in the existing directory ``d`` (a probe is made and
+    removed), or ``None``."""
     try:
         fd, probe = tempfile.mkstemp(dir=d, prefix=".pdist-probe-")
     except OSError as e:
