@@ -87,6 +87,8 @@ def _compute_dtype(p):
 class Cast(Function):
     """y = x in ``dtype``; dx = g in x's dtype (a low-precision parameter's gradient
     is rounded to it here), or in g's own dtype with ``keep`` (``unrounded``)."""
+    param_view = True     # an upcast weight is a weight (split backward, backprop.py)
+
     def forward(self, x, dtype, keep=False):
         self.src, self.keep = x.dtype, keep
         return x.astype(dtype)
