@@ -105,3 +105,9 @@ def test_w_holds_what_dw_needs_and_runs_once():
         w.run()
     with pytest.raises(ValueError, match="defer_weights=True"):
         (lin(x) ** 2).sum().backward(inputs=[x])
+    w = Tensor(np.ones((8, 3)), requires_grad=True)          # a MatMul with a weight: its W holds x, not w
+    loss = ((x @ w) ** 2).sum()
+    held = loss.backward(defer_weights=True, inputs=[x])
+    assert held.nbytes == 8 * (4 * 8 + 4 * 3) and w.grad is None
+    held.run()
+    assert np.array_equal(w.grad, 2 * x.data.T @ (x.data @ w.data))

@@ -4,7 +4,8 @@
 One real mpiexec launch per world size (tests/workers/zero_bubble.py loops over its
 cases and reports each): at 2 and 4 ranks every new schedule with p = the world size and
 m = p and 2p, for GPT-2 (tied embedding) and Llama; at 4 ranks also dp 2 x pp 2 for every
-schedule and both models, tp 2 (+SP) x pp 2, and ZeRO-1 and ZeRO-2 x pp 2. Every case
+schedule and both models, tp 2 (+SP) x pp 2, and ZeRO-1 and ZeRO-2 x pp 2; at 2 ranks
+two with recompute (selective, full). The peak stash per rank is the planned one. Every case
 must have held memory between B and W and released it. Then the layouts that do not
 compose are refused on every rank with the reason: ZeRO-3 with a pipeline, and bf16 with
 a tied embedding on a V-shaped schedule (rank 0 would round the embedding's and the
@@ -22,6 +23,9 @@ def _expected(n):
     """The case names the worker must report, each from every rank."""
     names = [f"{mod} dp=1 tp=1 pp={n} zero=0 sp=False {s} m={m}" for s in SCHEDULES for m in (n, 2 * n)
              for mod in ("gpt2", "llama")]
+    if n == 2:
+        names += ["gpt2 dp=1 tp=1 pp=2 zero=0 sp=False zb-h1 m=2 recompute=selective",
+                  "llama dp=1 tp=1 pp=2 zero=0 sp=False zb-v m=2 recompute=full"]
     if n == 4:
         names += [f"{mod} dp=2 tp=1 pp=2 zero=0 sp=False {s} m=2" for s in SCHEDULES for mod in ("gpt2", "llama")]
         names += ["gpt2 dp=1 tp=2 pp=2 zero=0 sp=True zb-v m=2", "llama dp=2 tp=1 pp=2 zero=1 sp=False zb-h1 m=4",

@@ -143,15 +143,19 @@ class WeightGradients:
 
     @property
     def nbytes(self):
-        bufs = {}
+        """Bytes of the distinct buffers W holds: the dL/dy of each deferred op, what its
+        forward saved (a Linear's input), the weight gradients held; not the weights."""
+        bufs, weights = {}, {}
         for task in self.tasks:
             if task[0] == _INNER:
                 continue
             if task[0] in (_CALL, _NODE):
                 ctx = task[2] if task[0] == _NODE else task[1]
                 _buffers([v for k, v in vars(ctx).items() if k != "parents"], bufs)
+                _buffers([p.data for p in ctx.parents if p is not None], weights)
             _buffers(task[2] if task[0] == _CALL else task[3] if task[0] == _HELD else (), bufs)
-        return sum(int(b.nbytes) for b in bufs.values()) + sum(t[1].nbytes for t in self.tasks if t[0] == _INNER)
+        own = sum(int(b.nbytes) for k, b in bufs.items() if k not in weights)
+        return own + sum(t[1].nbytes for t in self.tasks if t[0] == _INNER)
 
     def join(self, inner):
         """A checkpoint's inner split backward: its W runs here, at its place in B's order."""

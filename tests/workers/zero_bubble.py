@@ -8,7 +8,8 @@ one training loop (``pdist.training.train``) on a ``parallelize``d model, the sa
 batches as one process. Checked on every rank: the loss of every step and every piece of
 every parameter and of Adam's m and v in ``sharded_state_dict`` against the same box of
 the single-process tensors (rtol 1e-9, shard by shard); the split backward held memory
-between B and W (``peak_held_w_bytes`` > 0) and left nothing behind. Reported: one
+between B and W (``peak_held_w_bytes`` > 0) and left nothing behind, and the peak stash
+per rank is the one ``check_schedule`` plans. Reported: one
 JSON line per case and rank. Then the refusals: ZeRO-3 with a zero-bubble schedule, and
 bf16 with a tied embedding on a V-shaped one, raise on every rank before any collective.
 """
@@ -21,6 +22,8 @@ from pdist.models.llama import Llama, LlamaConfig
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
 from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
+from pdist.parallel.pipeline.schedules import make_schedule
+from pdist.parallel.pipeline.simulate import check_schedule
 from pdist.testing import report
 from pdist.training import train
 
@@ -32,20 +35,23 @@ tokens, _ = data.char_dataset(20_000)
 batch = data.batch_fn(tokens, B, T, SEED, 96)
 
 
-def config(name, n_layer):
+def config(name, n_layer, recompute="none"):
     if name == "gpt2":
-        return GPTConfig(vocab_size=96, block_size=T, n_layer=n_layer, n_head=2, n_embd=16, dtype="float64")
+        return GPTConfig(vocab_size=96, block_size=T, n_layer=n_layer, n_head=2, n_embd=16, dtype="float64",
+                         recompute=recompute)
     return LlamaConfig(vocab_size=96, block_size=T, n_layer=n_layer, n_head=2, n_kv_head=1, n_embd=16,
-                       intermediate_size=32, dtype="float64")
+                       intermediate_size=32, dtype="float64", recompute=recompute)
 
 
-def make(name, n_layer):
-    return (GPT if name == "gpt2" else Llama)(config(name, n_layer), SEED)
+def make(name, n_layer, recompute="none"):
+    return (GPT if name == "gpt2" else Llama)(config(name, n_layer, recompute), SEED)
 
 
 def cases(n):
-    """(model, dp, tp, pp, zero, sp, schedule, m) of this world size."""
+    """(model, dp, tp, pp, zero, sp, schedule, m, recompute) of this world size."""
     out = [(mod, 1, 1, n, 0, False, s, m) for s in ZB for m in (n, 2 * n) for mod in ("gpt2", "llama")]
+    if n == 2:                                     # recompute: a checkpoint's inner backward split too
+        out += [("gpt2", 1, 1, 2, 0, False, "zb-h1", 2, "selective"), ("llama", 1, 1, 2, 0, False, "zb-v", 2, "full")]
     if n == 4:
         out += [(mod, 2, 1, 2, 0, False, s, 2) for s in ZB for mod in ("gpt2", "llama")]       # dp x pp
         out += [("gpt2", 1, 2, 2, 0, True, "zb-v", 2),                                          # tp(+SP) x pp
@@ -97,12 +103,13 @@ def check(shards, ref_sd, ref_state, what):
 
 
 def run(case):
-    name, dp, tp, pp, zero, sp, sched, m = case
+    name, dp, tp, pp, zero, sp, sched, m, rc = case + ("none",) * (9 - len(case))
     what = f"{name} dp={dp} tp={tp} pp={pp} zero={zero} sp={sp} {sched} m={m}"
+    what += f" recompute={rc}" if rc != "none" else ""
     n_layer = 2 * pp                                     # V = 2p virtual stages for the V-shaped ones
     ref_losses, ref_sd, ref_state = reference(name, n_layer)
     mesh = mesh_of(dp, tp, pp)
-    model = parallelize(make(name, n_layer), mesh, zero_stage=zero, sequence_parallel=sp, schedule=sched,
+    model = parallelize(make(name, n_layer, rc), mesh, zero_stage=zero, sequence_parallel=sp, schedule=sched,
                         microbatches=m)
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = train(model, opt, batch, STEPS)
@@ -110,6 +117,9 @@ def run(case):
     checked = check(model.sharded_state_dict(opt), ref_sd, ref_state, what)
     pipe = model.find(PipelineParallel)
     assert pipe.peak_held_w_bytes > 0 and pipe.peak_held_w >= 1 and not pipe._held_w, what
+    assert not pipe._stash and not pipe._recvs and not pipe._grads, f"{what}: stash not freed"
+    planned = check_schedule(make_schedule(sched, pp, m), m)[pipe.pp_rank]
+    assert pipe.peak_stash == planned, f"{what}: stashed {pipe.peak_stash} (mb, chunk), the plan says {planned}"
     report(rank=world.rank, case=what, checked=checked, chunks=pipe.num_chunks, placement=pipe.placement,
            peak_stash=pipe.peak_stash, peak_held_w=pipe.peak_held_w, peak_held_w_bytes=pipe.peak_held_w_bytes)
 

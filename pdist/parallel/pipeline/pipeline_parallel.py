@@ -228,7 +228,7 @@ class PipelineParallel(ParallelModule):
             if self._scale != 1.0:
                 out = out * self._scale              # backward on l S/m (bf16/fp16: l S, S a power of two)
         self._stash[(mb, c)] = (x, out)
-        self.peak_stash = max(self.peak_stash, len(self._stash))
+        self.peak_stash = max(self.peak_stash, len(self._stash) + len(self._held_w))   # W reads its stash too
         self._done(ins, t0, e0)
 
     def _backward(self, ins):

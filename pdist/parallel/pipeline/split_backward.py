@@ -14,9 +14,10 @@ for bit the whole BACKWARD, so every schedule keeps the gradient sums of one pro
 The precision keeper's per-micro-batch step (``after_backward``) follows W, when the
 micro-batch's weight gradients are complete.
 
-Recorded per step: ``peak_stash`` (micro-batch chunks between F and B, as for every
-schedule), ``peak_held_w`` (between B and W) and ``peak_held_w_bytes`` (the bytes those
-hold: the memory a zero-bubble schedule trades for its bubble).
+Recorded per step: ``peak_stash``, the most (micro-batch, chunk) forwarded and not yet
+through their BACKWARD or W (what ``simulate.check_schedule`` plans: W reads what B
+kept), ``peak_held_w``, the most between B and W, and ``peak_held_w_bytes``, the bytes
+those hold (W's part only: the memory a zero-bubble schedule trades for its bubble).
 """
 from pdist.engine.backend import xp
 from pdist.measure import trace
