@@ -7,9 +7,9 @@ m = p and 2p, for GPT-2 (tied embedding) and Llama; at 4 ranks also dp 2 x pp 2 
 schedule and both models, tp 2 (+SP) x pp 2, and ZeRO-1 and ZeRO-2 x pp 2; at 2 ranks
 two with recompute (selective, full). The peak stash per rank is the planned one. Every case
 must have held memory between B and W and released it. Then the layouts that do not
-compose are refused on every rank with the reason: ZeRO-3 with a pipeline, and bf16 with
-a tied embedding on a V-shaped schedule (rank 0 would round the embedding's and the
-head's gradient parts apart).
+compose are refused on every rank with the reason: ZeRO-3 with a pipeline, and a V-shaped
+schedule with other than 2 chunks per rank. (bf16/fp16 under these schedules, bit for
+bit: tests/test_precision.py.)
 """
 import pytest
 
@@ -47,4 +47,4 @@ def test_zero_bubble_schedules_equal_one_process(n):
     refused = {(r["refused"], r["rank"]): r["error"] for r in got if "refused" in r}
     for rank in range(n):
         assert "ZeRO-3" in refused[("zb-h1", rank)] and "zero_stage <= 2" in refused[("zb-h1", rank)]
-        assert "precision='fp32'" in refused[("zb-v", rank)]
+        assert "zb-v" in refused[("zb-v", rank)]

@@ -184,10 +184,11 @@ class FullPrecisionPolicy:
         zero_grad, ``finish(tp_group)`` in finish_grad_sync."""
         return FullPartialGrads(params)
 
-    def pipeline_grads(self, params, tied, ends, microbatches):
-        """A pipeline stage's keeper: ``backward_scale(S)``, ``after_backward(k)`` after each
-        BACKWARD of virtual stage k, ``finish()`` when the schedule ends, ``sync_tied(group)``
-        for the tied copies ``tied`` used by the virtual stages ``ends``."""
+    def pipeline_grads(self, params, tied, ends, microbatches, local_tied=()):
+        """A pipeline stage's keeper: ``backward_scale(S)``, ``after_backward(k, mb)`` after each
+        BACKWARD (or W) of micro-batch mb at virtual stage k, ``finish()`` when the schedule
+        ends, ``sync_tied(group)`` for the tied copies ``tied`` used by the virtual stages
+        ``ends``; ``local_tied``: tied weights both of whose ends are on this rank."""
         return FullPipelineGrads(tied, microbatches)
 
     def __eq__(self, other):
@@ -226,8 +227,8 @@ class MixedPrecisionPolicy(FullPrecisionPolicy):
     def partial_grads(self, params):
         return PartialGrads(params)
 
-    def pipeline_grads(self, params, tied, ends, microbatches):
-        return PipelineGrads(params, tied, ends, microbatches)
+    def pipeline_grads(self, params, tied, ends, microbatches, local_tied=()):
+        return PipelineGrads(params, tied, ends, microbatches, local_tied)
 
 
 FULL_PRECISION = FullPrecisionPolicy()

@@ -100,10 +100,8 @@ class PipelineParallel(ParallelModule):
             raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
         partition_layers(len(get(self.module, pplan.blocks)), self.num_virtual_stages, partition)  # raise now
         self.chunks, self.tied = stage_chunks(self.module, pplan, g.size, g.rank, chunks, partition, self.placement)
-        if self.placement == "v" and pplan.tied and self.policy.precision != "fp32":
-            raise ValueError(f"pipeline: schedule {schedule!r} puts the embedding and the tied head on rank 0, "
-                             f"where {self.policy.precision} would round their gradient parts apart (one process "
-                             "rounds their sum): use precision='fp32', or schedule='zb-h1' for a tied model")
+        both = self.pp_is_first_stage and self.pp_is_last_stage and V > 1     # "v": rank 0, embedding + head
+        self.local_tied = [get(self.module, src) for src in pplan.tied.values()] if both else []
         self.loss_fn = loss_fn or (get(self.module, pplan.loss) if self.pp_is_last_stage else None)
         shards = self.inner.seq_shards
         self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, pplan.hidden))
@@ -148,7 +146,7 @@ class PipelineParallel(ParallelModule):
         self.losses, self.timeline, self.peak_stash, self._held_w = [], [], 0, {}
         self.peak_held_w = self.peak_held_w_bytes = 0
         self._keeper = self.policy.pipeline_grads(self.inner.parameters(), self.tied,
-                                                  (0, self.num_virtual_stages - 1), m)
+                                                  (0, self.num_virtual_stages - 1), m, self.local_tied)
         self._scale = self._keeper.backward_scale(loss_scale)   # fp32: S/m; bf16/fp16: S (fp32 sums)
         if self.record_timeline:
             self.group.barrier()
@@ -239,7 +237,7 @@ class PipelineParallel(ParallelModule):
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
-        self._keeper.after_backward(k)               # bf16/fp16: this micro-batch's grads into fp32 sums
+        self._keeper.after_backward(k, mb)           # bf16/fp16: this micro-batch's grads into fp32 sums
         self._done(ins, t0, e0)
 
     def _done(self, ins, t0, e0):

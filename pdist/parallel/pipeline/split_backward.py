@@ -48,7 +48,7 @@ def backward_weight(pipe, ins):
                            f"{mb}, chunk {c}; the schedule must put each W after its B (check_schedule)")
     t0, e0 = trace.now(), trace.device_mark()
     held.run()
-    pipe._keeper.after_backward(k)                      # bf16/fp16: this micro-batch's grads into fp32 sums
+    pipe._keeper.after_backward(k, mb)                    # bf16/fp16: this micro-batch's grads into fp32 sums
     pipe._done(ins, t0, e0)
 
 
