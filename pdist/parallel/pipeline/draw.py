@@ -11,15 +11,27 @@ message, idle) is the bubble and is drawn empty.
     stage 0 |F0 F1 F2 F3 ......B0    F4 B1    F5 ...
     plot_timeline([planned, measured], ["planned", "measured"], "pp.png")  # needs matplotlib
 """
-from pdist.parallel.pipeline.schedules import BACKWARD, COMPUTE, FORWARD
+from pdist.parallel.pipeline.schedules import BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, COMPUTE, FORWARD
 from pdist.parallel.pipeline.simulate import bubble_fraction
 
-FILL = {FORWARD: "-", BACKWARD: "="}
+FILL = {FORWARD: "-", BACKWARD: "=", BACKWARD_INPUT: "~", BACKWARD_WEIGHT: "+"}
+LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}   # PyTorch's letters
+COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#55A868"}
+NAMES = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "input grads (the paper's B)",
+         BACKWARD_WEIGHT: "weight grads (W)"}
 
 
 def label(ins, v=1):
-    """'F3' / 'B3'; with v > 1 chunks the chunk as a letter: 'F3a', 'B3b'."""
-    return f"{ins.op[0]}{ins.mb}" + (chr(ord("a") + ins.chunk) if v > 1 else "")
+    """'F3' forward, 'B3' whole backward, 'I3' its input-gradient half (the zero-bubble paper's
+    B), 'W3' its weight half (torch.distributed.pipelining's letters); with v > 1 chunks the
+    chunk as a letter: 'F3a', 'I3b'."""
+    return f"{LETTER[ins.op]}{ins.mb}" + (chr(ord("a") + ins.chunk) if v > 1 else "")
+
+
+def _legend(spans):
+    """The legend line's entries for the ops that occur: "F<mb> forward ('-'), ..."."""
+    ops = [op for op in COMPUTE if any(i.op == op for r in spans for i, _, _ in r)] or [FORWARD, BACKWARD]
+    return ", ".join(f"{LETTER[op]}<mb> {NAMES[op]} ('{FILL[op]}')" for op in ops)
 
 
 def _computes(spans):
@@ -78,7 +90,7 @@ def ascii_timeline(spans, width=None, cols_per_unit=None, legend=True, axis=None
     if axis:
         lines.append(time_axis(end, ncols, unit=axis, per_unit={"s": 1, "ms": 1e3, "us": 1e6}[axis]))
     if legend:
-        lines.append(f"{'':8}F<mb> forward ('-'), B<mb> backward ('='), '.' idle"
+        lines.append(f"{'':8}{_legend(spans)}, '.' idle"
                      + ("; letter = model chunk" if v > 1 else ""))
         if not cols_per_unit:
             lines.append(f"{'':8}one column = {end / ncols * 1e3:.2g} ms; a span narrower than its "
@@ -98,7 +110,6 @@ def plot_timeline(timelines, titles, path, unit="t_f"):
     units = unit if isinstance(unit, (list, tuple)) else [unit] * len(timelines)
     fig, axes = plt.subplots(len(timelines), 1, figsize=(12, 1.2 + 0.5 * sum(len(t) for t in timelines)),
                              squeeze=False)
-    colors = {FORWARD: "#4C72B0", BACKWARD: "#DD8452"}
     for ax, spans, title, u in zip(axes[:, 0], timelines, titles, units):
         spans = _computes(spans)
         v = 1 + max((i.chunk for r in spans for i, _, _ in r), default=0)
@@ -106,7 +117,7 @@ def plot_timeline(timelines, titles, path, unit="t_f"):
         idle = bubble_fraction(spans)
         for s, rank in enumerate(spans):
             for ins, t0, t1 in rank:
-                ax.broken_barh([(t0, t1 - t0)], (s - 0.4, 0.8), facecolors=colors[ins.op],
+                ax.broken_barh([(t0, t1 - t0)], (s - 0.4, 0.8), facecolors=COLORS[ins.op],
                                alpha=1.0 - 0.45 * ins.chunk / max(1, v - 1), edgecolor="white")
                 if (t1 - t0) / end > 0.012 * len(label(ins, v)):
                     ax.text((t0 + t1) / 2, s, label(ins, v), ha="center", va="center", fontsize=7, color="white")
