@@ -5,7 +5,7 @@ One real mpiexec launch per world size (tests/workers/zero_bubble.py loops over 
 cases and reports each): at 2 and 4 ranks every new schedule with p = the world size and
 m = p and 2p, for GPT-2 (tied embedding) and Llama; at 4 ranks also dp 2 x pp 2 for every
 schedule and both models, tp 2 (+SP) x pp 2, and ZeRO-1 and ZeRO-2 x pp 2; at 2 ranks
-two with recompute (selective, full). The peak stash per rank is the planned one. Every case
+two with recompute (selective, full) and one built on device="meta". The peak stash per rank is the planned one. Every case
 must have held memory between B and W and released it. Then the layouts that do not
 compose are refused on every rank with the reason: ZeRO-3 with a pipeline, and a V-shaped
 schedule with other than 2 chunks per rank. (bf16/fp16 under these schedules, bit for
@@ -25,7 +25,8 @@ def _expected(n):
              for mod in ("gpt2", "llama")]
     if n == 2:
         names += ["gpt2 dp=1 tp=1 pp=2 zero=0 sp=False zb-h1 m=2 recompute=selective",
-                  "llama dp=1 tp=1 pp=2 zero=0 sp=False zb-v m=2 recompute=full"]
+                  "llama dp=1 tp=1 pp=2 zero=0 sp=False zb-v m=2 recompute=full",
+                  "gpt2 dp=1 tp=1 pp=2 zero=0 sp=False zb-v m=2 meta"]
     if n == 4:
         names += [f"{mod} dp=2 tp=1 pp=2 zero=0 sp=False {s} m=2" for s in SCHEDULES for mod in ("gpt2", "llama")]
         names += ["gpt2 dp=1 tp=2 pp=2 zero=0 sp=True zb-v m=2", "llama dp=2 tp=1 pp=2 zero=1 sp=False zb-h1 m=4",

@@ -43,15 +43,16 @@ def config(name, n_layer, recompute="none"):
                        intermediate_size=32, dtype="float64", recompute=recompute)
 
 
-def make(name, n_layer, recompute="none"):
-    return (GPT if name == "gpt2" else Llama)(config(name, n_layer, recompute), SEED)
+def make(name, n_layer, recompute="none", device=None):
+    return (GPT if name == "gpt2" else Llama)(config(name, n_layer, recompute), SEED, device=device)
 
 
 def cases(n):
-    """(model, dp, tp, pp, zero, sp, schedule, m, recompute) of this world size."""
+    """(model, dp, tp, pp, zero, sp, schedule, m, recompute or "meta") of this world size."""
     out = [(mod, 1, 1, n, 0, False, s, m) for s in ZB for m in (n, 2 * n) for mod in ("gpt2", "llama")]
     if n == 2:                                     # recompute: a checkpoint's inner backward split too
-        out += [("gpt2", 1, 1, 2, 0, False, "zb-h1", 2, "selective"), ("llama", 1, 1, 2, 0, False, "zb-v", 2, "full")]
+        out += [("gpt2", 1, 1, 2, 0, False, "zb-h1", 2, "selective"), ("llama", 1, 1, 2, 0, False, "zb-v", 2, "full"),
+                ("gpt2", 1, 1, 2, 0, False, "zb-v", 2, "meta")]          # meta init: rank 0 draws both ends
     if n == 4:
         out += [(mod, 2, 1, 2, 0, False, s, 2) for s in ZB for mod in ("gpt2", "llama")]       # dp x pp
         out += [("gpt2", 1, 2, 2, 0, True, "zb-v", 2),                                          # tp(+SP) x pp
@@ -105,11 +106,12 @@ def check(shards, ref_sd, ref_state, what):
 def run(case):
     name, dp, tp, pp, zero, sp, sched, m, rc = case + ("none",) * (9 - len(case))
     what = f"{name} dp={dp} tp={tp} pp={pp} zero={zero} sp={sp} {sched} m={m}"
-    what += f" recompute={rc}" if rc != "none" else ""
+    what += "" if rc == "none" else " meta" if rc == "meta" else f" recompute={rc}"
     n_layer = 2 * pp                                     # V = 2p virtual stages for the V-shaped ones
     ref_losses, ref_sd, ref_state = reference(name, n_layer)
     mesh = mesh_of(dp, tp, pp)
-    model = parallelize(make(name, n_layer, rc), mesh, zero_stage=zero, sequence_parallel=sp, schedule=sched,
+    meta = rc == "meta"
+    model = parallelize(make(name, n_layer, "none" if meta else rc, "meta" if meta else None), mesh, zero_stage=zero, sequence_parallel=sp, schedule=sched,
                         microbatches=m)
     opt = AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
     losses = train(model, opt, batch, STEPS)
