@@ -53,6 +53,9 @@ from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWAR
 from pdist.parallel.pipeline.split_backward import backward_input, backward_weight, check_all_weights_done
 
 
+_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}   # PyTorch's, as draw.py
+
+
 class PipelineParallel(ParallelModule):
     """``PipelineParallel(model, pp_group, schedule="1f1b", microbatches=4, chunks=1)``.
 
@@ -241,7 +244,7 @@ class PipelineParallel(ParallelModule):
         self._done(ins, t0, e0)
 
     def _done(self, ins, t0, e0):
-        t1, name = trace.now(), f"{ins.op[0]}{ins.mb}.{ins.chunk}"
+        t1, name = trace.now(), f"{_LETTER[ins.op]}{ins.mb}.{ins.chunk}"
         self.timeline.append((ins, t0 - self._t0, t1 - self._t0))
         trace.record(name, "compute", t0, t1, mb=ins.mb, chunk=ins.chunk)
         trace.device_record(name, e0, mb=ins.mb, chunk=ins.chunk)
