@@ -239,3 +239,26 @@ def test_ascii_draws_f_b_w_distinctly():
     dual = ascii_timeline(sim.simulate(S.make_schedule("dualpipev", 2, 4)))
     assert "B3a" in dual and "I3a" in dual or "W3a" in dual      # whole and split backwards in one
     assert label(S.Instr(S.BACKWARD_WEIGHT, 2, 1), v=2) == "W2b"
+
+
+def test_the_planner_knows_the_zero_bubble_schedules():
+    """pdist.plan's stash and bubble formulas equal what the schedules do (simulated)."""
+    from pdist.plan.model import Layout, bubble_ratio, stash, virtual_stages
+    for name in ZB:
+        for p in (2, 3, 4):
+            for m in range(1, 4 * p + 1):
+                sched = S.make_schedule(name, p, m)
+                peaks, v = sim.check_schedule(sched, m), 1 if name == "zb-h1" else 2
+                spans = sim.simulate(sched, t_w=1.0)
+                idle = max(e for r in spans for _, _, e in r) / (3 * m * v) - 1   # idle / compute
+                if m < {"zb-h1": 1, "zb-v": p, "dualpipev": 2 * p}[name]:
+                    with pytest.raises(ValueError, match="needs m >="):
+                        Layout(pp=p, m=m, schedule=name).check()
+                    assert all(stash(Layout(pp=p, m=m, schedule=name), r) >= peaks[r] / v for r in range(p))
+                    continue
+                lay = Layout(pp=p, m=m, schedule=name)
+                lay.check()
+                assert lay.v == v and bubble_ratio(lay) == pytest.approx(idle, abs=1e-12), (name, p, m)
+                assert [stash(lay, r) for r in range(p)] == [k / v for k in peaks], (name, p, m)
+                assert sorted(virtual_stages(lay, r) for r in range(p)) == sorted(
+                    [S.virtual_stage(c, p, r, sched.placement) for c in range(v)] for r in range(p))
