@@ -24,11 +24,16 @@ activations, s sequence, b micro-batch, h hidden, a heads, t tensor-parallel siz
 
 times the layers of a stage and the micro-batches the first stage stashes: 1 without a
 pipeline, GPipe m, 1F1B min(m, p), interleaved p·(1 + (p−1)/(p·v)) (Korthikanti et al.
-2022, §4.2.3). fp32/fp64 activations scale these by k_a/2 (an approximation).
+2022, §4.2.3); zero bubble (a micro-batch held from its F until its W): ZB-H1 min(m, p)
+on every stage, ZB-V min(m, p), DualPipeV min(2m, 2p+1)/2 (exact for m ≥ 2p, a bound
+below), as pdist.parallel.pipeline.simulate.check_schedule counts them for pdist's
+schedules. fp32/fp64 activations scale these by k_a/2 (an approximation).
 
 Time per step (per GPU): compute = FLOPs/(N_gpus·peak·efficiency) with model FLOPs
 (6Ψ + 12·L·s·h)·tokens (Narayanan et al. 2021, Eq. 3) plus recompute (full: 2Ψ + 4Lsh
-per token, selective: 4Lsh); the pipeline bubble (p−1)/(v·m) of compute; every collective
+per token, selective: 4Lsh); the pipeline bubble (p−1)/(v·m) of compute (GPipe, 1F1B,
+interleaved), and with t_F = t_B = t_W (Qi et al. 2024): ZB-H1 (p−1 + max(0, p−m))/(3m),
+ZB-V (p−1)/(6m) for m ≥ p, DualPipeV (p−1)/(6m) for m ≥ 2p; every collective
 by α–β, t = steps·α + bytes_sent/β, over the link its group crosses. Nothing overlaps.
 Bytes sent per group are pdist's ring accounting (docs/design.md), as lesson 06 counts them.
 """
@@ -37,6 +42,8 @@ from dataclasses import asdict, dataclass
 
 from pdist.plan.presets import BYTES, Cluster
 
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+V_SHAPED = ("zb-v", "dualpipev")    # chunk 0 of rank r is stage r, chunk 1 stage 2p-1-r
 SPLIT = {"attn.c_attn.weight", "attn.c_attn.bias", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_fc.bias",
          "mlp.c_proj.weight"}     # + wte: the tensors tensor parallelism splits (lesson 06)
 
@@ -48,13 +55,17 @@ class Layout:
     pp: int = 1
     zero: int = 0
     sp: bool = False
-    schedule: str = "1f1b"        # gpipe | 1f1b | interleaved
+    schedule: str = "1f1b"        # gpipe | 1f1b | interleaved | zb-h1 | zb-v | dualpipev
     m: int = 1                    # micro-batches per step (per data-parallel replica)
-    v: int = 1                    # model chunks per pipeline rank (interleaved)
+    v: int = 1                    # model chunks per pipeline rank (interleaved; zb-v, dualpipev: 2)
     recompute: str = "none"       # none | selective | full
     precision: str = "mixed"      # fp32 | fp64 | mixed
     micro_batch: int = 1          # rows per micro-batch
     seq_len: int = 0              # 0: the model's block_size
+
+    def __post_init__(self):
+        if self.schedule in V_SHAPED and self.v == 1:
+            self.v = 2                # the V schedules run two chunks per rank
 
     def check(self, cfg=None):
         for k in ("dp", "tp", "pp", "m", "v", "micro_batch"):
@@ -62,14 +73,20 @@ class Layout:
                 raise ValueError(f"{k} must be >= 1, got {getattr(self, k)}")
         if self.zero not in (0, 1, 2, 3):
             raise ValueError(f"zero must be 0-3, got {self.zero}")
-        if self.schedule not in ("gpipe", "1f1b", "interleaved"):
-            raise ValueError(f"schedule must be gpipe, 1f1b or interleaved, got {self.schedule!r}")
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {', '.join(SCHEDULES)}, got {self.schedule!r}")
         if self.recompute not in ("none", "selective", "full"):
             raise ValueError(f"recompute must be none, selective or full, got {self.recompute!r}")
         if self.precision not in BYTES:
             raise ValueError(f"precision must be one of {sorted(BYTES)}, got {self.precision!r}")
-        if self.v > 1 and self.schedule != "interleaved":
-            raise ValueError("v > 1 needs schedule 'interleaved'")
+        if self.schedule in V_SHAPED and self.v != 2:
+            raise ValueError(f"schedule {self.schedule!r} runs two chunks per rank: v must be 2, got {self.v}")
+        if self.v > 1 and self.schedule not in ("interleaved",) + V_SHAPED:
+            raise ValueError("v > 1 needs schedule 'interleaved' (or zb-v / dualpipev, v = 2)")
+        least = {"zb-v": self.pp, "dualpipev": 2 * self.pp}.get(self.schedule, 1)
+        if self.pp > 1 and self.m < least:
+            raise ValueError(f"schedule {self.schedule!r}: the planner's bubble formula needs m >= {least} "
+                             f"micro-batches (pp = {self.pp}), got m = {self.m}")
         if self.zero == 3 and self.pp > 1:
             raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1), as in pdist")
         if cfg is not None:
@@ -90,11 +107,19 @@ def _spans(n_layers, n_stages):
     return [(a, a + c) for a, c in zip(starts, counts)]
 
 
+def virtual_stages(lay, r):
+    """The virtual stages pipeline rank r holds, as pdist.parallel.pipeline.instructions places
+    them: c·p + r for chunk c ("loop"), or r and 2p−1−r (zb-v, dualpipev: "v")."""
+    if lay.schedule in V_SHAPED:
+        return [r, 2 * lay.pp - 1 - r]
+    return [c * lay.pp + r for c in range(lay.v)]
+
+
 def stage_units(cfg, lay, pp_rank):
     """Elements per ZeRO unit on one GPU of pipeline rank ``pp_rank`` (one tp shard): the
     root (wte + wpe first; wte's lm_head copy last), each block, ln_f (last), as lesson 06."""
     V, t = lay.pp * lay.v, lay.tp
-    ks = [c * lay.pp + pp_rank for c in range(lay.v)]              # virtual stages of this rank
+    ks = virtual_stages(lay, pp_rank)
     spans = _spans(cfg.n_layer, V)
     C = cfg.n_embd
     shapes = cfg.param_shapes()
@@ -129,11 +154,26 @@ def layer_activations(s, b, h, a, t=1, sp=False, recompute="none"):
 
 def stash(lay, r=0):
     """Micro-batches of a whole stage's activations pipeline rank r holds at its peak: GPipe m,
-    1F1B min(m, p − r), interleaved that times 1 + (p−1)/(p·v) (Korthikanti et al. 2022, §4.2.3)."""
+    1F1B min(m, p − r), interleaved that times 1 + (p−1)/(p·v) (Korthikanti et al. 2022, §4.2.3);
+    held until W: ZB-H1 min(m, p), ZB-V min(m, p), DualPipeV min(2m, 2p+1)/2 (the docstring)."""
     p, m, v = lay.pp, lay.m, lay.v
     if p == 1 and v == 1:
         return 1
-    return {"gpipe": m, "1f1b": min(m, p - r), "interleaved": min(m, p - r) * (1 + (p - 1) / (p * v))}[lay.schedule]
+    return {"gpipe": m, "1f1b": min(m, p - r), "interleaved": min(m, p - r) * (1 + (p - 1) / (p * v)),
+            "zb-h1": min(m, p), "zb-v": min(m, p), "dualpipev": min(2 * m, 2 * p + 1) / 2}[lay.schedule]
+
+
+def bubble_ratio(lay):
+    """Idle over compute of the pipeline bubble: (p−1)/(v·m) for GPipe, 1F1B and interleaved; with
+    t_F = t_B = t_W, ZB-H1 (p−1 + max(0, p−m))/(3m), ZB-V and DualPipeV (p−1)/(6m) (zero_bubble.py)."""
+    p, m = lay.pp, lay.m
+    if p == 1:
+        return 0.0
+    if lay.schedule == "zb-h1":
+        return (p - 1 + max(0, p - m)) / (3 * m)
+    if lay.schedule in V_SHAPED:
+        return (p - 1) / (6 * m)
+    return (p - 1) / (lay.v * m)
 
 
 def group_bytes(cfg, lay, pp_rank, units=None):
@@ -151,7 +191,8 @@ def group_bytes(cfg, lay, pp_rank, units=None):
     dp = {0: 2 * psi, 1: 2 * pad, 2: 2 * pad, 3: (2 * m + 1) * pad}[lay.zero] * (N - 1) * kp / N
     s, C, V = lay.seq_len or cfg.block_size, cfg.n_embd, lay.pp * lay.v
     act = lay.micro_batch * s // (t if lay.sp else 1) * C * ka
-    pp = m * act * sum((k < V - 1) + (k > 0) for k in ks)
+    hops = sum((k < V - 1) + (k > 0) for k in ks) - 2 * (lay.schedule in V_SHAPED and pp_rank == lay.pp - 1)
+    pp = m * act * hops                      # the V's turn (stage p-1 -> p on rank p-1) is a local copy
     S, ring = lay.micro_batch * s * C * ka, (t - 1) / t
     per_layer = 8 + 4 * (lay.recompute == "full")
     per_mb = (per_layer * L + 2 * (0 in ks) + 2 * (V - 1 in ks)) * ring * S
@@ -160,7 +201,7 @@ def group_bytes(cfg, lay, pp_rank, units=None):
     if lay.sp and t > 1:
         tp += 2 * ring * (L * 6 * C + 2 * C * (V - 1 in ks) + s * C * (0 in ks)) * kp
     calls = {"dp": len(units) * (2 * (N - 1) if lay.zero < 3 else (2 * m + 1) * (N - 1)),
-             "tp": m * (per_layer * L + 6) * (t - 1), "pp": m * sum((k < V - 1) + (k > 0) for k in ks)}
+             "tp": m * (per_layer * L + 6) * (t - 1), "pp": m * hops}
     return {"dp": dp if N > 1 else 0.0, "tp": tp if t > 1 else 0.0, "pp": float(pp)}, \
         {k: (c if v else 0) for (k, c), v in zip(calls.items(), (N > 1, t > 1, pp > 0))}
 
@@ -200,7 +241,7 @@ def plan_config(cfg, cluster: Cluster, lay: Layout, global_batch=0, efficiency=N
     eff = cluster.efficiency if efficiency is None else efficiency
     peak = cluster.peak[lay.precision]
     compute = (fpt + extra) * tokens / lay.gpus / (peak * eff)
-    bubble = compute * (lay.pp - 1) / (lay.v * lay.m) if lay.pp > 1 else 0.0
+    bubble = compute * bubble_ratio(lay)
     g = cluster.gpus_per_node
     links = {"tp": crosses(1, lay.tp, g), "dp": crosses(lay.tp, lay.dp, g), "pp": crosses(lay.tp * lay.dp, lay.pp, g)}
     comm = {}

@@ -13,7 +13,7 @@ Memory per GPU = params + grads + optimizer state (the ZeRO paper's (2 + 2 + 12)
 precision, divided by stage; Rajbhandari et al. 2020) + activations (Korthikanti et al.
 2022, Table 2, times the pipeline stash) + buffers (ZeRO-3's gathered units). Time per step
 = compute ((6Ψ + 12Lsh)·tokens FLOPs, Narayanan et al. 2021, over peak × efficiency) +
-bubble ((p−1)/(v·m) of compute) + every group's collectives by α–β (t = steps·α + bytes/β)
+bubble ((p−1)/(v·m) of compute; the zero-bubble schedules' own, model.bubble_ratio) + every group's collectives by α–β (t = steps·α + bytes/β)
 over the link it crosses. The formulas, each beside the lesson that measures it:
 pdist/plan/model.py and docs/planning.md. This module never imports MPI.
 """
@@ -24,7 +24,7 @@ import sys
 from dataclasses import replace
 
 from pdist.models.gpt import GPTConfig
-from pdist.plan.model import Layout, plan_config, plan_params
+from pdist.plan.model import SCHEDULES, Layout, plan_config, plan_params
 from pdist.plan.presets import CLUSTERS, MODELS
 
 CATS = ("params", "grads", "optimizer", "activations", "buffers")
@@ -170,7 +170,7 @@ def main(argv=None):
         p.add_argument("--" + k.replace("_", "-"), type=int, default=1)
     p.add_argument("--zero", type=int, default=0, choices=[0, 1, 2, 3])
     p.add_argument("--sp", action="store_true", help="sequence parallelism")
-    p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
+    p.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES))
     p.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
     p.add_argument("--precision", default="mixed", choices=["fp32", "fp64", "mixed"])
     p.add_argument("--global-batch", type=int, default=0, help="rows per step (sets m = B / (dp·micro-batch))")
