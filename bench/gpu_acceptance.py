@@ -33,22 +33,32 @@ SUMMARY = "gpu_acceptance.json"
 PROBE = r"""
 import json, os
 f = {"gpu": False}
+def get(key, fn):
+    try:
+        f[key] = fn()
+    except Exception as e:
+        f[key] = None
+        f.setdefault("missing", []).append(f"{key}: {type(e).__name__}: {e}")
 try:
     import cupy
     f["cupy"] = cupy.__version__
     rt = cupy.cuda.runtime
     f["devices"] = n = int(rt.getDeviceCount())
-    if n:
-        p = rt.getDeviceProperties(0)
-        name = p.get("name", b"?")
-        f.update(gpu=True, device=name.decode() if isinstance(name, bytes) else str(name),
-                 compute_mode={0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}.get(
-                     int(p.get("computeMode", 0)), str(p.get("computeMode"))),
-                 memory_bytes=int(p.get("totalGlobalMem", 0)), sm_count=int(p.get("multiProcessorCount", 0)),
-                 capability=f"{p.get('major')}.{p.get('minor')}", pci_bus_id=cupy.cuda.Device(0).pci_bus_id,
-                 driver=int(rt.driverGetVersion()), runtime=int(rt.runtimeGetVersion()))
+    f["gpu"] = n > 0
 except Exception as e:
     f["error"] = f"{type(e).__name__}: {e}"
+if f["gpu"]:
+    p = rt.getDeviceProperties(0)
+    name = p.get("name", b"?")
+    f["device"] = name.decode() if isinstance(name, bytes) else str(name)
+    modes = {0: "DEFAULT", 1: "EXCLUSIVE_THREAD", 2: "PROHIBITED", 3: "EXCLUSIVE_PROCESS"}
+    get("compute_mode", lambda: modes.get(int(p["computeMode"]), str(p["computeMode"])))
+    get("memory_bytes", lambda: int(p["totalGlobalMem"]))
+    get("sm_count", lambda: int(p["multiProcessorCount"]))
+    get("capability", lambda: f"{p['major']}.{p['minor']}")
+    get("pci_bus_id", lambda: cupy.cuda.Device(0).pci_bus_id)
+    get("driver", lambda: int(rt.driverGetVersion()))
+    get("runtime", lambda: int(rt.runtimeGetVersion()))
 try:
     from pdist.comm import gpu_transport
     code = gpu_transport.version()
