@@ -7,6 +7,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -41,10 +42,19 @@ def test_driver_on_the_standin_writes_every_step(tmp_path):
     the summary has the facts, each step's cases or MFU rows; a step cut at its timeout is a
     TIMEOUT in the JSON and the run exits 1."""
     drv = [sys.executable, str(ROOT / "bench" / "gpu_acceptance.py"), "--standin"]
-    p = subprocess.run(drv + ["--only", "a,e", "--out", str(tmp_path)], env=_env(), capture_output=True,
-                       text=True, timeout=240)
-    assert p.returncode == 0, p.stdout[-4000:] + p.stderr[-2000:]
-    s = json.loads((tmp_path / "gpu_acceptance.json").read_text())
+    path, seen = tmp_path / "gpu_acceptance.json", set()
+    with subprocess.Popen(drv + ["--only", "a,e", "--out", str(tmp_path)], env=_env(), stdout=subprocess.PIPE,
+                          stderr=subprocess.STDOUT, text=True) as p:
+        t0 = time.monotonic()
+        while p.poll() is None and time.monotonic() - t0 < 240:     # the summary while it runs
+            if path.exists():
+                s = json.loads(path.read_text())
+                seen.add((s["status"], len(s["steps"])))
+            time.sleep(0.05)
+        out = p.communicate(timeout=10)[0]
+    assert p.returncode == 0, out[-4000:]
+    assert ("running", 1) in seen, seen                   # step a's entry was written before e ended
+    s = json.loads(path.read_text())
     assert s["status"] == "PASS" and s["facts"]["gpu"] and s["facts"]["nccl"], s
     assert s["facts"]["transport_shared_gpu"][0] == "mpi-host"        # NCCL 2.23 refuses shared GPUs
     a, e = s["steps"]
