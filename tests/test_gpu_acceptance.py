@@ -78,7 +78,7 @@ def test_worker_steps_on_the_standin(transport, steps):
                  env=_env(PDIST_GPU_TRANSPORT=transport))
     cases = [ln for ln in run.out.splitlines() if ln.startswith("CASE ")]
     failed = [c for c in cases if " FAIL " in c]
-    assert run.rc == 0 and not failed and len(cases) >= {4: 16, 3: 14}[len(steps.split(","))], \
+    assert run.rc == 0 and not failed and len(cases) == {4: 15, 3: 13}[len(steps.split(","))], \
         "\n".join(failed) or run.out[-4000:]
 
 
