@@ -75,7 +75,7 @@ def test_worker_steps_on_the_standin(transport, steps):
     NumPy / one process; collectives in 4 dtypes; DDP with >= 8 buckets, ZeRO-3, 1F1B;
     bf16 and fp16 mixed precision)."""
     run = launch(2, ROOT / "bench" / "gpu_worker.py", "--steps", steps, timeout=240, wrap=False,
-                 env=_env(PDIST_GPU_TRANSPORT=transport))
+                 env=_env(PDIST_GPU_TRANSPORT=transport, STRICT_CUPY_LAZY="1"))     # lazy streams on
     cases = [ln for ln in run.out.splitlines() if ln.startswith("CASE ")]
     failed = [c for c in cases if " FAIL " in c]
     assert run.rc == 0 and not failed and len(cases) == {4: 15, 3: 13}[len(steps.split(","))], \
@@ -121,6 +121,22 @@ dv = pk.device
 assert pk.peak_bytes == dv["peak_bytes"] >= 8000 + 120000 and dv["block_peak_bytes"] >= 120000, dv
 assert dv["live_bytes"] < dv["peak_bytes"] - 100000 and dv["mallocs"] == 3, dv
 assert dv["pool_held_bytes"] >= dv["peak_bytes"] - 1024 and dv["outside_pool_bytes"] is not None, dv
+# the memory timeline of one step on the device: the hook's live bytes at every sample
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
+from pdist.measure import memory_timeline
+from pdist.models.gpt import GPT
+set_default_dtype("float64")
+model = GPT(lesson.gpt_config(50, dtype="float64", block_size=8, n_layer=1, n_head=2, n_embd=16), 0)
+x = cupy.asarray(rng.integers(0, 50, (2, 8)))
+with memory_timeline.record(model) as tl:
+    _, loss = model(x, x)
+    memory_timeline.mark("compute")
+    loss.backward()
+acts = [s[6] for s in tl.samples]
+assert len(tl.device) == len(tl.samples) == 3 and max(acts) > 0, (acts, tl.device)
+assert tl.device[1]["live_bytes"] > tl.device[0]["live_bytes"] and tl.device_row["peak_bytes"] >= max(
+    d["live_bytes"] for d in tl.device), (tl.device, tl.device_row)
 print("device ok")
 """
 

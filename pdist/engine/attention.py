@@ -44,7 +44,7 @@ import math
 
 from pdist.engine import attention_device
 from pdist.engine.autograd import Function
-from pdist.engine.backend import is_device_array, xp
+from pdist.engine.backend import is_device_array, is_gpu, xp
 from pdist.engine.functional import causal_mask
 from pdist.engine.reductions import row_dots, row_sums
 
@@ -93,7 +93,11 @@ def query_blocks(T, qblock=None):
 
 def saved_scores(T, qblock=None):
     """Elements of P kept per (sequence, head): sum over blocks of (hi - lo) hi; T^2 for one
-    block, about T^2 (n + 1) / 2n for n blocks (pdist.measure.activation_memory counts it)."""
+    block, about T^2 (n + 1) / 2n for n blocks (pdist.measure.activation_memory counts it).
+    ``qblock`` None: the active device's blocks (``QBLOCK`` rows on the host,
+    ``attention_device.DEVICE_QBLOCK`` on a GPU)."""
+    if qblock is None and is_gpu():
+        qblock = attention_device.DEVICE_QBLOCK
     return sum((hi - lo) * hi for lo, hi in query_blocks(T, qblock))
 
 
