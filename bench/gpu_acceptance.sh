@@ -7,9 +7,10 @@
 #    every *.whl there, --no-index --no-deps, with --prefix (the mpich wheel's lib/ and bin/
 #    survive only a --prefix install; --target drops lib/). Make the folder on a machine with
 #    a package index (x86-64, CPython 3.12, as the device image):
-#      pip download --no-deps --only-binary=:all: --python-version 3.12 \
-#          --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 -d wheels mpich threadpoolctl
+#      pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
+#          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d wheels mpich threadpoolctl
 #      pip wheel --no-deps -w wheels .                      # pdist itself
+#    (mpich's wheel is tagged manylinux_2_28: without that platform pip finds only a stub.)
 #    The image's CuPy, NumPy, ml_dtypes, nvidia-nccl and mpi4py are used as they are.
 #    Without the folder, this tree is used (PYTHONPATH) with whatever MPI is installed.
 # 2. Prints what it found (CuPy, NCCL, CUDA driver and runtime, device, compute mode,
@@ -37,11 +38,12 @@ if ! command -v "$PY" >/dev/null 2>&1; then
 fi
 if ls "$WHEELS"/*.whl >/dev/null 2>&1; then
   say "installing $(ls "$WHEELS"/*.whl | wc -l) wheel(s) from $WHEELS into $PREFIX (--prefix)"
-  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+  if ! "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --ignore-installed \
         --prefix "$PREFIX" "$WHEELS"/*.whl; then
     say "FAIL pip install from $WHEELS"; fail_json "install failed" "pip install from $WHEELS failed"; exit 3
   fi
-  SITE=$("$PY" -c "import sysconfig as s; print(s.get_path('purelib', vars={'base': '$PREFIX', 'platbase': '$PREFIX'}))")
+  # where pip put the packages: site-packages, or dist-packages (Debian's schemes) under the prefix
+  SITE=$(find "$PREFIX" -maxdepth 5 -type d \( -name site-packages -o -name dist-packages \) | paste -sd: -)
   export PYTHONPATH="$SITE${PYTHONPATH:+:$PYTHONPATH}"
   export PATH="$PREFIX/bin:$PATH" LD_LIBRARY_PATH="$PREFIX/lib${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}"
   for lib in "$PREFIX"/lib/libmpi.so.12 "$PREFIX"/lib/libmpi.so; do
@@ -53,7 +55,7 @@ fi
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"     # this tree's pdist and its bench/ and tests/
 "$PY" -c "import pdist, sys; print('gpu_acceptance: pdist from', pdist.__file__, '| python', sys.version.split()[0])" ||
   { say "FAIL pdist does not import"; fail_json "install failed" "pdist does not import"; exit 3; }
-if ! "$PY" -c "from mpi4py import MPI; print('gpu_acceptance: MPI', MPI.Get_library_version().splitlines()[0])"; then
+if ! "$PY" -c "import os; from mpi4py import MPI; print('gpu_acceptance: MPI', MPI.Get_library_version().splitlines()[0], 'from', os.environ.get('MPI4PY_LIBMPI', 'the default search'))"; then
   say "WARNING: mpi4py has no MPI library (carry the mpich wheel in $WHEELS): the multi-rank steps will fail"
 fi
 exec "$PY" bench/gpu_acceptance.py --out "$OUTDIR" "${@:2}"
