@@ -10,7 +10,7 @@
 #      pip download --no-deps --only-binary=:all: --python-version 3.12 --implementation cp \
 #          --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 -d wheels mpich threadpoolctl
 #      pip wheel --no-deps -w wheels .                      # pdist itself
-#    (mpich's wheel is tagged manylinux_2_28: without that platform pip finds only a stub.)
+#    (mpich's wheel is tagged manylinux_2_28: name that platform, or pip finds no binary wheel.)
 #    The image's CuPy, NumPy, ml_dtypes, nvidia-nccl and mpi4py are used as they are.
 #    Without the folder, this tree is used (PYTHONPATH) with whatever MPI is installed.
 # 2. Prints what it found (CuPy, NCCL, CUDA driver and runtime, device, compute mode,
