@@ -14,7 +14,10 @@ global batch, shard by shard where the state is sharded):
        reduce_scatter, all_gather, for float32/float64 x the mpi, naive and ring algorithms,
        and float16/bfloat16 (sum and avg: summed in fp32 in rank order, rounded once).
     c  DDP with >= 8 buckets, ZeRO-3 and 1F1B (pp = ranks, 4 micro-batches) equal one
-       process in float64, rtol 1e-9 (losses, full_state_dict, Adam's m and v by piece).
+       process in float64, rtol 1e-9 (losses, full_state_dict, Adam's m and v by piece);
+       1F1B and interleaved pipelines of Linears whose activations (``--pipe-rows`` x 1024
+       float64, 8 MiB) exceed NCCL's 4 MiB buffer, where a lone send blocks: they finish,
+       with one process's loss.
     d  bf16 and fp16 mixed precision (DDP) equal one process in the same precision
        (``MixedPrecision(Local(..., microbatches=N))``): fp32 masters and Adam's state
        to rtol 1e-6 (bitwise where the reduction keeps rank order), losses rtol 1e-6.
@@ -201,12 +204,36 @@ def _layout_case(n, mesh_kw, kw):
     return ok, detail or (probs[-1] if "bucket_cap_mb" in kw else "")
 
 
-def step_c(world):
+def _big_pipeline_case(world, schedule, v, rows, width):
+    """A pipeline of n v Linears whose activations (rows x width float64) exceed NCCL's buffer,
+    so a lone send blocks until matched: it must finish, with one process's loss."""
+    from pdist import nn
+    from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
+    n, m = world.size, 2 * world.size
+    rng = np.random.default_rng(5)
+    x, y = rng.standard_normal((rows * m, width)), np.zeros((rows * m, width))
+
+    def layers():
+        nn.manual_seed(7)
+        return [nn.Linear(width, width, bias=False) for _ in range(n * v)]
+    ref = nn.mse_loss(nn.Sequential(*layers())(to_device(x)), to_device(y))
+    pipe = PipelineParallel(nn.Sequential(*layers()), world, schedule, m, v,
+                            act_shape=lambda k, rows_, x_: (rows_, width), loss_fn=nn.mse_loss)
+    loss = pipe.forward_backward(*pipe.local_batch(x, y))
+    return _first([_close("loss", np.array(loss), to_numpy(ref.data))])
+
+
+def step_c(world, pipe_rows):
     n = world.size
     caps = dict(bucket_cap_mb=4 / 1024, first_bucket_cap_mb=1 / 1024)   # 4 KiB buckets: 19 of them
     for name, mesh_kw, kw in (("DDP, >= 8 buckets", dict(dp=n), caps), ("ZeRO-3", dict(dp=n), dict(zero_stage=3)),
                               (f"1F1B pp={n}", dict(pp=n), dict(microbatches=4))):
         yield name, lambda m=mesh_kw, k=kw: _layout_case(n, m, k)
+    if n > 1:
+        mib = pipe_rows * 1024 * 8 / 2 ** 20
+        for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+            yield f"{schedule} v={v}, {mib:g} MiB activations", \
+                lambda s=schedule, k=v: _big_pipeline_case(world, s, k, pipe_rows, 1024)
 
 
 def _precision_case(n, prec):
@@ -252,12 +279,14 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--steps", default="a", help="comma-separated letters of a, b, c, d")
     p.add_argument("--sizes", default="0,1,7,1001", help="collective sizes (step b), comma-separated")
+    p.add_argument("--pipe-rows", type=int, default=1024,
+                   help="rows of step c's pipeline activations (x 1024 float64: 1024 rows = 8 MiB, above NCCL's 4 MiB)")
     a = p.parse_args()
     set_default_dtype("float64")
     backend.use_device("gpu")
     world = comm.init()
     sizes = [int(s) for s in a.sizes.split(",")]
-    makers = {"a": lambda: step_a(world), "b": lambda: step_b(world, sizes), "c": lambda: step_c(world),
+    makers = {"a": lambda: step_a(world), "b": lambda: step_b(world, sizes), "c": lambda: step_c(world, a.pipe_rows),
               "d": lambda: step_d(world)}
     rows = []
     for s in a.steps.split(","):
