@@ -93,7 +93,7 @@ def plan(facts, standin):
             rows.append(("b", f"collectives n={n} {t}", n, t, [w, "--steps", "b", *sizes], 90))
     for n in (2, 4):
         for t in ("nccl", "mpi-host"):
-            rows.append(("c", f"DDP (>= 8 buckets), ZeRO-3, 1F1B, 8 MiB pipelines n={n} {t}", n, t,
+            rows.append(("c", f"DDP (>= 8 buckets), ZeRO-3, 1F1B, big-activation pipelines n={n} {t}", n, t,
                          [w, "--steps", "c", *(["--pipe-rows", "16"] if standin else [])], 150))
     for t in ("nccl", "mpi-host"):
         rows.append(("d", f"bf16 and fp16 mixed precision n=2 {t}", 2, t, [w, "--steps", "d"], 150))
