@@ -23,7 +23,9 @@ global batch, shard by shard where the state is sharded):
        to rtol 1e-6 (bitwise where the reduction keeps rank order), losses rtol 1e-6.
 
 Rank 0 prints ``CASE <step> <name> PASS|FAIL <detail>`` for each case (every rank's verdict
-gathered) and a last line ``WORKER {json}``; exit 1 when a case failed. The transport is the
+gathered) and a last line ``WORKER {json}`` (with rank 0's device memory per step:
+pdist/measure/device_memory.py, so the first collective's NCCL buffers show as
+``outside_pool_bytes``); exit 1 when a case failed. The transport is the
 launch's (``PDIST_GPU_TRANSPORT``, or the automatic choice); the CI runs this file on the
 strict stand-in (tests/test_gpu_acceptance.py), the script on a GPU."""
 import argparse
@@ -37,40 +39,14 @@ import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
-from pdist import comm, data  # noqa: E402
+from pdist import comm  # noqa: E402
 from pdist.course import lesson  # noqa: E402
-from pdist.engine import attention_device, backend, precision  # noqa: E402
+from pdist.engine import attention_device, backend  # noqa: E402
 from pdist.engine.backend import set_default_dtype, to_device, to_numpy  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402
-from pdist.models.llama import Llama, LlamaConfig  # noqa: E402
+from pdist.models.llama import Llama  # noqa: E402
 
-B, T, SEED, STEPS, VOCAB = 8, 16, 3, 3, 96
-TOL = dict(rtol=1e-9, atol=1e-12)
-tokens, _ = data.char_dataset(20_000)
-batch = data.batch_fn(tokens, B, T, SEED, VOCAB)
-
-
-def gpt_cfg(n_layer=2):
-    return lesson.gpt_config(VOCAB, dtype="float64", block_size=T, n_layer=n_layer, n_head=4, n_embd=32)
-
-
-def llama_cfg():
-    return LlamaConfig(vocab_size=VOCAB, block_size=T, n_layer=2, n_head=4, n_kv_head=2, n_embd=32,
-                       intermediate_size=48, dtype="float64")
-
-
-def _close(name, got, want, **tol):
-    """None when equal to ``tol``, else a line naming ``name`` and the largest difference."""
-    got, want = to_numpy(got).astype(np.float64), to_numpy(want).astype(np.float64)
-    if got.shape == want.shape and np.allclose(got, want, **(tol or TOL)):
-        return None
-    diff = np.abs(got - want).max() if got.shape == want.shape else f"shape {got.shape} vs {want.shape}"
-    return f"{name}: max |diff| {diff}"
-
-
-def _first(problems):
-    problems = [p for p in problems if p]
-    return (not problems, problems[0] if problems else "")
+from gpu_cases import SEED, STEPS, _close, _first, batch, gpt_cfg, llama_cfg  # noqa: E402
 
 
 # ------------------------------------------------------------------ step a
@@ -162,68 +138,9 @@ def step_b(world, sizes):
             [p for size in sizes for p in _collectives(world, d, None, size)])
 
 
-# ------------------------------------------------------------------ steps c, d
-def _reference_run(make_model, microbatches=1, wrap=None):
-    from pdist.parallel import Local
-    from pdist.training import train
-    ref = Local(make_model(), microbatches=microbatches)
-    ref = wrap(ref) if wrap else ref
-    opt = lesson.make_adamw(ref.parameters())
-    return ref, opt, train(ref, opt, batch, STEPS)
-
-
-def _compare(model, opt, ref, ref_opt, losses, ref_losses, tol):
-    from pdist.testing import check_shards
-    pieces = {pc.name: pc for pc in ref.pieces()}
-    same = lambda a, b: np.allclose(a, b, **tol)  # noqa: E731
-    probs = [_close("losses", np.array(losses), np.array(ref_losses), **tol)]
-    try:
-        check_shards(model.sharded_state_dict(opt), ref.full_state_dict(),
-                     lambda n, s: ref_opt.state[id(pieces[n].tensor)][s], same)
-    except AssertionError as e:
-        probs.append(f"shard {e}")
-    full, want = model.full_state_dict(), ref.full_state_dict()
-    probs += [_close(k, full[k], want[k], **tol) for k in want]
-    return probs
-
-
-def _layout_case(n, mesh_kw, kw):
-    from pdist.parallel import DataParallel, parallelize
-    from pdist.training import train
-    n_layer = max(2, n) if "pp" in mesh_kw else 2
-    model = parallelize(GPT(gpt_cfg(n_layer), SEED), comm.DeviceMesh(**mesh_kw), **kw)
-    opt = lesson.make_adamw(model.parameters())
-    losses = train(model, opt, batch, STEPS)
-    ref, ref_opt, ref_losses = _reference_run(lambda: GPT(gpt_cfg(n_layer), SEED))
-    probs = _compare(model, opt, ref, ref_opt, losses, ref_losses, TOL)
-    if "bucket_cap_mb" in kw:
-        nb = len(model.find(DataParallel).buckets)
-        probs.insert(0, None if nb >= 8 else f"only {nb} buckets (want >= 8)")
-        probs.append(f"{nb} buckets")
-    ok, detail = _first(probs[:-1] if "bucket_cap_mb" in kw else probs)
-    return ok, detail or (probs[-1] if "bucket_cap_mb" in kw else "")
-
-
-def _big_pipeline_case(world, schedule, v, rows, width):
-    """A pipeline of n v Linears whose activations (rows x width float64) exceed NCCL's buffer,
-    so a lone send blocks until matched: it must finish, with one process's loss."""
-    from pdist import nn
-    from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
-    n, m = world.size, 2 * world.size
-    rng = np.random.default_rng(5)
-    x, y = rng.standard_normal((rows * m, width)), np.zeros((rows * m, width))
-
-    def layers():
-        nn.manual_seed(7)
-        return [nn.Linear(width, width, bias=False) for _ in range(n * v)]
-    ref = nn.mse_loss(nn.Sequential(*layers())(to_device(x)), to_device(y))
-    pipe = PipelineParallel(nn.Sequential(*layers()), world, schedule, m, v,
-                            act_shape=lambda k, rows_, x_: (rows_, width), loss_fn=nn.mse_loss)
-    loss = pipe.forward_backward(*pipe.local_batch(x, y))
-    return _first([_close("loss", np.array(loss), to_numpy(ref.data))])
-
-
+# ------------------------------------------------------------------ steps c, d (bench/gpu_cases.py)
 def step_c(world, pipe_rows):
+    from gpu_cases import _big_pipeline_case, _layout_case
     n = world.size
     caps = dict(bucket_cap_mb=4 / 1024, first_bucket_cap_mb=1 / 1024)   # 4 KiB buckets: 19 of them
     for name, mesh_kw, kw in (("DDP, >= 8 buckets", dict(dp=n), caps), ("ZeRO-3", dict(dp=n), dict(zero_stage=3)),
@@ -236,20 +153,8 @@ def step_c(world, pipe_rows):
                 lambda s=schedule, k=v: _big_pipeline_case(world, s, k, pipe_rows, 1024)
 
 
-def _precision_case(n, prec):
-    from pdist.engine.grad_scaler import GradScaler
-    from pdist.parallel import MixedPrecision, parallelize
-    from pdist.training import train
-    scaler = (lambda: GradScaler(init_scale=2.0 ** 8)) if prec == "fp16" else (lambda: None)
-    model = parallelize(GPT(gpt_cfg(), SEED), comm.DeviceMesh(dp=n), precision=prec, scaler=scaler())
-    opt = lesson.make_adamw(model.parameters())
-    losses = train(model, opt, batch, STEPS)
-    ref, ref_opt, ref_losses = _reference_run(lambda: precision.cast_module(GPT(gpt_cfg(), SEED), prec),
-                                              microbatches=n, wrap=lambda m: MixedPrecision(m, prec, scaler()))
-    return _first(_compare(model, opt, ref, ref_opt, losses, ref_losses, dict(rtol=1e-6, atol=1e-9)))
-
-
 def step_d(world):
+    from gpu_cases import _precision_case
     for prec in ("bf16", "fp16"):
         yield f"{prec} mixed precision DDP", lambda p=prec: _precision_case(world.size, p)
 
@@ -288,15 +193,19 @@ def main():
     sizes = [int(s) for s in a.sizes.split(",")]
     makers = {"a": lambda: step_a(world), "b": lambda: step_b(world, sizes), "c": lambda: step_c(world, a.pipe_rows),
               "d": lambda: step_d(world)}
-    rows = []
+    from pdist.measure.device_memory import DeviceMemory
+    rows, memory = [], {}
     for s in a.steps.split(","):
-        rows += run_cases(world, s, makers[s]())
+        with DeviceMemory() as dm:       # the step's device memory: pool, and what NCCL/cuBLAS took beside it
+            rows += run_cases(world, s, makers[s]())
+        memory[s] = dm.row()
     ok = all(r["ok"] for r in rows) and bool(rows)
     if world.rank == 0:
         from pdist.comm import gpu_transport
         transport = os.environ.get("PDIST_GPU_TRANSPORT") or "auto"
         print("WORKER " + json.dumps({"ranks": world.size, "transport": transport, "ok": ok, "cases": rows,
-                                      "nccl": gpu_transport.version_str(gpu_transport.version())}), flush=True)
+                                      "nccl": gpu_transport.version_str(gpu_transport.version()),
+                                      "device_memory_rank0": memory}), flush=True)
     return 0 if ok else 1
 
 
