@@ -140,7 +140,7 @@ def run_step(row, facts, env, left, log):
     step, label, ranks, transport, argv, timeout = row
     entry = {"step": step, "label": label, "ranks": ranks, "transport": transport}
     why = skip_reason(facts, ranks, transport)
-    if why or left < 5:
+    if why or left < 5:            # (under 5 s left: not worth a start)
         entry.update(status="SKIP" if why else "NOT RUN", reason=why or "out of the run's time budget")
         return entry
     e = dict(env)
@@ -148,7 +148,7 @@ def run_step(row, facts, env, left, log):
         e["PDIST_GPU_TRANSPORT"] = transport
     if transport == "nccl" and ranks > max(1, facts.get("devices", 1)):
         e["NCCL_MULTI_RANK_GPU_ENABLE"] = "1"      # NCCL 2.30+: several ranks on one GPU
-    t = max(1, min(timeout, int(left)))
+    t = round(max(0.1, min(timeout, left)), 1)
     run = launch(ranks, argv[0], *argv[1:], timeout=t, env=e, wrap=False, max_output=200_000)
     got = parse(run.out)
     status = "TIMEOUT" if run.timed_out else ("PASS" if run.rc == 0 else "FAIL")
