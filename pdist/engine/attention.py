@@ -35,13 +35,16 @@ and pass above runs on (n + 1) / 2n of the T x T scores (n blocks: 5/8 at T = 25
 blocks kept apart (``P`` is a list of contiguous arrays: ``saved_scores``). Backward runs the
 blocks last first: the last sees all T keys and writes dv, dk; each earlier one adds its
 (hi, hs) share into their first hi rows. On the host the batch is also cut into chunks whose
-T x T scores take about ``CHUNK_BYTES``, so a block's passes stay in cache. On a device the whole
-(B, nh, T, T) runs as one block (fewer, larger kernels). Measured in docs/performance.md.
+T x T scores take about ``CHUNK_BYTES``, so a block's passes stay in cache. Measured in
+docs/performance.md. On a device (CuPy arrays) the same blocks run heads first, each product
+one strided-batched 2-D GEMM over the whole batch, TF32 or bf16 tensor cores where allowed
+(pdist/engine/attention_device.py, blocks of ``DEVICE_QBLOCK`` rows).
 """
 import math
 
+from pdist.engine import attention_device
 from pdist.engine.autograd import Function
-from pdist.engine.backend import is_device_array, xp
+from pdist.engine.backend import is_device_array, is_gpu, xp
 from pdist.engine.functional import causal_mask
 from pdist.engine.reductions import row_dots, row_sums
 
@@ -90,14 +93,16 @@ def query_blocks(T, qblock=None):
 
 def saved_scores(T, qblock=None):
     """Elements of P kept per (sequence, head): sum over blocks of (hi - lo) hi; T^2 for one
-    block, about T^2 (n + 1) / 2n for n blocks (pdist.measure.activation_memory counts it)."""
+    block, about T^2 (n + 1) / 2n for n blocks (pdist.measure.activation_memory counts it).
+    ``qblock`` None: the active device's blocks (``QBLOCK`` rows on the host,
+    ``attention_device.DEVICE_QBLOCK`` on a GPU)."""
+    if qblock is None and is_gpu():
+        qblock = attention_device.DEVICE_QBLOCK
     return sum((hi - lo) * hi for lo, hi in query_blocks(T, qblock))
 
 
 def _layout(B, T, n_head, q):
-    """(query blocks, batch chunks) for B sequences of T tokens: one of each on a device."""
-    if is_device_array(q):
-        return [(0, T)], [(0, B)]
+    """(query blocks, batch chunks) for B sequences of T tokens on the host."""
     rows = max(1, CHUNK_BYTES // (n_head * T * T * q.itemsize))  # batch rows per chunk
     return query_blocks(T), [(b, min(B, b + rows)) for b in range(0, B, rows)]
 
@@ -114,6 +119,11 @@ class CausalAttention(Function):
         q5, k5, v5 = _views(arrays, n_head, n_kv)  # (B, n_kv, g, T, hs), (B, n_kv, 1, T, hs) x 2
         B, _, g, T, hs = q5.shape
         self.scale = scale = 1.0 / math.sqrt(hs)
+        self.arrays, self.n_head, self.n_kv = arrays, n_head, n_kv
+        if is_device_array(q5):
+            y = xp.empty((B, T, n_head * hs), dtype=q5.dtype)
+            self.P = attention_device.forward(q5, k5, v5, y, scale)
+            return y
         blocks, chunks = _layout(B, T, n_head, q5)
         P = [xp.empty((B, n_kv, g, hi - lo, hi), dtype=q5.dtype) for lo, hi in blocks]
         y = xp.empty((B, T, n_head * hs), dtype=q5.dtype)
@@ -128,7 +138,7 @@ class CausalAttention(Function):
                 xp.exp(a, out=a)
                 a /= row_sums(a)  # P
                 xp.matmul(a, v5[b0:b1, :, :, :hi], out=y5[b0:b1, :, :, lo:hi])
-        self.arrays, self.P, self.n_head, self.n_kv = arrays, P, n_head, n_kv
+        self.P = P
         return y
 
     def backward(self, grad):
@@ -138,6 +148,10 @@ class CausalAttention(Function):
         gq5, gk5, gv5 = _views(grads, nh, n_kv)
         gk4, gv4 = gk5[:, :, 0], gv5[:, :, 0]  # (B, n_kv, T, hs)
         B, _, g, T, _ = q5.shape
+        if is_device_array(q5):
+            attention_device.backward(P, grad, q5, k5, v5, gq5, gk4, gv4, s)
+            self.P = None
+            return grads
         gy = _heads(xp.ascontiguousarray(grad), n_kv, g)  # (B, n_kv, g, T, hs) view
         blocks, chunks = _layout(B, T, nh, q5)
         for b0, b1 in chunks:

@@ -26,7 +26,8 @@ class Linear(Function):
 
     Three hooks, identities here, let a mixed-precision subclass (pdist.engine.precision.LowLinear)
     round the input it keeps, compute with its parameters in the compute dtype, and round
-    the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``.
+    the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``;
+    ``_mm`` (``a @ b`` here) lets it run the three products as bf16/fp16 GEMMs on a device.
     ``split_backward``: a split backward asks for dX (B) and for dW, db (W) in two calls."""
     fresh_grads = True
     split_backward = True
@@ -39,7 +40,7 @@ class Linear(Function):
                              f"(layout {layout!r}: in_features={n_in})")
         self.x2, self.lead = self._input(x.reshape(-1, x.shape[-1]), w), x.shape[:-1]  # (N, in)
         wc = self._param(w, x.dtype)
-        y = self.x2 @ (wc.T if out_in else wc)  # (N, out)
+        y = self._mm(self.x2, wc.T if out_in else wc)  # (N, out)
         if b is not None:
             y += self._param(b, x.dtype)
         return y.reshape(*self.lead, w.shape[0] if out_in else w.shape[1])
@@ -52,9 +53,9 @@ class Linear(Function):
         gx = gw = None
         if nx:
             wc = self._param(w, g.dtype)
-            gx = (g2 @ (wc if out_in else wc.T)).reshape(*self.lead, self.x2.shape[1])
+            gx = self._mm(g2, wc if out_in else wc.T).reshape(*self.lead, self.x2.shape[1])
         if nw:
-            gw = self._grad(g2.T @ self.x2 if out_in else self.x2.T @ g2, w)  # (out, in) / (in, out)
+            gw = self._grad(self._mm(g2.T, self.x2) if out_in else self._mm(self.x2.T, g2), w)  # (out, in) / (in, out)
         gb = self._grad(col_sums(g2), w) if nb else None
         return gx, gw, gb
 
@@ -66,6 +67,9 @@ class Linear(Function):
 
     def _grad(self, g, p):
         return g
+
+    def _mm(self, a, b):
+        return a @ b
 
 
 class Softmax(Function):

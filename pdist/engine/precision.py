@@ -120,6 +120,7 @@ class LowLinear(F.Linear):
     the parameters' dtype). ``F.Linear`` with its three hooks filled in: W is read again
     at backward (ZeRO-3 may have re-gathered it); no upcast copy of W outlives the op."""
     def _input(self, x2, w):
+        self._low = w.dtype
         return _round(x2, w.dtype)                                                         # (N, in)
 
     def _param(self, p, dtype):
@@ -127,6 +128,14 @@ class LowLinear(F.Linear):
 
     def _grad(self, g, p):
         return g.astype(p.dtype)
+
+    def _mm(self, a, b):
+        """On a device: one bf16/fp16 GEMM (tensor cores, fp32 accumulate and result; G rounded
+        to the low dtype, as autocast does). On the host: ``a @ b`` in the compute dtype."""
+        if backend.is_device_array(a):
+            from pdist.engine.attention_device import low_matmul
+            return low_matmul(a, b, self._low).astype(a.dtype, copy=False)
+        return a @ b
 
 
 class LowEmbedding(Function):

@@ -20,9 +20,9 @@ during a block of code, by the array library itself:
   was allocated *while tracing* and is still alive (plus Python objects, which
   are small next to arrays), so call ``start_tracing()`` before building the
   model to include its states.
-* CuPy allocates from its memory pool; the pool keeps freed blocks, so after
-  ``free_all_blocks()`` at the start, ``total_bytes()`` at the end is the high
-  water mark of the block.
+* CuPy: a ``cupy.cuda.MemoryHook`` sees every array taken from and given back to the
+  pool; the peak is the live bytes' maximum (pdist/measure/device_memory.py, which also
+  reports the pool's held bytes and the driver's mem_info beside it).
 
     memory.start_tracing(restart=True)
     model = ...; opt = ...
@@ -130,33 +130,32 @@ def gpu_bytes():
 
 
 class PeakMemory:
-    """``with PeakMemory() as pk: ...`` -> ``pk.peak_bytes``: the most bytes
-    allocated at once inside the block (tracemalloc on CPU, starting it if
-    needed; the CuPy memory pool on GPU). On GPU also ``pk.used_bytes`` (live arrays
-    at exit: ``pool.used_bytes()``) and ``pk.total_bytes`` (what the pool holds,
-    cached free blocks included: ``pool.total_bytes()``); ``peak_bytes`` is the
-    pool's high-water mark of ``total_bytes`` after it was emptied at entry, so
-    blocks cached before the block don't count."""
+    """``with PeakMemory() as pk: ...`` -> ``pk.peak_bytes``: the most bytes allocated at once
+    inside the block. CPU: tracemalloc's peak (starting it if needed). GPU: a
+    ``cupy.cuda.MemoryHook`` (pdist/measure/device_memory.py): the live bytes of CuPy arrays
+    at entry plus every malloc and minus every free, and their maximum; no pool reset, so
+    blocks cached before do not count. On GPU also ``pk.used_bytes`` (live at exit),
+    ``pk.total_bytes`` (what the pool holds, cached free blocks included) and ``pk.device``:
+    the whole row (pool growth, the driver's mem_info delta and what NCCL/cuBLAS took
+    outside the pool)."""
 
     def __enter__(self):
         self.peak_bytes = None
-        if is_gpu():  # pragma: no cover - GPU only
-            import cupy
-            self._pool = cupy.get_default_memory_pool()
-            cupy.cuda.Device().synchronize()
-            self._pool.free_all_blocks()
+        if is_gpu():
+            from pdist.measure.device_memory import DeviceMemory
+            self._dm = DeviceMemory().__enter__()
         else:
             start_tracing()
             tracemalloc.reset_peak()
         return self
 
     def __exit__(self, *exc):
-        if is_gpu():  # pragma: no cover - GPU only
-            import cupy
-            cupy.cuda.Device().synchronize()
-            self.used_bytes = int(self._pool.used_bytes())
-            self.total_bytes = int(self._pool.total_bytes())
-            self.peak_bytes = self.total_bytes
+        if is_gpu():
+            self._dm.__exit__(*exc)
+            self.device = self._dm.row()
+            self.peak_bytes = self.device["peak_bytes"]
+            self.used_bytes = self.device["pool_used_bytes"]
+            self.total_bytes = self.device["pool_held_bytes"]
         else:
             self.peak_bytes = int(tracemalloc.get_traced_memory()[1])
         return False

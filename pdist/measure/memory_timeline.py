@@ -17,8 +17,16 @@ The record subscribes to the step hooks on entry and leaves on exit: no timeline
     params, grads, optim   pdist.measure.memory.model_state_bytes (live buffers, each once)
     activations            tracemalloc's current bytes - (params + grads + optim) -
                            what was traced before the step: the activations the graph
-                           keeps, plus the step's temporaries
+                           keeps, plus the step's temporaries. On a GPU the live bytes of
+                           CuPy arrays instead, from a ``cupy.cuda.MemoryHook``
+                           (pdist/measure/device_memory.py), with the same subtraction
     rss                    the process's resident set (pdist.measure.memory.rss_bytes)
+
+On a GPU ``tl.device`` holds, per sample, {"live_bytes", "peak_bytes" (the hook's high-water
+mark so far), "pool_held_bytes"} (no synchronization at a sample: the hook counts
+allocations as the host issues them, which is when CuPy's pool hands memory out), and
+``tl.device_row`` the whole block's row at exit (the pool's growth, the driver's mem_info
+delta, what NCCL and cuBLAS took outside the pool).
 
 Every sample also goes into the trace (pdist.measure.trace): a ``memory`` counter (``"ph": "C"``,
 Perfetto stacks its values) and an instant event named after the event, so
@@ -29,6 +37,7 @@ for timing.
 import time
 import tracemalloc
 
+from pdist.engine.backend import is_gpu
 from pdist.measure import hooks, trace
 from pdist.measure.memory import model_state_bytes, rss_bytes
 
@@ -57,12 +66,18 @@ class record:
     """``with record(model, optimizer) as tl:`` samples memory at every event inside."""
 
     def __init__(self, model, optimizer=None):
-        self.model, self.optimizer, self.samples = model, optimizer, []
-        self._hook = _Sampler(self)
+        self.model, self.optimizer, self.samples, self.device = model, optimizer, [], []
+        self._hook, self._dm, self.device_row = _Sampler(self), None, None
+
+    def _current(self):
+        """Bytes allocated now: the MemoryHook's live bytes on a GPU, tracemalloc's on the host."""
+        if self._dm is not None:
+            return self._dm.live_bytes
+        return tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
 
     def sample(self, event, unit=None):
         st = model_state_bytes(self.model, self.optimizer)
-        cur = tracemalloc.get_traced_memory()[0] if tracemalloc.is_tracing() else 0
+        cur = self._current()
         states = st["params_bytes"] + st["grads_bytes"] + st["optim_bytes"]
         act = max(0, cur - self._traced0 - (states - self._states0))
         rss = rss_bytes() or 0
@@ -70,16 +85,23 @@ class record:
                              st["optim_bytes"], act, rss))
         trace.counter("memory", params=st["params_bytes"], grads=st["grads_bytes"], optim=st["optim_bytes"],
                       activations=act)
+        if self._dm is not None:
+            import cupy
+            self.device.append({"live_bytes": cur, "peak_bytes": self._dm.peak_bytes,
+                                "pool_held_bytes": int(cupy.get_default_memory_pool().total_bytes())})
         if event in EVENTS:
             trace.instant(event, cat="memory", unit=str(unit))
 
     def __enter__(self):
-        if not tracemalloc.is_tracing():
+        if is_gpu():
+            from pdist.measure.device_memory import DeviceMemory
+            self._dm = DeviceMemory().__enter__()
+        elif not tracemalloc.is_tracing():
             tracemalloc.start()
         self._t0 = time.perf_counter()
         st = model_state_bytes(self.model, self.optimizer)
         self._states0 = st["params_bytes"] + st["grads_bytes"] + st["optim_bytes"]
-        self._traced0 = tracemalloc.get_traced_memory()[0]
+        self._traced0 = self._current()
         self.sample("start")
         hooks.subscribe(self._hook)
         return self
@@ -87,6 +109,9 @@ class record:
     def __exit__(self, *exc):
         hooks.unsubscribe(self._hook)
         self.sample("end")
+        if self._dm is not None:
+            self._dm.__exit__(*exc)
+            self.device_row = self._dm.row()
         return False
 
     def events(self, kind=None):

@@ -121,3 +121,6 @@ def _n_devices():
 
 
 from cupy.cuda import nccl  # noqa: E402,F401
+
+
+from cupy.cuda.memory_hook import MemoryHook  # noqa: E402,F401  (and the hooks into array allocation)
