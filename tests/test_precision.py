@@ -192,15 +192,15 @@ def test_layout_equals_one_process_in_the_same_precision(n, layout):
 
 # pipeline and sequence parallelism: "case" = sizes (dp2 tp2 pp2 m4 v2, z1: ZeRO-1), schedule, precision, sp
 PIPELINE_CASES = [(2, ["pp2 gpipe bf16 m4", "pp2 1f1b fp16 m4", "pp2 interleaved v2 bf16 m2", "tp2 sp bf16",
-                       "tp2 sp fp16 m2"]),
+                       "tp2 sp fp16 m2", "pp2 zb-h1 bf16 m4", "pp2 zb-v bf16 m2", "pp2 dualpipev fp16 m4"]),
                   (4, ["dp2 pp2 1f1b bf16 m2", "dp2 pp2 gpipe fp16 m2 z1", "dp2 pp2 1f1b bf16 z2",
                        "tp2 pp2 sp 1f1b bf16 m2", "dp2 tp2 sp fp16 z3"])]
 
 
 @pytest.mark.parametrize("n,cases", PIPELINE_CASES, ids=[f"n{n}" for n, _ in PIPELINE_CASES])
 def test_pipeline_and_sequence_parallel_equal_one_process(n, cases):
-    """pp (gpipe, 1f1b, interleaved) and dp x pp with m = 1 bit for bit; tp + sp (partial LayerNorm,
-    bias, wpe grads summed before one rounding) to rtol 1e-6; dp x pp with m > 1 (one more rounding
+    """pp (every schedule, zero-bubble ones too) and dp x pp with m = 1 bit for bit; tp + sp (partial
+    LayerNorm, bias, wpe grads summed before one rounding) to rtol 1e-6; dp x pp with m > 1 (one more rounding
     grouping) within 16 unit roundoffs of the update (tests/workers/precision_pipeline.py)."""
     got = reports(mpirun(n, "tests/workers/precision_pipeline.py", *cases, timeout=240))
     assert sorted(r["rank"] for r in got) == list(range(n))

@@ -37,6 +37,7 @@ import contextlib
 
 from pdist.engine.backend import xp
 from pdist.engine.backprop import run_backward
+from pdist.engine.split_backward import run_backward_input
 
 _grad_enabled = [True]
 
@@ -125,8 +126,14 @@ class Tensor:
         return _Handle(self._post_acc_hooks, fn)
 
     # --- backward -------------------------------------------------------------
-    def backward(self, grad=None):
-        """Accumulate d(self)/d(leaf) * grad into every leaf's .grad."""
+    def backward(self, grad=None, defer_weights=False, inputs=()):
+        """Accumulate d(self)/d(leaf) * grad into every leaf's .grad.
+
+        ``defer_weights=True`` runs only B, the gradients of the activations and of the
+        leaves in ``inputs`` (dL/dx = dL/dy W^T), and returns a ``WeightGradients`` whose
+        ``run()`` is W, the weight gradients (dL/dW = x^T dL/dy) of every other leaf, and
+        whose ``nbytes`` is the memory held until then. B then W equals the whole backward
+        bit for bit (Qi et al., 2024; pdist/engine/split_backward.py)."""
         if not self.requires_grad:
             raise RuntimeError("backward() on a tensor that does not require grad "
                                "(did you build it under no_grad, or from tensors without requires_grad?)")
@@ -136,6 +143,10 @@ class Tensor:
             grad = xp.ones_like(self.data)
         elif isinstance(grad, Tensor):
             grad = grad.data
+        if defer_weights:
+            return run_backward_input(self, grad, inputs)
+        if inputs:
+            raise ValueError("backward(inputs=...) names the leaves B computes: it needs defer_weights=True")
         run_backward(self, grad)
 
 
@@ -167,11 +178,16 @@ class Function:
     tensor inputs and, when grad mode is on and an input requires grad, records
     the node: ``self.parents`` (the input tensors, ``None`` for non-tensors) and
     ``self.needs_input_grad``.
+
+    A split backward (``Tensor.backward(defer_weights=True)``) calls a ``split_backward``
+    Function twice, asking first for its input gradients, then for its weight gradients.
     """
 
     parents = ()
     needs_input_grad = ()
     fresh_grads = False  # True: backward's gradients are new arrays, distinct, held nowhere else
+    split_backward = False  # True: backward honours needs_input_grad and may run twice (B, then W)
+    param_view = False      # True: applied to weights only, its output is a weight (Cast, Reshape, Permute)
 
     @classmethod
     def apply(cls, *inputs, **kw):

@@ -10,6 +10,9 @@ as soon as it is complete, so post-accumulate-grad hooks (DDP, ZeRO) fire as
 early as possible. Gradient sums are made in place where the engine owns an
 array (``_add_pending``). No graph is kept after backward (``retain_graph=False``).
 
+The split backward (B, then W: ``Tensor.backward(defer_weights=True)``) is
+pdist/engine/split_backward.py; it reuses this walk's gradient sums and leaf accumulation.
+
 The walk reads tensors' ``_ctx`` (their Function), ``_hooks``, ``grad`` and
 ``_post_acc_hooks`` only; it imports nothing from autograd (no cycle).
 """
@@ -132,3 +135,4 @@ def _accumulate_leaf(t, g, owned=False):
     if t._post_acc_hooks:
         for h in t._post_acc_hooks:
             h(t)
+

@@ -26,8 +26,10 @@ class Linear(Function):
 
     Three hooks, identities here, let a mixed-precision subclass (pdist.engine.precision.LowLinear)
     round the input it keeps, compute with its parameters in the compute dtype, and round
-    the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``."""
+    the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``.
+    ``split_backward``: a split backward asks for dX (B) and for dW, db (W) in two calls."""
     fresh_grads = True
+    split_backward = True
 
     def forward(self, x, w, b=None, layout="in_out"):
         self.out_in = out_in = layout == "out_in"

@@ -102,7 +102,7 @@ class FullPipelineGrads(FullGradAccumulator):
         super().__init__(microbatches)
         self.tied = list(tied)
 
-    def after_backward(self, k):
+    def after_backward(self, k, mb=None):
         pass
 
     def sync_tied(self, group):
@@ -113,14 +113,27 @@ class FullPipelineGrads(FullGradAccumulator):
 
 class PipelineGrads(GradAccumulator):
     """bf16/fp16: ``params``, the stage's parameters; ``tied``, its copy of a tied embedding
-    (first or last stage of p > 1); ``ends``, the virtual stages that use it (0, V - 1)."""
+    (first or last stage of p > 1); ``ends``, the virtual stages that use it (0, V - 1);
+    ``local_tied``: a tied embedding whose both ends are on this rank (rank 0 of a V-shaped
+    schedule), its two parts of micro-batch j added in the low dtype, round(e_j + h_j),
+    when the second arrives, as one process adds them."""
 
-    def __init__(self, params, tied, ends, microbatches):
+    def __init__(self, params, tied, ends, microbatches, local_tied=()):
         self.tied, self.ends, self.parts = list(tied), ends, []
+        self.local, self.halves = list(local_tied), {}
         super().__init__([q for q in params if not any(q is t for t in self.tied)], microbatches)
 
-    def after_backward(self, k):
-        """After the BACKWARD of virtual stage k: this micro-batch's rounded grads into the sums."""
+    def after_backward(self, k, mb=None):
+        """After the BACKWARD (or W) of micro-batch mb at virtual stage k: its rounded grads into the sums."""
+        if self.local and k in self.ends:
+            first = self.halves.pop(mb, None)
+            if first is None:                            # the first part of mb: held, out of .grad
+                self.halves[mb] = [prm.grad.copy() for prm in self.local]
+                for prm in self.local:
+                    prm.grad[...] = 0
+            else:
+                for prm, part in zip(self.local, first):
+                    prm.grad += part                     # round(e_j + h_j), one rounding
         if self.tied and k in self.ends:
             self.parts.append([prm.grad.copy() for prm in self.tied])
             for prm in self.tied:

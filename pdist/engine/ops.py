@@ -136,7 +136,10 @@ class MatMul(Function):
     """Y = A @ B (batched, broadcasting leading axes);
     dA = G @ B^T, dB = A^T @ G (summed over broadcast axes).
 
-    Reads A and B from its parents at backward time (see autograd's contract)."""
+    Reads A and B from its parents at backward time (see autograd's contract), or, where a
+    split backward dropped a parent between B and W, from forward's arrays."""
+    split_backward = True
+
     def forward(self, a, b):
         if a.ndim == 0 or b.ndim == 0 or a.shape[-1] != b.shape[-2 if b.ndim > 1 else 0]:
             raise ValueError(f"matmul: shapes {a.shape} and {b.shape} do not match: the last axis of "

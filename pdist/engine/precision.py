@@ -87,6 +87,8 @@ def _compute_dtype(p):
 class Cast(Function):
     """y = x in ``dtype``; dx = g in x's dtype (a low-precision parameter's gradient
     is rounded to it here), or in g's own dtype with ``keep`` (``unrounded``)."""
+    param_view = True     # an upcast weight is a weight (split backward, backprop.py)
+
     def forward(self, x, dtype, keep=False):
         self.src, self.keep = x.dtype, keep
         return x.astype(dtype)
@@ -182,10 +184,11 @@ class FullPrecisionPolicy:
         zero_grad, ``finish(tp_group)`` in finish_grad_sync."""
         return FullPartialGrads(params)
 
-    def pipeline_grads(self, params, tied, ends, microbatches):
-        """A pipeline stage's keeper: ``backward_scale(S)``, ``after_backward(k)`` after each
-        BACKWARD of virtual stage k, ``finish()`` when the schedule ends, ``sync_tied(group)``
-        for the tied copies ``tied`` used by the virtual stages ``ends``."""
+    def pipeline_grads(self, params, tied, ends, microbatches, local_tied=()):
+        """A pipeline stage's keeper: ``backward_scale(S)``, ``after_backward(k, mb)`` after each
+        BACKWARD (or W) of micro-batch mb at virtual stage k, ``finish()`` when the schedule
+        ends, ``sync_tied(group)`` for the tied copies ``tied`` used by the virtual stages
+        ``ends``; ``local_tied``: tied weights both of whose ends are on this rank."""
         return FullPipelineGrads(tied, microbatches)
 
     def __eq__(self, other):
@@ -224,8 +227,8 @@ class MixedPrecisionPolicy(FullPrecisionPolicy):
     def partial_grads(self, params):
         return PartialGrads(params)
 
-    def pipeline_grads(self, params, tied, ends, microbatches):
-        return PipelineGrads(params, tied, ends, microbatches)
+    def pipeline_grads(self, params, tied, ends, microbatches, local_tied=()):
+        return PipelineGrads(params, tied, ends, microbatches, local_tied)
 
 
 FULL_PRECISION = FullPrecisionPolicy()

@@ -16,6 +16,9 @@ dL/dy through it, and hands dL/dinputs on to the outer graph:
 Parameters fn reads (leaves such as a Module's weights) need not be passed as inputs:
 the inner backward accumulates into their ``.grad`` and fires their hooks exactly once
 per backward, as the ordinary graph would (DDP's bucket readiness, ZeRO's reductions).
+Inside a split backward (``defer_weights=True``, split_backward.py) the inner backward is split
+too: B recomputes fn and computes dL/dinputs; the inner weight gradients wait for W (the
+recomputed activations they need are held until then).
 Every other tensor fn depends on must be passed in ``inputs``: a captured tensor with a
 graph would be backpropagated by the inner backward and then lose its graph.
 
@@ -29,6 +32,7 @@ import copy
 
 from pdist.engine.autograd import Function, Tensor, is_grad_enabled, no_grad
 from pdist.engine.backprop import run_backward
+from pdist.engine.split_backward import current_split, run_backward_input
 
 MODES = ("none", "selective", "full")
 
@@ -73,8 +77,12 @@ class _Checkpoint(Function):
         finally:
             for gen, state in after:
                 gen.bit_generator.state = state
-        if out.requires_grad:
+        split = current_split()
+        if out.requires_grad and split is None:
             run_backward(out, g)                               # params: .grad and hooks; ins: .grad
+        elif out.requires_grad:                                # inside a split backward: B now, W with it
+            leaves = [x for x, need in zip(ins, self.needs_input_grad) if need]
+            split.join(run_backward_input(out, g, leaves))
         return tuple(x.grad if need else None for x, need in zip(ins, self.needs_input_grad))
 
 

@@ -11,6 +11,8 @@ from pdist.engine.backend import scatter_add, xp
 
 
 class Reshape(Function):
+    param_view = True     # a reshaped weight is a weight (split backward, backprop.py)
+
     def forward(self, a, shape):
         self.shape = a.shape
         return a.reshape(shape)
@@ -21,6 +23,7 @@ class Reshape(Function):
 
 class Permute(Function):
     """y = a.transpose(axes) (a view); dA = g.transpose(inverse permutation)."""
+    param_view = True
     def forward(self, a, axes):
         inv = [0] * len(axes)
         for i, ax in enumerate(axes):

@@ -8,6 +8,8 @@ builds, from the inside out (each strategy wraps the one before; base.py):
 
     TensorParallel(GPT, mesh.tp_group, sequence_parallel)    swaps layers: shards of every matrix
     PipelineParallel(.., mesh.pp_group, schedule, m, chunks) keeps this stage's blocks, runs the schedule
+                                                             ("gpipe", "1f1b", "interleaved", and the zero-bubble
+                                                             "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
 
 Each layer is left out where its size is 1 (microbatches then go to the plain model
@@ -20,7 +22,7 @@ collective, with one clear message.
 from pdist.parallel.base import Local
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
-from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
+from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, default_chunks
 from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
@@ -32,6 +34,7 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
                  chunks=1, data_parallel="bucketed", precision="fp32"):
     """Every error a layout can have, raised the same on every rank before any collective."""
     dp, tp, pp = mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size
+    chunks = default_chunks(schedule, chunks)             # "zb-v", "dualpipev": 2 chunks per rank
     low_dtype(precision)                                  # an unknown precision raises here
     if zero_stage not in STAGES:
         raise ValueError(f"zero_stage must be one of {STAGES}, got {zero_stage!r}")
@@ -48,7 +51,8 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
         partition_layers(cfg.n_layer, pp * chunks)
         if zero_stage == 3:
             raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it would gather "
-                             "every unit 2m times per step. Use zero_stage <= 2 with pp > 1.")
+                             "every unit 2m times per step (3m with a zero-bubble schedule's split backward). "
+                             "Use zero_stage <= 2 with pp > 1.")
     if cfg.dropout and (dp > 1 or pp > 1 or microbatches > 1):
         raise ValueError("dropout > 0 needs dp = pp = 1 and microbatches = 1: the masks of split batches "
                          "would differ from single-process training (tensor parallelism keeps them equal)")
@@ -66,6 +70,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     tensor parallelism has cut its fp32 shards, and DDP/ZeRO read ``has_late_grads`` when built."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
                  data_parallel, precision)
+    chunks = default_chunks(schedule, chunks)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision))
     if check_finite is not None:       # None: PDIST_CHECK_FINITE (default on)

@@ -59,7 +59,7 @@ def parse(case):
     w = case.split()
     size = {k: int(t[len(k):]) for t in w for k in ("dp", "tp", "pp", "m", "v", "z") if t.startswith(k)
             and t[len(k):].isdigit()}
-    sched = next((s for s in ("gpipe", "1f1b", "interleaved") if s in w), "1f1b")
+    sched = next((s for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev") if s in w), "1f1b")
     prec = next(p for p in ("bf16", "fp16") if p in w)
     return (size.get("dp", 1), size.get("tp", 1), size.get("pp", 1), size.get("m", 1), size.get("v", 1),
             sched, prec, "sp" in w, size.get("z", 0))

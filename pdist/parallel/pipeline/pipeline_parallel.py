@@ -10,7 +10,11 @@ as single-process backprop over the whole batch would: K optimizer steps equal
 single-process training (GPipe: Huang et al., 2019; 1F1B and interleaving:
 Narayanan et al., 2021). The order of the work is a schedule (schedules.py);
 ``PipelineParallel`` only executes it, one instruction at a time, through a table
-``{op: method}``.
+``{op: method}``. Zero-bubble schedules (ZB-H1, ZB-V, DualPipeV; Qi et al., 2024) split
+each BACKWARD into BACKWARD_INPUT (B: dL/dx, sent at once) and BACKWARD_WEIGHT (W: dL/dW,
+later): split_backward.py. The V-shaped ones place chunk 0 of rank s at virtual stage s
+and chunk 1 at 2p - 1 - s (``placement = "v"``), so rank 0 holds the embedding and the
+head: a tied embedding is one weight there, with no embedding group.
 
 The model as a sequence, as its plan cuts it (``ModelPlan.pipeline``,
 pdist/models/plan.py): [first part (the embedding)] + blocks 0 .. L-1 + [last part (the
@@ -43,8 +47,13 @@ from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.plan import get, plan_of
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.pipeline.stages import partition_layers, stage_chunks
-from pdist.parallel.pipeline.schedules import (BACKWARD, FORWARD, OPTIMIZER_STEP, RECV_ACT, RECV_GRAD, SEND_ACT,
-                                      SEND_GRAD, Instr, make_schedule, rendezvous_batches, virtual_stage)
+from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, OPTIMIZER_STEP,
+                                               RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, make_schedule,
+                                               placement_of, rendezvous_batches, stage_owner, virtual_stage)
+from pdist.parallel.pipeline.split_backward import backward_input, backward_weight, check_all_weights_done
+
+
+_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}   # PyTorch's, as draw.py
 
 
 class PipelineParallel(ParallelModule):
@@ -63,10 +72,13 @@ class PipelineParallel(ParallelModule):
                  loss_fn=None, act_shape=None, check_finite=None):
         super().__init__(model, group, check_finite)
         g = self.group
+        chunks = default_chunks(schedule, chunks)
+        self.placement = placement_of(schedule)              # "loop" (k = c p + s) or "v" (ZB-V, DualPipeV)
+        self.num_virtual_stages = V = g.size * chunks
         self.pp_world_size, self.pp_rank = g.size, g.rank
-        self.pp_is_first_stage, self.pp_is_last_stage = g.rank == 0, g.rank == g.size - 1
+        self.pp_is_first_stage = stage_owner(0, g.size, self.placement)[0] == g.rank
+        self.pp_is_last_stage = stage_owner(V - 1, g.size, self.placement)[0] == g.rank   # "v": rank 0 too
         self.schedule, self.num_microbatches, self.num_chunks = schedule, microbatches, chunks
-        self.num_virtual_stages = g.size * chunks
         programs = make_schedule(schedule, g.size, microbatches, chunks)   # bad args raise here
         self.program = programs[g.rank]
         # messages go out in batches (one NCCL group call each) in an order that can't deadlock
@@ -90,7 +102,9 @@ class PipelineParallel(ParallelModule):
         if self.num_virtual_stages > 1 and act_shape is None and not pplan.hidden:
             raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
         partition_layers(len(get(self.module, pplan.blocks)), self.num_virtual_stages, partition)  # raise now
-        self.chunks, self.tied = stage_chunks(self.module, pplan, g.size, g.rank, chunks, partition)
+        self.chunks, self.tied = stage_chunks(self.module, pplan, g.size, g.rank, chunks, partition, self.placement)
+        both = self.pp_is_first_stage and self.pp_is_last_stage and V > 1     # "v": rank 0, embedding + head
+        self.local_tied = [get(self.module, src) for src in pplan.tied.values()] if both else []
         self.loss_fn = loss_fn or (get(self.module, pplan.loss) if self.pp_is_last_stage else None)
         shards = self.inner.seq_shards
         self.act_shape = act_shape or (lambda k, rows, x: (rows, x.shape[1] // shards, pplan.hidden))
@@ -103,9 +117,11 @@ class PipelineParallel(ParallelModule):
             self.embedding_group = e if ends and self.tied else None
         self.loss_weight = 1.0 if self.pp_is_last_stage else 0.0
         self.record_timeline, self.timeline, self.peak_stash = False, [], 0
+        self.peak_held_w = self.peak_held_w_bytes = 0
         self._dispatch = {FORWARD: self._forward, BACKWARD: self._backward, SEND_ACT: self._send_act,
                           RECV_ACT: self._recv_act, SEND_GRAD: self._send_grad, RECV_GRAD: self._recv_grad,
-                          OPTIMIZER_STEP: self._end_of_step}
+                          BACKWARD_INPUT: lambda ins: backward_input(self, ins),
+                          BACKWARD_WEIGHT: lambda ins: backward_weight(self, ins), OPTIMIZER_STEP: self._end_of_step}
 
     microbatches = property(lambda self: self.num_microbatches)
 
@@ -130,9 +146,10 @@ class PipelineParallel(ParallelModule):
                              f"micro-batches; use a batch size divisible by m (x dp)")
         self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
-        self.losses, self.timeline, self.peak_stash = [], [], 0
+        self.losses, self.timeline, self.peak_stash, self._held_w = [], [], 0, {}
+        self.peak_held_w = self.peak_held_w_bytes = 0
         self._keeper = self.policy.pipeline_grads(self.inner.parameters(), self.tied,
-                                                  (0, self.num_virtual_stages - 1), m)
+                                                  (0, self.num_virtual_stages - 1), m, self.local_tied)
         self._scale = self._keeper.backward_scale(loss_scale)   # fp32: S/m; bf16/fp16: S (fp32 sums)
         if self.record_timeline:
             self.group.barrier()
@@ -153,7 +170,7 @@ class PipelineParallel(ParallelModule):
             self._keeper.sync_tied(self.embedding_group)     # bf16/fp16: per micro-batch, as one process
 
     def _stage(self, ins):
-        return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank)
+        return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank, self.placement)
 
     def _tag(self, kind, mb, k):
         return 2 * (mb * self.num_virtual_stages + k) + (kind == "grad")
@@ -212,7 +229,7 @@ class PipelineParallel(ParallelModule):
             if self._scale != 1.0:
                 out = out * self._scale              # backward on l S/m (bf16/fp16: l S, S a power of two)
         self._stash[(mb, c)] = (x, out)
-        self.peak_stash = max(self.peak_stash, len(self._stash))
+        self.peak_stash = max(self.peak_stash, len(self._stash) + len(self._held_w))   # W reads its stash too
         self._done(ins, t0, e0)
 
     def _backward(self, ins):
@@ -223,11 +240,11 @@ class PipelineParallel(ParallelModule):
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
-        self._keeper.after_backward(k)               # bf16/fp16: this micro-batch's grads into fp32 sums
+        self._keeper.after_backward(k, mb)           # bf16/fp16: this micro-batch's grads into fp32 sums
         self._done(ins, t0, e0)
 
     def _done(self, ins, t0, e0):
-        t1, name = trace.now(), f"{ins.op[0]}{ins.mb}.{ins.chunk}"
+        t1, name = trace.now(), f"{_LETTER[ins.op]}{ins.mb}.{ins.chunk}"
         self.timeline.append((ins, t0 - self._t0, t1 - self._t0))
         trace.record(name, "compute", t0, t1, mb=ins.mb, chunk=ins.chunk)
         trace.device_record(name, e0, mb=ins.mb, chunk=ins.chunk)
@@ -238,6 +255,13 @@ class PipelineParallel(ParallelModule):
         for work, _ in self._sends:
             work.wait()
         self._sends = []
+        check_all_weights_done(self)
+
+
+def default_chunks(schedule, chunks):
+    """The chunks per rank a schedule runs: 2 for the V-shaped ones (ZB-V, DualPipeV) when
+    left at 1; otherwise as given (make_schedule refuses what a schedule cannot run)."""
+    return 2 if chunks == 1 and placement_of(schedule) == "v" else chunks
 
 
 def gather_timeline(pipe):
@@ -248,4 +272,4 @@ def gather_timeline(pipe):
     return pipe.group.gather_object(pipe.timeline, dst=0)
 
 
-__all__ = ["PipelineParallel", "gather_timeline"]
+__all__ = ["PipelineParallel", "gather_timeline", "default_chunks"]

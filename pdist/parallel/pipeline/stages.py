@@ -1,6 +1,7 @@
 """A model cut into pipeline stages, as its plan says (``ModelPlan.pipeline``, pdist/models/plan.py).
 
     f = f_{V-1} o ... o f_1 o f_0           virtual stage k = chunk c of rank s, k = c p + s
+                                            (V-shaped schedules: k = s for c = 0, 2p - 1 - s for c = 1)
 
 The blocks are split over the V virtual stages in contiguous runs (``partition_layers``:
 evenly, the first L mod V stages one more, or by a given partition); virtual stage 0 also
@@ -65,14 +66,16 @@ def _copy_of(w, name):
     return copy
 
 
-def stage_chunks(model, pplan, p, s, v, partition):
+def stage_chunks(model, pplan, p, s, v, partition, placement="loop"):
     """This rank's v chunks of ``model`` as its plan cuts it ([first] + blocks + [last],
-    pdist/models/plan.py); prunes from ``model`` what this rank does not hold. Returns the
-    chunks and this rank's side of every tied pair (first and last stage, p > 1)."""
+    pdist/models/plan.py), chunk c being virtual stage ``virtual_stage(c, p, s, placement)``
+    ("loop": c p + s; "v": s, then 2p - 1 - s, so rank 0 holds the first and the last);
+    prunes from ``model`` what this rank does not hold. Returns the chunks and this rank's
+    side of every tied pair (the ranks of the first and the last stage, when they differ)."""
     V, h = p * v, get(model, pplan.blocks)
     blocks = list(h)
     spans = partition_layers(len(blocks), V, partition)
-    mine = [virtual_stage(c, p, s) for c in range(v)]
+    mine = [virtual_stage(c, p, s, placement) for c in range(v)]
     head = [getattr(model, pplan.first)] if pplan.first else []
     tail = [getattr(model, pplan.last)] if pplan.last else []
     chunks = [Chunk((head if k == 0 else []) + blocks[slice(*spans[k])] + (tail if k == V - 1 else []))
@@ -84,7 +87,7 @@ def stage_chunks(model, pplan, p, s, v, partition):
     for dst, src in pplan.tied.items():
         if last and not first:
             put(model, dst, _copy_of(get(model, src), dst))
-        if p > 1 and (first or last):
+        if p > 1 and first != last:                   # both on one rank ("v"): one weight, no sync
             tied.append(get(model, src if first else dst))
     for path in (pplan.first_modules if not first else ()) + (pplan.last_modules if not last else ()):
         parent, _, name = path.rpartition(".")
