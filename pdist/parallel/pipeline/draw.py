@@ -94,7 +94,7 @@ def ascii_timeline(spans, width=None, cols_per_unit=None, legend=True, axis=None
                      + ("; letter = model chunk" if v > 1 else ""))
         if not cols_per_unit:
             lines.append(f"{'':8}one column = {end / ncols * 1e3:.2g} ms; a span narrower than its "
-                         "label shows what fits ('F', 'B')")
+                         "label shows what fits (its letter alone: 'F', 'I')")
     return "\n".join(lines)
 
 
