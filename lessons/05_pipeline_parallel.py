@@ -1,4 +1,4 @@
-"""Lesson 05 -- pipeline parallelism: GPipe, 1F1B and interleaved 1F1B.
+"""Lesson 05 -- pipeline parallelism: GPipe, 1F1B, interleaved 1F1B and the zero-bubble schedules.
 
     mpirun -n 4 python lessons/05_pipeline_parallel.py        # p = 4 stages
     python lessons/05_pipeline_parallel.py                    # p = 1 (runs, shows nothing pipelined)
@@ -11,14 +11,22 @@ this rank's blocks of the one GPT, and parallelize(GPT(cfg, seed), DeviceMesh(dp
 ...) adds data parallelism around it. Each step splits the global batch into m
 micro-batches; a schedule orders the forwards and backwards on every stage (GPipe: all
 forwards, then all backwards; 1F1B: one forward, one backward; interleaved: 1F1B over
-v = 2 chunks per rank). Every run trains through the one loop, pdist.training.train.
-For each schedule and m the lesson prints the loss beside the single-process
-loss, the largest parameter difference after training, each stage's measured
-idle fraction ("bubble") beside the plan (unit costs, t_b = 2 t_f) and the
-theory (p-1)/(m+p-1), (p-1)/(v m+p-1) interleaved, and the peak number of
-micro-batch activations a stage held at once (GPipe m, 1F1B <= p).
-On 4 ranks it also trains p = 2 x dp = 2. Then an ASCII picture of one step,
-planned and measured (``--png PATH`` also draws it with matplotlib).
+v = 2 chunks per rank). The zero-bubble schedules split each backward into B (the input
+gradient, sent to the previous stage at once) and W (the weight gradients, which can
+wait and fill the bubble; Qi et al. 2024): ZB-H1 (1F1B's memory, a third of its
+bubble), ZB-V and DualPipeV (two chunks per rank in a V: rank 0 holds the first and
+the last stage; DeepSeek-AI 2024), each at m = 2p. Every run trains through the one
+loop, pdist.training.train. For each schedule and m the lesson prints the loss beside
+the single-process loss, the largest parameter difference after training, each stage's
+measured idle fraction ("bubble") beside the plan (unit costs t_F = t_B = t_W, so a
+whole backward is 2 t_F) and the paper's formula -- (p-1)/(m+p-1), (p-1)/(v m+p-1)
+interleaved, (p-1)/(3m+p-1) ZB-H1, (p-1)/(6m+p-1) ZB-V and DualPipeV -- and the peak
+number of micro-batch activations a stage held at once, measured and planned (GPipe m,
+1F1B <= p; a zero-bubble micro-batch is held from its F until its W; with two chunks a
+count is of chunk-activations). On 4 ranks it also trains p = 2 x dp = 2. Then ASCII
+pictures of one step: 1F1B planned and measured, the zero-bubble schedules planned
+(F forward, I input gradients = B, W weight gradients), ZB-H1 measured (``--png PATH``
+also draws them with matplotlib).
 
 ``--precision bf16`` (or fp16): bf16 parameters and gradients, fp32 masters (docs/mixed_precision.md).
 Each stage scales the loss (fp16), rounds each micro-batch's weight gradients once, sums
@@ -29,7 +37,8 @@ run with dp = 1 equals one process with m micro-batches in the same precision bi
 process with dp x m micro-batches rounds once): checked to a relative 2-norm error of 1e-2.
 
 Every flag is checked before training, on every rank: the batch must split into
-dp x m micro-batches for every run, and 2p (interleaved) stages need as many blocks.
+dp x m micro-batches for every run, and 2p (interleaved, ZB-V, DualPipeV) stages need
+as many blocks.
 """
 import importlib.util
 import math
@@ -53,17 +62,20 @@ from pdist.parallel.pipeline.pipeline_parallel import gather_timeline
 from pdist.training import train
 
 Run = namedtuple("Run", "schedule m v pp dp")
+ZERO_BUBBLE = ("zb-h1", "zb-v", "dualpipev")
 Sizes = namedtuple("Sizes", "dp_world_size tp_world_size pp_world_size")   # what check_layout reads of a mesh
 
 
 def plan(n, cfg, batch_size):
     """The runs on n ranks: p = n stages (up to 4), m in {1, p, 2p} for GPipe and 1F1B,
-    interleaved (v = 2) for m >= p, and on 4 ranks p = 2 x dp = 2. Raises ValueError (the
-    same on every rank, before any collective) when a run cannot train these flags."""
+    interleaved (v = 2) for m >= p, ZB-H1, ZB-V and DualPipeV (v = 2) at m = 2p, and on 4
+    ranks p = 2 x dp = 2. Raises ValueError (the same on every rank, before any collective)
+    when a run cannot train these flags."""
     pp = n if n <= 4 else 4 if n % 4 == 0 else 1
     ms = sorted({1, pp, 2 * pp})
     runs = [Run(s, m, 1, pp, n // pp) for s in ("gpipe", "1f1b") for m in ms]
     runs += [Run("interleaved", m, 2, pp, n // pp) for m in ms if m >= pp]
+    runs += [Run(s, 2 * pp, 1 if s == "zb-h1" else 2, pp, n // pp) for s in ZERO_BUBBLE]
     if n == 4:
         runs.append(Run("1f1b", 4, 1, 2, 2))
     need = math.lcm(*(r.dp * r.m for r in runs))
@@ -148,7 +160,7 @@ def record(r, res, every, ref_losses, cfg, args, rank):
     ok = all(e[0] for e in every)
     stash = [e[1] for e in every if e[4].dp == 0]          # world ranks are pp-major: stage order
     planned = sim.bubble_fraction(res["planned"])[0]
-    theory = sim.theoretical_bubble(r.pp, r.m, r.v)
+    theory = sim.theoretical_bubble(r.pp, r.m, r.v, schedule=r.schedule)
     idle = res["idle"] if rank == 0 else None
     plan_peak = sim.check_schedule(S.make_schedule(r.schedule, r.pp, r.m, r.v), r.m)
     row = [name, f"{res['losses'][-1]:.6f}", f"{ref_losses[-1]:.6f}", f"{res['diff']:.1e}",
@@ -173,13 +185,22 @@ def report(rows, show, pp, cfg, args, n):
           f"{args.steps} AdamW steps, {args.dtype}, world {n}\n")
     print(lesson.table(rows, ["run", "loss", "1-proc loss", "max|dW|", "measured idle/stage",
                               "planned", "theory", "peak stash", "planned", "ms/step"]))
-    planned_tl, measured_tl = show
+    planned_tl, measured_tl = show["1f1b"]
     print(f"\n1F1B, p={pp}, m={2 * pp}, planned (t_b = 2 t_f):\n{ascii_timeline(planned_tl)}")
     print(f"\nmeasured (last step, {max(e for r_ in measured_tl for _, _, e in r_) * 1e3:.1f} ms):\n"
           f"{ascii_timeline(measured_tl, width=90, axis='ms')}\n")
+    zb_planned, zb_measured = show["zb-h1"]
+    print(f"ZB-H1, p={pp}, m={2 * pp}, planned (t_F = t_B = t_W; I = B, the input gradients):\n"
+          f"{ascii_timeline(zb_planned)}")
+    print(f"\nmeasured (last step, {max(e for r_ in zb_measured for _, _, e in r_) * 1e3:.1f} ms):\n"
+          f"{ascii_timeline(zb_measured, width=90, axis='ms')}\n")
+    for name, title in (("zb-v", "ZB-V"), ("dualpipev", "DualPipeV")):   # m = p: a picture that fits
+        print(f"{title}, p={pp}, m={pp}, planned (chunk a: stage s, chunk b: stage 2p-1-s, a V):\n"
+              f"{ascii_timeline(sim.simulate(S.make_schedule(name, pp, pp)), cols_per_unit=3)}\n")
     if args.png:
-        plot_timeline([planned_tl, measured_tl], ["1F1B planned (units of t_f)", "measured"], args.png,
-                      unit=["t_f", "seconds"])
+        plot_timeline([planned_tl, measured_tl, zb_planned, zb_measured],
+                      ["1F1B planned (units of t_f)", "1F1B measured", "ZB-H1 planned", "ZB-H1 measured"],
+                      args.png, unit=["t_f", "seconds", "t_f", "seconds"])
         print(f"wrote {args.png}")
 
 
@@ -206,7 +227,7 @@ def main():
     tol = dict(rtol=1e-9, atol=1e-12) if args.dtype == "float64" else dict(rtol=1e-3, atol=1e-4)
     if mixed:
         tol = dict(rtol=0, atol=0)         # the same rounding points as one process: bit for bit
-    rows, summary, passed, show = [], [], True, None
+    rows, summary, passed, show = [], [], True, {}
     for r in runs:
         mesh = meshes[(r.pp, r.dp)]
         ref_losses, ref_sd = refs[r.dp * r.m if mixed else 1]
@@ -219,8 +240,8 @@ def main():
         rows.append(row)
         summary.append(rec)
         passed &= ok
-        if r.schedule == "1f1b" and r.m == 2 * pp and r.pp == pp:
-            show = (res["planned"], res["tl"])
+        if r.schedule in ("1f1b", "zb-h1") and r.m == 2 * pp and r.pp == pp:
+            show[r.schedule] = (res["planned"], res["tl"])
     if rank == 0:
         report(rows, show, pp, cfg, args, n)
     lesson.finish("05_pipeline_parallel", passed, summary, args, rank=rank, world_size=n,

@@ -138,6 +138,12 @@ WRONG_ANSWERS = {
     "hang_sum_grads": ("10", "n = 2: the loss per step"),
     "hang_sum_loss": ("10", "got = 2 x expected"),
     "hang_every_other_step": ("10", "n = 2: the loss per step"),
+    "zb_w_before_b": ("13", "runs before its B"),
+    "zb_b_waits_on_w": ("13", "runs between a B and its SEND_GRAD"),
+    "zb_warmup_too_few": ("13", "too few warm-up steps"),
+    "zb_w_right_after_b": ("13", "simulated bubble 0.1429"),
+    "zb_whole_backward": ("13", "runs a whole BACKWARD"),
+    "zb_all_w_at_end": ("13", "peak stash per stage [4, 4]"),
 }
 
 

@@ -71,11 +71,14 @@ def test_lesson_05_json(tmp_path):
     path = tmp_path / "pp.json"
     out = mpirun(4, "lessons/05_pipeline_parallel.py", "--steps", "2", "--json", str(path), timeout=300)
     assert "PASS: 05_pipeline_parallel" in out, out
+    assert "ZB-H1, p=4, m=8, planned" in out and "I7~W7+|" in out and "DualPipeV, p=4, m=4" in out, out
     s = json.loads(path.read_text())
     assert s["lesson"] == "05_pipeline_parallel" and s["world_size"] == 4 and s["check"] == "PASS"
     names = [r["name"] for r in s["runs"]]
-    for want in ("gpipe m=1", "gpipe m=8", "1f1b m=4", "1f1b m=8", "interleaved m=8 v=2", "1f1b m=4 pp2xdp2"):
+    for want in ("gpipe m=1", "gpipe m=8", "1f1b m=4", "1f1b m=8", "interleaved m=8 v=2", "1f1b m=4 pp2xdp2",
+                 "zb-h1 m=8", "zb-v m=8 v=2", "dualpipev m=8 v=2"):
         assert want in names, names
+    papers = {"zb-h1": 3 / (3 * 8 + 3), "zb-v": 3 / (6 * 8 + 3), "dualpipev": 3 / (6 * 8 + 3)}   # p = 4, m = 8
     for r in s["runs"]:
         p, dp = r["layout"]["pp"], r["layout"]["dp"]
         assert p * dp == 4 and r["layout"]["tp"] == 1 and r["dtype"] == "float64"
@@ -88,7 +91,10 @@ def test_lesson_05_json(tmp_path):
             assert r["peak_stash_planned"] == [m] * p
         if r["schedule"] == "1f1b":
             assert max(r["peak_stash_planned"]) <= p
-        if v == 1 or m % p == 0:
+        if r["schedule"] in papers:                # the planned bubble is the paper's formula, t_F = t_B = t_W
+            assert r["bubble"]["theory"] == pytest.approx(papers[r["schedule"]], abs=1e-12)
+            assert r["bubble"]["planned"] == pytest.approx(r["bubble"]["theory"], abs=1e-12)
+        elif v == 1 or m % p == 0:
             assert r["bubble"]["theory"] == pytest.approx((p - 1) / (v * m + p - 1))
             assert r["bubble"]["planned"] == pytest.approx(r["bubble"]["theory"])
         assert len(r["bubble"]["measured_per_stage"]) == p

@@ -234,7 +234,7 @@ def test_ascii_draws_f_b_w_distinctly():
     text = ascii_timeline(zb)
     for mb in range(8):
         assert f"F{mb}-" in text and f"I{mb}~" in text and f"W{mb}+" in text
-    assert "B0=" not in text and "input grads (the paper's B) ('~')" in text and "weight grads (W)" in text
+    assert "B0=" not in text and "input grads (the paper's B) ('~')" in text and "W<mb> weight grads ('+')" in text
     assert f"idle {sim.theoretical_bubble(4, 8, schedule='zb-h1'):5.1%}" in text
     dual = ascii_timeline(sim.simulate(S.make_schedule("dualpipev", 2, 4)))
     assert "B3a" in dual and "I3a" in dual or "W3a" in dual      # whole and split backwards in one

@@ -1,5 +1,5 @@
-"""Checks of exercises 08 (1F1B as data), 09 (resharding reads) and 10 (find the hang), run
-through pdist/course/checks.py."""
+"""Checks of exercises 08 (1F1B as data), 09 (resharding reads), 10 (find the hang) and 13
+(ZB-H1 as data), run through pdist/course/checks.py."""
 import numpy as np
 
 from pdist.course.common import SEED, CheckFailed, close, close_dicts, need, sub_groups
@@ -132,3 +132,73 @@ def checks_10(S, world):
 
     return [("runs on every rank and equals single-process training (n = 2 and 4, SGD)", equal),
             ("runs with AdamW too (the lesson's optimizer)", adamw)]
+
+
+# ------------------------------------------------------------------ 13 ZB-H1 as data
+def _w_while_b_ready(spans, p):
+    """(stage, W, B) for the first W that ran while a B of its stage, run later, was ready (its
+    forward done, its gradient arrived): that B, and the previous stage's, waited on the W."""
+    from pdist.parallel.pipeline.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD
+    end = {(s, i.op, i.mb): e for s in range(p) for i, _, e in spans[s]}
+    for s in range(p):
+        for w, t0, t1 in spans[s]:
+            if w.op != BACKWARD_WEIGHT:
+                continue
+            for b, b0, _ in spans[s]:
+                ready = max(end[(s, FORWARD, b.mb)], end.get((s + 1, BACKWARD_INPUT, b.mb), 0.0))
+                if b.op == BACKWARD_INPUT and b0 >= t1 and ready <= t0:
+                    return s, w, b
+    return None
+
+
+def _bubble_why(progs, spans, p, m):
+    """Where a schedule's extra idle comes from: a short warm-up, a W run while a B was ready,
+    or else the idle per stage."""
+    from pdist.parallel.pipeline.schedules import BACKWARD_INPUT, FORWARD
+    for s, prog in enumerate(progs):
+        ops = [i.op for i in prog if i.op in (FORWARD, BACKWARD_INPUT)]
+        warm = ops.index(BACKWARD_INPUT) - 1 if BACKWARD_INPUT in ops else len(ops)
+        if warm < min(p - s - 1, m):
+            return (f"stage {s} runs {warm} warm-up forward(s) before its first F-B pair, 1F1B's warm-up is "
+                    f"min(p-s-1, m) = {min(p - s - 1, m)} (too few warm-up steps)")
+    why = _w_while_b_ready(spans, p)
+    if why:
+        return f"stage {why[0]} runs {why[1]!r} while {why[2]!r} is ready: that B (and the stages before) wait on a W"
+    end = max(e for r in spans for _, _, e in r)
+    idle = [round(end - sum(e - b for _, b, e in r), 6) for r in spans]
+    return f"idle per stage {idle} t_F, ZB-H1's p-1 = {p - 1} each (which W's could fill the idle slots?)"
+
+
+def checks_13(S, world):
+    from pdist.parallel.pipeline import schedules as sch
+    from pdist.parallel.pipeline import simulate as sim
+
+    def valid():
+        for p in (1, 2, 3, 4):
+            for m in sorted({1, 2, max(p - 1, 1), p, 2 * p + 1}):
+                progs = S.zb_h1(p, m)
+                whole = next(((s, i) for s, prog in enumerate(progs) for i in prog if i.op == sch.BACKWARD), None)
+                need(whole is None, f"p={p}, m={m}: stage {whole and whole[0]} runs a whole BACKWARD "
+                                    f"({whole and whole[1]}): split every backward into BACKWARD_INPUT and BACKWARD_WEIGHT")
+                try:
+                    sim.check_schedule(progs, m)
+                    sim.simulate_rendezvous(progs)
+                except (AssertionError, sch.DeadlockError) as e:
+                    raise CheckFailed(f"p={p}, m={m}: the schedule checker says: {e}") from None
+
+    def memory():
+        for p, m in ((2, 4), (4, 8), (4, 2), (3, 5)):
+            peaks = sim.check_schedule(S.zb_h1(p, m), m)
+            need(max(peaks) <= min(p, m), f"p={p}, m={m}: peak stash per stage {peaks}: more than 1F1B's peak "
+                                          f"min(p, m) = {min(p, m)} (a W kept back holds its micro-batch: keep fewer back)")
+
+    def bubble():
+        for p, m in ((2, 4), (4, 4), (4, 8), (3, 5)):
+            progs = S.zb_h1(p, m)
+            spans = sim.simulate(progs, t_w=1.0)
+            got, want = max(sim.bubble_fraction(spans)), sim.theoretical_bubble(p, m, schedule="zb-h1")
+            need(abs(got - want) < 1e-12, f"p={p}, m={m}: simulated bubble {got:.4f} (t_F = t_B = t_W), ZB-H1's "
+                                          f"(p-1)/(3m+p-1) = {want:.4f}; " + _bubble_why(progs, spans, p, m))
+
+    return [("the schedule checker accepts it, every backward split in B and W (p 1..4, several m)", valid),
+            ("peak stash <= 1F1B's min(p, m)", memory), ("simulated bubble = (p-1)/(3m+p-1)", bubble)]

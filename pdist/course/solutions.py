@@ -226,3 +226,24 @@ def fixed_train(model, opt, group, get_batch, steps):
         group.all_reduce(v, op="avg")
         losses.append(float(v[0]))
     return losses
+
+
+# ------------------------------------------------ 13: ZB-H1 as data (Qi et al. 2024, sec. 3.1)
+def zb_h1(p, m):
+    from pdist.parallel.pipeline.schedules import BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, _program
+    programs = []
+    for s in range(p):
+        w = min(p - s - 1, m)                   # 1F1B's warm-up forwards
+        fb = [(FORWARD, i, 0) for i in range(w)]
+        for i in range(m - w):
+            fb += [(FORWARD, w + i, 0), (BACKWARD_INPUT, i, 0)]
+        fb += [(BACKWARD_INPUT, i, 0) for i in range(m - w, m)]
+        order, done = [], 0
+        for op in fb:                           # stage s keeps s W's back for its cool-down
+            order.append(op)
+            if op[0] == BACKWARD_INPUT and op[1] >= s:
+                order.append((BACKWARD_WEIGHT, done, 0))
+                done += 1
+        order += [(BACKWARD_WEIGHT, i, 0) for i in range(done, m)]
+        programs.append(_program(p, s, 1, order))
+    return programs

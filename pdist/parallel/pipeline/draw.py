@@ -18,7 +18,7 @@ FILL = {FORWARD: "-", BACKWARD: "=", BACKWARD_INPUT: "~", BACKWARD_WEIGHT: "+"}
 LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}   # PyTorch's letters
 COLORS = {FORWARD: "#4C72B0", BACKWARD: "#DD8452", BACKWARD_INPUT: "#C44E52", BACKWARD_WEIGHT: "#55A868"}
 NAMES = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "input grads (the paper's B)",
-         BACKWARD_WEIGHT: "weight grads (W)"}
+         BACKWARD_WEIGHT: "weight grads"}
 
 
 def label(ins, v=1):
@@ -94,7 +94,7 @@ def ascii_timeline(spans, width=None, cols_per_unit=None, legend=True, axis=None
                      + ("; letter = model chunk" if v > 1 else ""))
         if not cols_per_unit:
             lines.append(f"{'':8}one column = {end / ncols * 1e3:.2g} ms; a span narrower than its "
-                         "label shows what fits ('F', 'B')")
+                         "label shows what fits (its letter alone: 'F', 'I')")
     return "\n".join(lines)
 
 

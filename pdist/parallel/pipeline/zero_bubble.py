@@ -30,7 +30,7 @@ forward to the last compute on any rank):
 
     1F1B       (p-1)(t_F+t_B+t_W) idle per stage  -> (p-1)/(m+p-1)          (Narayanan et al., 2021)
     ZB-H1      (p-1)(t_F+t_B-t_W) idle per stage  -> (p-1)/(3m+p-1),  m >= p (Qi et al., 2024, sec. 3.1)
-    ZB-V       (p-1) t_F idle per rank            -> (p-1)/(6m+p-1),  m >= p
+    ZB-V       (p-1) t_F idle per rank            -> (p-1)/(6m+p-1),  m >= p, p <= 4 (*)
     DualPipeV  (p-1) t_F idle per rank            -> (p-1)/(6m+p-1),  m >= 2p
 
 ZB-V and DualPipeV reach the lower bound of any schedule of 2 chunks per rank:
@@ -40,6 +40,9 @@ first compute (and lets the next step start early), where this idle is gone.
 In t_F of a whole stage (a chunk is half of one) that is (p-1)/2 -- half of
 ZB-H1's and a sixth of 1F1B's idle. ``theoretical_bubble`` (simulate.py) gives
 these; the tests check the simulated schedules against them exactly.
+(*) The list scheduling reaches the bound for every m >= p up to p = 4; at p = 5..8
+it ends 1-2 t_F later at some m (a rule that always reaches it needs more than 2p
+chunk-activations in flight on the later ranks).
 """
 from pdist.parallel.pipeline.instructions import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, _check_args,
                                                   _program, virtual_stage)
