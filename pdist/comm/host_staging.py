@@ -7,7 +7,7 @@ the copies to and from them run at the bus's speed, not through a bounce buffer.
 back to the device is the Work's finishing step (work.py: ``finish``), run by ``wait()`` or
 by the ``is_completed()`` that finds the data arrived, so DDP's polling of its buckets
 finds the reduced gradients on the device."""
-from pdist.engine.backend import array_module, guard_host_read, is_device_array
+from pdist.engine.backend import array_module, guard_host_read, is_device_array, words
 from pdist.comm.work import Work
 
 
@@ -95,11 +95,11 @@ class MPIHostBackend:
 
     def isend(self, buf, dst, tag=0):
         self.p2p.wire_bytes += buf.nbytes
-        return self.user.isend(_to_host(buf), dst, tag)
+        return self.user.isend(words(_to_host(buf)), dst, tag)      # 2-byte floats as raw words
 
     def irecv(self, buf, src, tag=0):
         h = _pinned(buf)
-        return self._staged(self.user.irecv(h, src, tag), lambda: _to_device(buf, h))
+        return self._staged(self.user.irecv(words(h), src, tag), lambda: _to_device(buf, h))
 
 
 class MPIHostP2P:
@@ -111,17 +111,17 @@ class MPIHostP2P:
 
     def send(self, buf, dst, tag=0):
         self.wire_bytes += buf.nbytes
-        self.t.send(_to_host(buf), dst, tag)
+        self.t.send(words(_to_host(buf)), dst, tag)
 
     def recv(self, buf, src, tag=0):
         h = _pinned(buf)
-        self.t.recv(h, src, tag)
+        self.t.recv(words(h), src, tag)
         _to_device(buf, h)
 
     def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
         self.wire_bytes += sendbuf.nbytes
         h = _pinned(recvbuf)
-        self.t.sendrecv(_to_host(sendbuf), dst, h, src, tag)
+        self.t.sendrecv(words(_to_host(sendbuf)), dst, words(h), src, tag)
         _to_device(recvbuf, h)
 
     def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0):

@@ -114,6 +114,10 @@ class NCCLBackend(NCCLPointToPointMixin):
             return None
         return Work(wait=wait, test=lambda: done.done, keep=keep)
 
+    def _finish_low(self, done_keep, nb):
+        done, keep = done_keep
+        return self._finish(done, nb, keep)
+
     def _on_stream(self, fn):
         """Run ``fn()`` (CuPy kernels) on the communication stream; the event after it."""
         with self.stream:
@@ -125,7 +129,7 @@ class NCCLBackend(NCCLPointToPointMixin):
     # ---------------------------------------------------------- collectives
     def all_reduce(self, buf, op, nb=False):
         if is_low(buf.dtype) and buf.size:
-            return self._finish(*low_precision.nccl_all_reduce(self, buf, op), nb)
+            return self._finish_low(low_precision.nccl_all_reduce(self, buf, op), nb)
         if not buf.size:
             return self._finish(self._issue(lambda s: None), nb)
         return self._finish(self._issue(lambda s: self.nc.allReduce(
@@ -136,7 +140,7 @@ class NCCLBackend(NCCLPointToPointMixin):
         if not m:
             return self._finish(self._issue(lambda s: None), nb)
         if is_low(inp.dtype):
-            return self._finish(*low_precision.nccl_reduce_scatter(self, out, inp, counts, op), nb)
+            return self._finish_low(low_precision.nccl_reduce_scatter(self, out, inp, counts, op), nb)
         if len(set(counts)) == 1:
             return self._finish(self._issue(lambda s: self.nc.reduceScatter(
                 _ptr(inp), _ptr(out), m, _dtype(inp), _op(op), s)), nb, (out, inp))
@@ -176,7 +180,7 @@ class NCCLBackend(NCCLPointToPointMixin):
         if not buf.size:
             return self._finish(self._issue(lambda s: None), nb)
         if is_low(buf.dtype):
-            return self._finish(*low_precision.nccl_reduce(self, buf, dst, op), nb)
+            return self._finish_low(low_precision.nccl_reduce(self, buf, dst, op), nb)
         tmp = buf if self.rank == dst else cupy.empty_like(buf)   # non-root buf unchanged
         return self._finish(self._issue(lambda s: self.nc.reduce(
             _ptr(buf), _ptr(tmp), buf.size, _dtype(buf), _op(op), dst, s)), nb, (buf, tmp))

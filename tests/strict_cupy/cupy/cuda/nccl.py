@@ -19,12 +19,12 @@ when the stream is waited on (cuda/_lazy.py), reading its buffers then, not at i
 a kernel whose peer never comes (its events stay not done) until ``abort()``.
 2-byte floats reduce as a ring would: in rank order, rounded to the dtype at every step.
 """
-import ctypes
-import itertools
-import os
-import struct
+import ctypes as _ctypes
+import itertools as _itertools
+import os as _os
+import struct as _struct
 
-import numpy as np
+import numpy as _np
 
 from cupy.cuda import _lazy
 
@@ -42,11 +42,11 @@ NCCL_FLOAT64 = NCCL_DOUBLE = 8
 NCCL_BFLOAT16 = 9
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 _TAG_JOIN, _TAG_LIST, _TAG_DATA = 32001, 32002, 7
-_nonce = itertools.count(1)
+_nonce = _itertools.count(1)
 _early = {}
 _group = []          # queued ops while a group is open (nesting depth in _depth)
 _depth = [0]
-_calls = itertools.count(1)
+_calls = _itertools.count(1)
 _STATS = {"rendezvous_sends": 0, "group_calls": 0, "sends": 0, "destroyed": [], "aborted": []}
 
 
@@ -55,7 +55,7 @@ class NcclError(RuntimeError):
 
 
 def get_version():
-    return int(os.environ.get("STRICT_CUPY_NCCL_VERSION", "22304"))
+    return int(_os.environ.get("STRICT_CUPY_NCCL_VERSION", "22304"))
 
 
 def get_build_version():
@@ -63,7 +63,7 @@ def get_build_version():
 
 
 def _rendezvous_bytes():
-    return int(os.environ.get("STRICT_CUPY_RENDEZVOUS_BYTES", str(4 << 20)))
+    return int(_os.environ.get("STRICT_CUPY_RENDEZVOUS_BYTES", str(4 << 20)))
 
 
 def _mpi():
@@ -73,24 +73,24 @@ def _mpi():
 
 def get_unique_id():
     """128 bytes, as CuPy 14 returns (it was a tuple of ints before 14.0)."""
-    return struct.pack("<qq", _mpi().COMM_WORLD.Get_rank(), next(_nonce)).ljust(128, b"\0")
+    return _struct.pack("<qq", _mpi().COMM_WORLD.Get_rank(), next(_nonce)).ljust(128, b"\0")
 
 
 def _np_dtype(dt):
     if dt == NCCL_BFLOAT16:
         import ml_dtypes
-        return np.dtype(ml_dtypes.bfloat16)
-    return np.dtype({NCCL_INT8: np.int8, NCCL_UINT8: np.uint8, NCCL_INT32: np.int32, NCCL_UINT32: np.uint32,
-                     NCCL_INT64: np.int64, NCCL_UINT64: np.uint64, NCCL_FLOAT16: np.float16,
-                     NCCL_FLOAT32: np.float32, NCCL_FLOAT64: np.float64}[dt])
+        return _np.dtype(ml_dtypes.bfloat16)
+    return _np.dtype({NCCL_INT8: _np.int8, NCCL_UINT8: _np.uint8, NCCL_INT32: _np.int32, NCCL_UINT32: _np.uint32,
+                     NCCL_INT64: _np.int64, NCCL_UINT64: _np.uint64, NCCL_FLOAT16: _np.float16,
+                     NCCL_FLOAT32: _np.float32, NCCL_FLOAT64: _np.float64}[dt])
 
 
 def _view(ptr, count, dt):
     dt = _np_dtype(dt)
     if count == 0:
-        return np.empty(0, dt)
-    raw = (ctypes.c_char * (count * dt.itemsize)).from_address(ptr)
-    return np.frombuffer(raw, dtype=dt, count=count)
+        return _np.empty(0, dt)
+    raw = (_ctypes.c_char * (count * dt.itemsize)).from_address(ptr)
+    return _np.frombuffer(raw, dtype=dt, count=count)
 
 
 def _mpi_op(op):
@@ -102,7 +102,7 @@ def _reduce_rows(rows, op, n):
     """rows (n, count) of every rank -> their reduction, in rank order. 2-byte floats are
     rounded to their dtype after each addition (as a ring's hops do)."""
     if op in (NCCL_MAX, NCCL_MIN):
-        return (np.max if op == NCCL_MAX else np.min)(rows, axis=0)
+        return (_np.max if op == NCCL_MAX else _np.min)(rows, axis=0)
     acc = rows[0].copy()
     for r in rows[1:]:
         acc = (acc * r if op == NCCL_PROD else acc + r).astype(rows.dtype)
@@ -125,7 +125,7 @@ def groupEnd():
     def post():
         reqs = []
         for nc, kind, ptr, count, dt, peer in ops:     # everything posted at once, buffers read now
-            v = _view(ptr, count, dt).view(np.uint8)
+            v = _view(ptr, count, dt).view(_np.uint8)
             reqs.append(nc.comm.Irecv(v, source=peer, tag=_TAG_DATA) if kind == "recv"
                         else nc.comm.Isend(v.copy(), dest=peer, tag=_TAG_DATA))
         try:
@@ -145,7 +145,8 @@ class NcclCommunicator:
                             f"got {type(commId).__name__}")
         MPI = _mpi()
         world, me = MPI.COMM_WORLD, MPI.COMM_WORLD.Get_rank()
-        root, nonce = struct.unpack("<qq", commId[:16])
+        root, nonce = _struct.unpack("<qq", commId[:16])
+        self.nonce = nonce
         if rank == 0:
             members = {0: me}
             for msg in _early.pop(nonce, []):
@@ -167,7 +168,7 @@ class NcclCommunicator:
         from cupy.cuda import Device, _current, _n_devices
         devs = self.comm.allgather((MPI.Get_processor_name(), Device(_current[0]).pci_bus_id))
         if len(set(devs)) < len(devs) and not (get_version() >= 23000 and
-                                                os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"):
+                                                _os.environ.get("NCCL_MULTI_RANK_GPU_ENABLE") == "1"):
             raise NcclError(f"ncclInvalidUsage: Duplicate GPU detected : rank {rank} and another rank both "
                             f"on device {_current[0]} (of {_n_devices()})")
 
@@ -186,8 +187,9 @@ class NcclCommunicator:
             _lazy.run_until()          # ncclCommDestroy waits for the communicator's queued work
             self._flush()
         _STATS["destroyed"].append(tuple(self.ranks))
-        if os.environ.get("STRICT_CUPY_LOG_DESTROY") == "1":
-            print(f"strict_cupy: destroy communicator of world ranks {self.ranks}", flush=True)
+        if _os.environ.get("STRICT_CUPY_LOG_DESTROY") == "1":
+            print(f"strict_cupy: rank {_mpi().COMM_WORLD.Get_rank()} destroys the communicator of world ranks "
+                  f"{self.ranks} (#{self.nonce})", flush=True)
 
     def abort(self):
         """ncclCommAbort: queued and stalled work is dropped; the events after it complete."""
@@ -204,7 +206,7 @@ class NcclCommunicator:
             self._pending = []
 
     def _stalls(self):
-        return os.environ.get("STRICT_CUPY_NCCL_STALL") == str(next(_calls))
+        return _os.environ.get("STRICT_CUPY_NCCL_STALL") == str(next(_calls))
 
     # ------------------------------------------------------------ collectives
     def _coll(self, stream, fn, ranges, grouped=False):
@@ -221,11 +223,11 @@ class NcclCommunicator:
         (MPI has no bfloat16) and for NCCL_AVG."""
         if s.itemsize != 2 or s.dtype.kind != "f":
             if op != NCCL_AVG:
-                out = np.empty_like(s)
+                out = _np.empty_like(s)
                 self.comm.Allreduce(s, out, _mpi_op(op))
                 return out
-        rows = np.empty((self._size, s.size), s.dtype)
-        self.comm.Allgather(s.view(np.uint8), rows.view(np.uint8))
+        rows = _np.empty((self._size, s.size), s.dtype)
+        self.comm.Allgather(s.view(_np.uint8), rows.view(_np.uint8))
         return _reduce_rows(rows, op, self._size)
 
     def allReduce(self, sendbuf, recvbuf, count, datatype, op, stream):
@@ -244,12 +246,12 @@ class NcclCommunicator:
     def allGather(self, sendbuf, recvbuf, count, datatype, stream):
         def go():
             s = _view(sendbuf, count, datatype).copy()
-            self.comm.Allgather(s.view(np.uint8), _view(recvbuf, count * self._size, datatype).view(np.uint8))
+            self.comm.Allgather(s.view(_np.uint8), _view(recvbuf, count * self._size, datatype).view(_np.uint8))
         it = _np_dtype(datatype).itemsize
         self._coll(stream, go, [(sendbuf, count * it), (recvbuf, count * self._size * it)])
 
     def bcast(self, buff, count, datatype, root, stream):
-        self._coll(stream, lambda: self.comm.Bcast(_view(buff, count, datatype).view(np.uint8), root=root),
+        self._coll(stream, lambda: self.comm.Bcast(_view(buff, count, datatype).view(_np.uint8), root=root),
                    [(buff, count * _np_dtype(datatype).itemsize)])
 
     def broadcast(self, sendbuf, recvbuf, count, datatype, root, stream):
@@ -282,7 +284,7 @@ class NcclCommunicator:
             return
 
         def go():
-            v = _view(sendbuf, count, datatype).view(np.uint8)
+            v = _view(sendbuf, count, datatype).view(_np.uint8)
             if v.nbytes > _rendezvous_bytes():
                 _STATS["rendezvous_sends"] += 1
                 self.comm.Ssend(v, dest=peer, tag=_TAG_DATA)        # blocks until the receive is posted
@@ -297,6 +299,6 @@ class NcclCommunicator:
             _group_stream[0] = stream
             _group.append((self, "recv", recvbuf, count, datatype, peer))
             return
-        self._coll(stream, lambda: self.comm.Recv(_view(recvbuf, count, datatype).view(np.uint8), source=peer,
+        self._coll(stream, lambda: self.comm.Recv(_view(recvbuf, count, datatype).view(_np.uint8), source=peer,
                                                   tag=_TAG_DATA),
                    [(recvbuf, count * _np_dtype(datatype).itemsize)])
