@@ -134,15 +134,14 @@ x = cupy.arange(5, dtype=cupy.float64) * (pair.rank + 1)
 y = cupy.zeros(5, cupy.float64)
 if "p2p" not in CASES:
     pass
-elif pair.rank == 0:
+elif pair.rank == 0:                         # two different messages: they must arrive in order
     pair.send(x, 1)
-    pair.isend(x, 1).wait()
+    pair.isend(x * 2, 1).wait()
 else:
     pair.irecv(y, 0).wait()
     np.testing.assert_array_equal(to_numpy(y), np.arange(5.0), err_msg="send -> irecv")
-    y[...] = 0
     pair.recv(y, 0)
-    np.testing.assert_array_equal(to_numpy(y), np.arange(5.0), err_msg="isend -> recv")
+    np.testing.assert_array_equal(to_numpy(y), np.arange(5.0) * 2, err_msg="isend -> recv")
 if "p2p" in CASES:
     say("p2p", n=2)
 
