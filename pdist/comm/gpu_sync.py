@@ -75,10 +75,11 @@ def abort_all():
 
 def destroy_all():
     """At exit: destroy the communicators newest first, each after its stream's work."""
-    if _state["aborted"]:
+    bes = live()
+    if _state["aborted"] or not bes:
         return
     import cupy
-    for be in reversed(live()):
+    for be in reversed(bes):
         ev = cupy.cuda.Event(disable_timing=True)
         ev.record(be.stream)
         try:

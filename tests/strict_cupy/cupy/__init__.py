@@ -3,14 +3,13 @@ import numbers
 
 import numpy as _np
 
+from cupy._cupy14 import DTYPES, NDARRAY_NOT_IN_CUPY, NOT_IN_CUPY
+from cupy._memory import Mem as _Mem, mems as _mems
+
 __version__ = "0.0-strict-standin"
-_live = [0]          # bytes held by live device arrays (the memory pool's used_bytes)
-_peak = [0]
+_live, _peak = [0], [0]   # bytes held by live device arrays (the memory pool's used_bytes), their peak
 host_reads = [0]     # explicit device -> host copies (.get, .item, asnumpy): each one waits for the GPU
 
-
-from cupy._cupy14 import DTYPES, NDARRAY_NOT_IN_CUPY, NOT_IN_CUPY  # noqa: E402
-from cupy._memory import Mem as _Mem, mems as _mems  # noqa: E402
 
 class HostConversionError(TypeError):
     """An implicit device -> host conversion (CuPy would sync or refuse)."""
@@ -142,7 +141,7 @@ class ndarray:
         cuda._lazy.host_read()           # a copy on the current stream: the host waits for it
         if out is None:
             return self._a.copy()
-        if not isinstance(out, _np.ndarray) or out.shape != self.shape or out.dtype != self.dtype:
+        if not (isinstance(out, _np.ndarray) and out.shape == self.shape and out.dtype == self.dtype):
             raise ValueError("strict cupy: get(out=) needs a NumPy array of the same shape and dtype")
         out[...] = self._a
         return out

@@ -30,22 +30,16 @@ from cupy.cuda import _lazy
 
 available = True
 
-NCCL_INT8 = NCCL_CHAR = 0
-NCCL_UINT8 = 1
-NCCL_INT32 = NCCL_INT = 2
-NCCL_UINT32 = 3
-NCCL_INT64 = 4
-NCCL_UINT64 = 5
-NCCL_FLOAT16 = NCCL_HALF = 6
-NCCL_FLOAT32 = NCCL_FLOAT = 7
-NCCL_FLOAT64 = NCCL_DOUBLE = 8
-NCCL_BFLOAT16 = 9
+NCCL_INT8, NCCL_UINT8, NCCL_INT32, NCCL_UINT32, NCCL_INT64, NCCL_UINT64 = 0, 1, 2, 3, 4, 5
+NCCL_FLOAT16, NCCL_FLOAT32, NCCL_FLOAT64, NCCL_BFLOAT16 = 6, 7, 8, 9
+NCCL_CHAR, NCCL_INT, NCCL_HALF, NCCL_FLOAT, NCCL_DOUBLE = 0, 2, 6, 7, 8
 NCCL_SUM, NCCL_PROD, NCCL_MAX, NCCL_MIN, NCCL_AVG = 0, 1, 2, 3, 4
 _TAG_JOIN, _TAG_LIST, _TAG_DATA = 32001, 32002, 7
 _nonce = _itertools.count(1)
 _early = {}
 _group = []          # queued ops while a group is open (nesting depth in _depth)
 _depth = [0]
+_group_stream = [0]  # the stream of the open group's calls
 _calls = _itertools.count(1)
 _STATS = {"rendezvous_sends": 0, "group_calls": 0, "sends": 0, "destroyed": [], "aborted": []}
 
@@ -133,9 +127,6 @@ def groupEnd():
         except Exception as e:
             raise NcclError(f"group of {[(k, c, p) for _, k, _, c, _, p in ops]}: {e}") from e
     ops[0][0]._coll(_group_stream[0], post, [(o[2], o[3] * _np_dtype(o[4]).itemsize) for o in ops], grouped=True)
-
-
-_group_stream = [0]
 
 
 class NcclCommunicator:
