@@ -14,7 +14,8 @@ it (n = 2), over the transport the environment picks (PDIST_GPU_TRANSPORT=nccl|m
 * bf16: all_gather, broadcast, all_to_all and isend/irecv of bfloat16 arrays move the bits;
 * p2p: the user's blocking send matches an irecv, and isend a blocking recv;
 * identity: the GPU is named by PCI bus id (CUDA_VISIBLE_DEVICES maps index 0 differently);
-* lazy: work was really queued, and no buffer was dropped while queued (poisoned).
+* lazy: work was really queued, and no buffer was dropped while queued (poisoned); host
+  staging copied through pinned buffers.
 
 Each case reports (pdist.testing.report) on rank 0; a failed check fails the launch.
 ``argv[1]``, optional: the cases to run, comma-separated (default all)."""
@@ -158,5 +159,8 @@ from cupy.cuda import _lazy  # noqa: E402
 if os.environ.get("STRICT_CUPY_LAZY") == "1" and transport == "nccl":
     assert _lazy.STATS["queued"] > 0, _lazy.STATS
 assert _lazy.STATS["poisoned"] == 0, _lazy.STATS
+if transport == "mpi-host":
+    import cupyx
+    assert cupyx.pinned_allocs[0] > 0, "host staging did not stage through pinned buffers"
 say("lazy", **_lazy.STATS)
 print(f"OK rank {world.rank} {transport}", flush=True)
