@@ -1,6 +1,6 @@
 """The GPU code path on CPU: PDIST_DEVICE=gpu with the strict CuPy stand-in
 (tests/strict_cupy: device arrays that refuse implicit host transfers, NCCL emulated
-over MPI with blocking large sends). Runs the pipeline, comm, lesson-00 and tensor-parallel test files
+over MPI with blocking large sends; lazy streams in the device workers). Runs the pipeline, comm, lesson-00 and tensor-parallel test files
 in a subprocess with that environment, and the device-transport worker (collectives,
 1F1B and interleaved pipelines with 8 MiB activations) over the NCCL path and over
 MPI host staging."""
@@ -39,7 +39,7 @@ def test_file_passes_on_the_standin(path, select):
 
 @pytest.mark.parametrize("n,transport", [(2, "nccl"), (4, "nccl"), (2, "mpi-host")])
 def test_device_transport(n, transport):
-    env = _env(transport)
+    env = dict(_env(transport), STRICT_CUPY_LAZY="1")          # lazy streams: the ordering is tested
     out = mpirun(n, STANDIN / "workers" / "device_comm.py", transport, env=env, timeout=240)
     assert all(f"OK rank {r} {transport}" in out for r in range(n)), out[-3000:]
 
@@ -115,7 +115,8 @@ def test_clip_grad_norm_on_device_arrays():
 def test_layouts_on_device_equal_one_process(layout):
     """DDP, ZeRO-3 and 1F1B at 2 ranks on device arrays equal single-process training
     (tests/workers/layout_equiv.py; bench/gpu_acceptance.sh runs these on a GPU)."""
-    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(), env=_env(), timeout=240)
+    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(),
+                 env=dict(_env(), STRICT_CUPY_LAZY="1"), timeout=240)
     assert out.count("[pdist report]") == 2, out[-3000:]
 
 
