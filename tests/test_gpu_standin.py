@@ -1,6 +1,6 @@
 """The GPU code path on CPU: PDIST_DEVICE=gpu with the strict CuPy stand-in
 (tests/strict_cupy: device arrays that refuse implicit host transfers, NCCL emulated
-over MPI with blocking large sends). Runs the pipeline, comm, lesson-00 and tensor-parallel test files
+over MPI with blocking large sends; lazy streams in the device workers). Runs the pipeline, comm, lesson-00 and tensor-parallel test files
 in a subprocess with that environment, and the device-transport worker (collectives,
 1F1B and interleaved pipelines with 8 MiB activations) over the NCCL path and over
 MPI host staging."""
@@ -39,7 +39,7 @@ def test_file_passes_on_the_standin(path, select):
 
 @pytest.mark.parametrize("n,transport", [(2, "nccl"), (4, "nccl"), (2, "mpi-host")])
 def test_device_transport(n, transport):
-    env = _env(transport)
+    env = dict(_env(transport), STRICT_CUPY_LAZY="1")          # lazy streams: the ordering is tested
     out = mpirun(n, STANDIN / "workers" / "device_comm.py", transport, env=env, timeout=240)
     assert all(f"OK rank {r} {transport}" in out for r in range(n)), out[-3000:]
 
@@ -115,7 +115,8 @@ def test_clip_grad_norm_on_device_arrays():
 def test_layouts_on_device_equal_one_process(layout):
     """DDP, ZeRO-3 and 1F1B at 2 ranks on device arrays equal single-process training
     (tests/workers/layout_equiv.py; bench/gpu_acceptance.sh runs these on a GPU)."""
-    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(), env=_env(), timeout=240)
+    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(),
+                 env=dict(_env(), STRICT_CUPY_LAZY="1"), timeout=240)
     assert out.count("[pdist report]") == 2, out[-3000:]
 
 
@@ -169,3 +170,84 @@ def test_one_step_reads_the_device_twice_and_traces_device_time():
     p = subprocess.run([sys.executable, "-c", code], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=60)
     # 2 reads: the id checks and the losses; check_finite (on by default) adds its one flag
     assert p.stdout.strip() == "reads 3 2", p.stdout + p.stderr[-3000:]
+
+
+def _lazy_env(transport, **extra):
+    return {**_env(transport), "STRICT_CUPY_LAZY": "1", "PDIST_TIMEOUT": "60", **extra}
+
+
+@pytest.mark.cores(4)
+@pytest.mark.parametrize("transport", ["nccl", "mpi-host"])
+def test_device_defects_fixed_with_lazy_streams(transport):
+    """Issue 24's three wrong results, with lazy streams (tests/workers/gpu_standin_cases.py,
+    4 ranks: the world and pairs): DDP with >= 8 buckets equals one process, fp16/bf16
+    op="avg" gives the CPU path's bits, bf16 collectives move the bits, the user's send
+    matches an irecv; over NCCL the communicators are destroyed newest first at exit."""
+    env = _lazy_env(transport, STRICT_CUPY_LOG_DESTROY="1")
+    out = mpirun(4, ROOT / "tests" / "workers" / "gpu_standin_cases.py", env=env, timeout=240)
+    assert all(f"OK rank {r} {transport}" in out for r in range(4)), out[-3000:]
+    for case in ("ddp", "avg", "bf16", "p2p", "identity", "lazy"):
+        assert f'"case": "{case}"' in out, (case, out[-3000:])
+    if transport == "nccl":
+        for r in range(4):
+            order = [int(line.rsplit("#", 1)[1].rstrip(")")) for line in out.splitlines()
+                     if line.startswith(f"strict_cupy: rank {r} destroys")]
+            assert len(order) >= 2 and order == sorted(order, reverse=True), (r, order)
+
+
+def test_stuck_nccl_kernel_aborts_instead_of_hanging():
+    """The first NCCL call never completes: the read of its result times out under
+    PDIST_TIMEOUT, the communicators are aborted, every rank raises (tests/workers/gpu_stall.py)."""
+    env = _lazy_env("nccl", PDIST_TIMEOUT="1", STRICT_CUPY_NCCL_STALL="1")
+    out = mpirun(2, ROOT / "tests" / "workers" / "gpu_stall.py", env=env, timeout=60)
+    assert all(f"OK rank {r} aborted" in out for r in range(2)), out[-3000:]
+
+
+STANDIN_CHECKS = """
+import ml_dtypes, numpy as np, cupy
+from cupy.cuda import _lazy, nccl
+real = {'NcclCommunicator', 'NcclConfig', 'NcclError', 'available', 'check_status', 'get_build_version',
+        'get_unique_id', 'get_version', 'groupEnd', 'groupStart'}
+public = {n for n in dir(nccl) if not n.startswith('_') and not n.startswith('NCCL_')}
+assert public <= real | {'annotations'}, public - real
+assert (nccl.NCCL_BFLOAT16, nccl.NCCL_AVG, nccl.NCCL_FLOAT16, nccl.NCCL_UINT64) == (9, 4, 6, 5)
+uid = nccl.get_unique_id()
+assert isinstance(uid, bytes) and len(uid) == 128
+cupy.asarray(np.ones(2, ml_dtypes.bfloat16))
+for bad in (lambda: cupy.asarray(np.ones(2, ml_dtypes.float8_e4m3fn)), lambda: cupy.geomspace,
+            lambda: cupy.asarray(np.ones(2)).resize):
+    try:
+        bad()
+    except (ValueError, AttributeError):
+        continue
+    raise SystemExit('not refused')
+# lazy: an op on a non-default stream runs when the compute stream waits on its event
+comm = nccl.NcclCommunicator(1, nccl.get_unique_id(), 0)
+s = cupy.cuda.Stream(non_blocking=True)
+src, dst = cupy.full(3, 2.0), cupy.zeros(3)
+comm.allReduce(src.data.ptr, dst.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, s.ptr)
+ev = cupy.cuda.Event()
+ev.record(s)
+assert not ev.done and dst.get().sum() == 0        # queued: not run, and a query does not run it
+cupy.cuda.get_current_stream().wait_event(ev)
+assert ev.done and dst.get().sum() == 6
+# a buffer dropped while queued is poisoned
+src = cupy.full(3, 2.0)
+comm.allReduce(src.data.ptr, dst.data.ptr, 3, nccl.NCCL_FLOAT64, nccl.NCCL_SUM, s.ptr)
+view = src[1:]
+del src
+assert _lazy.STATS['poisoned'] == 0                # a view still holds the memory
+del view
+assert _lazy.STATS['poisoned'] == 1
+s.synchronize()
+assert np.isnan(dst.get()).all()
+print('standin ok')
+"""
+
+
+def test_standin_models_cupy14_and_lazy_streams():
+    """The stand-in's NCCL names, constants and bytes unique id are CuPy 14.2's, its dtype
+    table refuses what CuPy's refuses, and its lazy streams defer and poison."""
+    p = subprocess.run([sys.executable, "-c", STANDIN_CHECKS], env=dict(_env(), STRICT_CUPY_LAZY="1"),
+                       capture_output=True, text=True, timeout=60)
+    assert p.stdout.strip() == "standin ok", p.stdout + p.stderr[-3000:]

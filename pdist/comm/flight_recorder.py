@@ -81,7 +81,7 @@ def batch_hash(*arrays):
 def _device_sums(arrays):
     """(2 * len(arrays),) uint64 on the host: two multiplier-weighted sums of each device array's
     bytes, computed where the array lives; one copy to the host for all of them."""
-    from pdist.engine.backend import array_module
+    from pdist.engine.backend import array_module, to_numpy
     xp = array_module(arrays[0])
     u64, sums = xp.uint64, []
     for a in arrays:
@@ -89,7 +89,7 @@ def _device_sums(arrays):
         i = xp.arange(b.size, dtype=u64)
         for k1, k2 in ((0x9E3779B97F4A7C15, 0xBF58476D1CE4E5B9), (0x94D049BB133111EB, 0x2545F4914F6CDD1D)):
             sums.append((b * (i * u64(k1) + u64(k2))).sum(dtype=u64))
-    return xp.stack(sums).get()
+    return to_numpy(xp.stack(sums))                 # (guarded: gpu_sync.py)
 
 
 def get_step():

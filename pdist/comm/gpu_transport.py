@@ -2,7 +2,7 @@
 
 NCCL up to 2.29 refuses several ranks on one GPU ("Duplicate GPU detected");
 2.30+ allows it with ``NCCL_MULTI_RANK_GPU_ENABLE=1``. ``make_backend`` asks the
-group's ranks where they run (host, device) and picks NCCL (nccl.py) unless
+group's ranks where they run (host, the GPU's PCI bus id) and picks NCCL (nccl.py) unless
 ranks share a GPU on an NCCL that refuses it, or NCCL can't be loaded: then MPI
 with host staging (host_staging.py). ``PDIST_GPU_TRANSPORT=nccl|mpi-host``
 forces one.
@@ -77,13 +77,26 @@ def choose_transport(shares_gpu, code=None):
 _said = set()
 
 
+def gpu_identity():
+    """(host name, PCI bus id) of this rank's GPU: two ranks share a GPU when these are equal.
+    The device index alone can't tell: with CUDA_VISIBLE_DEVICES set per rank, index 0 is a
+    different GPU on each rank (and two indices can be one GPU under different masks)."""
+    import socket
+    if cupy is None:
+        return socket.gethostname(), "no-gpu"
+    dev = cupy.cuda.Device()
+    try:
+        bus = dev.pci_bus_id
+    except Exception:  # pragma: no cover - a driver without the query: the index, as before
+        bus = f"index {dev.id}"
+    return socket.gethostname(), str(bus).lower()
+
+
 def make_backend(mpi_comm):
     """The device-array transport of a group (collective over ``mpi_comm``): NCCL, or MPI
     with host staging (``choose_transport``). Prints the choice once per process when
     it is not plain NCCL."""
-    import socket
-    dev = cupy.cuda.Device().id if cupy is not None else -1
-    where = mpi_comm.allgather((socket.gethostname(), dev))
+    where = mpi_comm.allgather(gpu_identity())
     shares = len(set(where)) < len(where)
     transport, why = choose_transport(shares)
     if transport != "nccl" or shares:

@@ -32,7 +32,7 @@ from pdist.comm.mpi import MPI, MPIP2P, contiguous_flat
 from pdist.comm.mpi_collectives import MPICollectives
 from pdist.comm.objects import ObjectCollectives
 from pdist.comm.point_to_point import PointToPoint
-from pdist.comm.work import Pending, Work, settle
+from pdist.comm.work import Pending, Work, complete_fn, settle
 from pdist.engine.backend import is_low
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
@@ -106,6 +106,10 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
             self._nccl = make_backend(self.comm)
         return self._nccl
 
+    def _on_nccl(self, arr):
+        """True when ``arr`` travels over NCCL (a device array on a group whose transport is NCCL)."""
+        return arr is not None and is_device_array(arr) and getattr(self._nccl, "kind", "") == "nccl"
+
     def _reset_data(self):
         """After a mismatch: a fresh communicator for MPI's collectives (collective
         over the verdict channel, which every member reaches in the same order)."""
@@ -134,8 +138,9 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
             fp = fingerprint(op, self._seq, _step[0], size, dtype, redop, root, algorithm, error, async_op)
             describe = lambda: (str(dtype), f"size={size} dtype={dtype} op={redop or '-'} root={root} "  # noqa: E731
                                 f"algorithm={algorithm} async_op={async_op}")
-            if async_op and algorithm == "mpi" and error is None:
+            if async_op and algorithm == "mpi" and error is None and not self._on_nccl(arr):
                 # verified in Work.wait() or at the next collective, so issuing stays non-blocking
+                # (NCCL: checked before it is queued, as a mismatched kernel would hang the GPU)
                 pending_check = agree_start(self, fp, error, describe)
             else:
                 agree(self, fp, error, describe, self._fpbuf)
@@ -160,7 +165,7 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         if work is not None:
             work._then, work._span = then, (op, t0, args)
             work._keep = keep
-            work._pending = p = Pending(pending_check, work._wait, keep, ent, self)
+            work._pending = p = Pending(pending_check, complete_fn(work), keep, ent, self)
             self._pending.append(p)
             _cur[0] = None
             return work

@@ -18,23 +18,28 @@ process summing n micro-batch gradients in fp32 (pdist.engine.grad_rounding.Grad
 Bytes per rank: (n-1)/n S for the reduce-scatter (the all-to-all moves exactly the
 chunks a ring reduce-scatter moves) and 2(n-1)/n S for the all-reduce (S = the
 low-precision tensor's bytes), the ring accounting of docs/design.md.
+
+Device arrays over NCCL (``nccl_*``) take the same two phases: the chunks travel as raw
+bytes (grouped ncclSend/ncclRecv of ``uint8``, then ncclAllGather), and ``_sum_rows`` runs
+on the group's communication stream, so the bits equal the CPU path's on every rank.
 """
 import numpy as np
 from mpi4py import MPI
 
-from pdist.engine.backend import words
+from pdist.engine.backend import array_module, words
 
 
 def _sum_rows(rows, out, op):
-    """out <- round(rows[0] (op) rows[1] (op) ...), in float32, rank order."""
+    """out <- round(rows[0] (op) rows[1] (op) ...), in float32, rank order (NumPy or CuPy)."""
+    xp = array_module(rows)
     acc = rows[0].astype(np.float32)                                      # (chunk,)
-    for r in rows[1:]:
+    for q in range(1, rows.shape[0]):
         if op in ("sum", "avg"):
-            acc += r.astype(np.float32)
+            acc += rows[q].astype(np.float32)
         else:
-            (np.maximum if op == "max" else np.minimum)(acc, r.astype(np.float32), out=acc)
+            (xp.maximum if op == "max" else xp.minimum)(acc, rows[q].astype(np.float32), out=acc)
     if op == "avg":
-        acc /= len(rows)
+        acc /= rows.shape[0]
     out[...] = acc.astype(out.dtype)
 
 
@@ -92,4 +97,82 @@ def reduce(comm, buf, dst, op, wait_all):
     return wait
 
 
-__all__ = ["words", "reduce_scatter", "all_reduce", "reduce"]
+# ----------------------------------------------------------- device arrays over NCCL
+def _raw(a):
+    return a.view(array_module(a).uint8)                                    # (2 * size,) bytes
+
+
+def _exchange(be, rows, inp, counts, s):
+    """Inside one NCCL group call on stream ``s``: chunk q of ``inp`` to rank q, and row q of
+    ``rows`` (n, counts[rank]) from rank q (this rank's own row is copied before)."""
+    nccl, r, u8 = be._nccl, be.rank, be._nccl.NCCL_UINT8
+    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    nccl.groupStart()
+    for q in range(be.size):
+        if q == r:
+            continue
+        if counts[q]:
+            chunk = _raw(inp[starts[q]:starts[q + 1]])
+            be.nc.send(chunk.data.ptr, chunk.size, u8, q, s)
+        if counts[r]:
+            row = _raw(rows[q])
+            be.nc.recv(row.data.ptr, row.size, u8, q, s)
+    nccl.groupEnd()
+
+
+def nccl_reduce_scatter(be, out, inp, counts, op):
+    """(event, buffers to keep): out <- round(Σ_q fp32(chunk r of rank q's inp)), rank order."""
+    xp, r = array_module(inp), be.rank
+    starts = np.concatenate([[0], np.cumsum(counts)]).tolist()
+    rows = xp.empty((be.size, counts[r]), dtype=inp.dtype)                  # (n, chunk)
+    rows[r] = inp[starts[r]:starts[r + 1]]
+    be._issue(lambda s: _exchange(be, rows, inp, counts, s))
+    done = be._on_stream(lambda: _sum_rows(rows, out, op))                  # after the exchange
+    return done, (rows, out, inp)
+
+
+def nccl_all_reduce(be, buf, op):
+    """(event, keep): the reduce-scatter above on buf padded to a multiple of n, then an
+    ncclAllGather of the rounded chunks (raw bytes) into buf."""
+    xp, n = array_module(buf), be.size
+    m = -(-buf.size // n) * n
+    send = xp.zeros(m, dtype=buf.dtype)                                     # (m,) padded copy
+    send[:buf.size] = buf
+    chunk = xp.empty(m // n, dtype=buf.dtype)
+    _, keep = nccl_reduce_scatter(be, chunk, send, [m // n] * n, op)
+    c, full = _raw(chunk), _raw(send)
+    be._issue(lambda s: be.nc.allGather(c.data.ptr, full.data.ptr, c.size, be._nccl.NCCL_UINT8, s))
+
+    def back():
+        buf[...] = send[:buf.size]
+    return be._on_stream(back), keep + (send, buf)
+
+
+def nccl_reduce(be, buf, dst, op):
+    """(event, keep): every rank's buf gathered at ``dst`` (grouped send/recv of raw bytes),
+    which sums the rows there in float32, rank order, rounded once; the others' buf unchanged."""
+    xp, n, root = array_module(buf), be.size, be.rank == dst
+    rows = xp.empty((n, buf.size), dtype=buf.dtype) if root else None       # (n, size)
+    if root:
+        rows[dst] = buf
+
+    def go(s):
+        u8 = be._nccl.NCCL_UINT8
+        be._nccl.groupStart()
+        if root:
+            for q in range(n):
+                if q != dst:
+                    row = _raw(rows[q])
+                    be.nc.recv(row.data.ptr, row.size, u8, q, s)
+        else:
+            b = _raw(buf)
+            be.nc.send(b.data.ptr, b.size, u8, dst, s)
+        be._nccl.groupEnd()
+    done = be._issue(go)
+    if root:
+        done = be._on_stream(lambda: _sum_rows(rows, buf, op))
+    return done, (rows, buf)
+
+
+__all__ = ["words", "reduce_scatter", "all_reduce", "reduce", "nccl_reduce_scatter", "nccl_all_reduce",
+           "nccl_reduce"]

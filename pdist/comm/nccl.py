@@ -4,38 +4,50 @@ A ProcessGroup whose collective gets a CuPy array creates, once, an NCCL
 communicator over the same ranks: rank 0 draws the 128-byte unique id
 (``ncclGetUniqueId``) and broadcasts it over the group's MPI communicator; every
 rank then calls ``ncclCommInitRank(n, id, rank)``. One communicator per group
-(dp, tp, pp each get their own). NCCL kernels run on CuPy's current stream, so
-later CuPy work on that stream is ordered after them without a host sync; an
-``async_op=True`` call returns a ``Work`` whose ``wait()`` polls a CUDA event
-recorded after the NCCL call (``watchdog.poll``: with the deadline).
+(dp, tp, pp each get their own). NCCL kernels run on the group's communication stream, ordered
+after the compute stream's work by an event; the compute stream is ordered after them by
+the event recorded after the call (no host sync): at once for a blocking call, in
+``wait()`` for an ``async_op=True`` one. The host blocks only in a device-to-host read or
+a synchronize, which waits on an event under the watchdog's deadline and aborts the
+communicators on a timeout (gpu_sync.py).
 
 NCCL wants equal counts for reduce-scatter / all-gather; uneven chunks
 (``chunk_bounds``) go through a buffer padded to n * max-chunk. ``op="avg"`` is
-a sum followed by a division (ProcessGroup does it, as for MPI).
+a sum followed by a division (ProcessGroup does it, as for MPI). 2-byte floats
+(bfloat16 ``NCCL_BFLOAT16``, float16) reduce as on the CPU path (low_precision.py): NCCL
+moves their raw bytes (an all-to-all of the chunks, then an all-gather), and the owner of
+each chunk sums the n terms in float32 in rank order and rounds once, on the
+communication stream; NCCL's own 2-byte sum (rounded at every hop of its ring, in an
+order of its choosing) is never used, so every rank and every transport get the same bits.
 
 Which transport a group's device arrays take (NCCL, or MPI with host staging)
 is decided in gpu_transport.py. This module imports without CuPy; nothing here
 touches a GPU until a group meets a CuPy array.
 """
-from contextlib import contextmanager
-
 try:  # pragma: no cover - depends on the machine
     import cupy
     from cupy.cuda import nccl as _nccl
 except Exception:  # ImportError, or a CUDA library that fails to load
     cupy, _nccl = None, None
 
-from pdist.comm import watchdog
+from pdist.comm import gpu_sync, low_precision
+from pdist.comm.nccl_p2p import NCCLP2P, NCCLPointToPointMixin
 from pdist.comm.work import Work
+from pdist.engine.backend import is_low
+
+_NAMES = {"float16": "NCCL_FLOAT16", "bfloat16": "NCCL_BFLOAT16", "float32": "NCCL_FLOAT32",
+          "float64": "NCCL_FLOAT64", "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
+          "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "bool": "NCCL_UINT8"}
 
 
 def _dtype(a):
-    names = {"float16": "NCCL_FLOAT16", "float32": "NCCL_FLOAT32", "float64": "NCCL_FLOAT64",
-             "int8": "NCCL_INT8", "uint8": "NCCL_UINT8", "int32": "NCCL_INT32",
-             "uint32": "NCCL_UINT32", "int64": "NCCL_INT64", "uint64": "NCCL_UINT64", "bool": "NCCL_UINT8"}
-    name = names.get(str(a.dtype))
+    """NCCL's datatype for ``a.dtype`` (bfloat16: NCCL_BFLOAT16 = 9, NCCL 2.10+)."""
+    name = _NAMES.get(str(a.dtype))
     if name is None:
-        raise TypeError(f"NCCL has no datatype for {a.dtype}")
+        raise TypeError(f"NCCL has no datatype for {a.dtype}: use one of {sorted(_NAMES)}")
+    if not hasattr(_nccl, name):
+        raise TypeError(f"this CuPy/NCCL ({getattr(_nccl, 'get_version', lambda: '?')()}) has no {name} "
+                        f"for {a.dtype}: NCCL 2.10+ with CuPy 14 has it")
     return getattr(_nccl, name)
 
 
@@ -47,7 +59,7 @@ def _ptr(a):
     return a.data.ptr
 
 
-class NCCLBackend:
+class NCCLBackend(NCCLPointToPointMixin):
     """NCCL collectives for one group; same method names as MPICollectives.
 
     Streams: NCCL runs on the group's own communication stream. Before each call an
@@ -55,26 +67,32 @@ class NCCLBackend:
     for the kernels that produced the buffers; after it, an event recorded on the
     communication stream orders what follows: a blocking call makes the compute stream
     wait for it (on the GPU: the host does not block), an ``async_op`` one returns a Work
-    whose ``wait()`` polls that event and then orders the compute stream after it, so a
-    DDP bucket's all-reduce or ZeRO's prefetch overlaps the compute issued before wait().
+    whose ``wait()`` orders the compute stream after it, so a DDP bucket's all-reduce or
+    ZeRO's prefetch overlaps the compute issued before wait(). Buffers an op uses stay
+    referenced (the Work's ``keep``) until then.
 
     Point-to-point in a batch (``with be.group_p2p(): ...isend/irecv...``): the sends and
     receives are posted in one NCCL group call (ncclGroupStart/End), which NCCL progresses
     together, so a send and a receive between two ranks can't deadlock the way two lone
     sends (each blocking its stream until matched) do. A rank's message to itself (the
     interleaved pipeline with one stage) is a local copy: NCCL refuses self-sends."""
+    kind = "nccl"
+    cupy = cupy
+    _nccl = _nccl
+    _dtype = staticmethod(_dtype)
 
     def __init__(self, mpi_comm):
         if _nccl is None:
             raise RuntimeError("CuPy arrays need cupy with NCCL: pip install 'pdist[gpu]'")
         self.rank, self.size = mpi_comm.Get_rank(), mpi_comm.Get_size()
-        uid = _nccl.get_unique_id() if self.rank == 0 else None
+        uid = _nccl.get_unique_id() if self.rank == 0 else None      # 128 bytes (CuPy 14)
         uid = mpi_comm.bcast(uid, root=0)                    # the id travels over MPI
         self.nc = _nccl.NcclCommunicator(self.size, uid, self.rank)
         self.stream = cupy.cuda.Stream(non_blocking=True)
-        self.p2p = NCCLP2P(self)
+        self.p2p = self.user_p2p = NCCLP2P(self)
         self._batch, self._self = None, {}
         self.verified = False
+        gpu_sync.register(self)
 
     # ------------------------------------------------------------- streams
     def _issue(self, fn):
@@ -89,17 +107,29 @@ class NCCLBackend:
         return done
 
     def _finish(self, done, nb, keep=()):
+        """The compute stream after ``done``: now (blocking call) or in the Work's wait()."""
+        wait = lambda: cupy.cuda.get_current_stream().wait_event(done)   # noqa: E731
         if not nb:
-            cupy.cuda.get_current_stream().wait_event(done)
+            wait()
             return None
-
-        def wait():
-            watchdog.poll(lambda: done.done)
-            cupy.cuda.get_current_stream().wait_event(done)
         return Work(wait=wait, test=lambda: done.done, keep=keep)
+
+    def _finish_low(self, done_keep, nb):
+        done, keep = done_keep
+        return self._finish(done, nb, keep)
+
+    def _on_stream(self, fn):
+        """Run ``fn()`` (CuPy kernels) on the communication stream; the event after it."""
+        with self.stream:
+            fn()
+        done = cupy.cuda.Event(disable_timing=True)
+        done.record(self.stream)
+        return done
 
     # ---------------------------------------------------------- collectives
     def all_reduce(self, buf, op, nb=False):
+        if is_low(buf.dtype) and buf.size:
+            return self._finish_low(low_precision.nccl_all_reduce(self, buf, op), nb)
         if not buf.size:
             return self._finish(self._issue(lambda s: None), nb)
         return self._finish(self._issue(lambda s: self.nc.allReduce(
@@ -109,6 +139,8 @@ class NCCLBackend:
         m, n = max(counts), self.size
         if not m:
             return self._finish(self._issue(lambda s: None), nb)
+        if is_low(inp.dtype):
+            return self._finish_low(low_precision.nccl_reduce_scatter(self, out, inp, counts, op), nb)
         if len(set(counts)) == 1:
             return self._finish(self._issue(lambda s: self.nc.reduceScatter(
                 _ptr(inp), _ptr(out), m, _dtype(inp), _op(op), s)), nb, (out, inp))
@@ -147,6 +179,8 @@ class NCCLBackend:
     def reduce(self, buf, dst, op, nb=False):
         if not buf.size:
             return self._finish(self._issue(lambda s: None), nb)
+        if is_low(buf.dtype):
+            return self._finish_low(low_precision.nccl_reduce(self, buf, dst, op), nb)
         tmp = buf if self.rank == dst else cupy.empty_like(buf)   # non-root buf unchanged
         return self._finish(self._issue(lambda s: self.nc.reduce(
             _ptr(buf), _ptr(tmp), buf.size, _dtype(buf), _op(op), dst, s)), nb, (buf, tmp))
@@ -168,104 +202,3 @@ class NCCLBackend:
     def barrier(self, nb=False):
         one = cupy.zeros(1, cupy.float32)
         return self.all_reduce(one, "sum", nb)
-
-    # ------------------------------------------------------- point-to-point
-    @contextmanager
-    def group_p2p(self):
-        """Collect the isend/irecv issued inside; post them as one NCCL group call at the end."""
-        if self._batch is not None:
-            yield
-            return
-        self._batch = []
-        try:
-            yield
-        finally:
-            batch, self._batch = self._batch, None
-        self._post(batch)
-
-    def _post(self, batch):
-        """Post [(kind, buf, peer, tag, holder)]: self-messages as copies (sends first), the
-        rest in one group call; every holder gets the event recorded after it."""
-        for kind, buf, peer, tag, _ in batch:
-            if kind == "send" and peer == self.rank:
-                self._self.setdefault(tag, []).append(buf.copy())
-        for kind, buf, peer, tag, _ in batch:
-            if kind == "recv" and peer == self.rank:
-                q = self._self.get(tag)
-                if not q:
-                    raise RuntimeError(f"NCCL: a receive from this rank itself (tag {tag}) before the "
-                                       "matching send: the program must send to itself first")
-                buf[...] = q.pop(0)
-        wire = [(k, b, p) for k, b, p, _, _ in batch if p != self.rank and b.size]
-
-        def go(s):
-            if not wire:
-                return
-            _nccl.groupStart()
-            for kind, buf, peer in wire:
-                if kind == "send":
-                    self.nc.send(_ptr(buf), buf.size, _dtype(buf), peer, s)
-                else:
-                    self.nc.recv(_ptr(buf), buf.size, _dtype(buf), peer, s)
-            _nccl.groupEnd()
-        done = self._issue(go)
-        for *_, holder in batch:
-            holder.append(done)
-
-    def _p2p_work(self, kind, buf, peer, tag):
-        holder = []
-        if self._batch is not None:
-            self._batch.append((kind, buf, peer, tag, holder))
-        else:
-            self._post([(kind, buf, peer, tag, holder)])
-
-        def wait():
-            done = holder[0]
-            watchdog.poll(lambda: done.done)
-            cupy.cuda.get_current_stream().wait_event(done)
-        return Work(wait=wait, test=lambda: bool(holder) and holder[0].done, keep=(buf,))
-
-    def isend(self, buf, dst, tag=0):
-        self.p2p.wire_bytes += buf.nbytes
-        return self._p2p_work("send", buf, dst, tag)
-
-    def irecv(self, buf, src, tag=0):
-        return self._p2p_work("recv", buf, src, tag)
-
-
-class NCCLP2P:
-    """send / recv / sendrecv over NCCL (the hand-built algorithms' transport), on the
-    group's communication stream, the compute stream ordered after each.
-    NCCL has no tags: messages between two ranks match in issue order."""
-
-    def __init__(self, be):
-        self.be, self.nc, self.rank, self.size, self.wire_bytes = be, be.nc, be.rank, be.size, 0
-
-    def _do(self, fn):
-        cupy.cuda.get_current_stream().wait_event(self.be._issue(fn))
-
-    def send(self, buf, dst, tag=0):
-        self.wire_bytes += buf.nbytes
-        if buf.size:
-            self._do(lambda s: self.nc.send(_ptr(buf), buf.size, _dtype(buf), dst, s))
-
-    def recv(self, buf, src, tag=0):
-        if buf.size:
-            self._do(lambda s: self.nc.recv(_ptr(buf), buf.size, _dtype(buf), src, s))
-
-    def sendrecv(self, sendbuf, dst, recvbuf, src, tag=0):
-        self.wire_bytes += sendbuf.nbytes
-
-        def go(s):
-            _nccl.groupStart()                                # both at once: no deadlock in a ring
-            if sendbuf.size:
-                self.nc.send(_ptr(sendbuf), sendbuf.size, _dtype(sendbuf), dst, s)
-            if recvbuf.size:
-                self.nc.recv(_ptr(recvbuf), recvbuf.size, _dtype(recvbuf), src, s)
-            _nccl.groupEnd()
-        self._do(go)
-
-    def sendrecv_iter(self, sendbuf, dst, recvbuf, src, tag=0):
-        """One segment: the GPU already overlaps (kernels queue on the stream)."""
-        self.sendrecv(sendbuf, dst, recvbuf, src, tag)
-        yield 0, recvbuf.size

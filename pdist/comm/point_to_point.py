@@ -44,7 +44,10 @@ class PointToPoint:
         return work
 
     def _pt(self, buf):
-        return self._backend(buf)[1] if is_device_array(buf) else self._user
+        if is_device_array(buf):      # the user's send/recv: the communicator of its isend/irecv
+            be = self._backend(buf)[0]
+            return getattr(be, "user_p2p", be.p2p)
+        return self._user
 
     def send(self, buf, dst, tag=0):
         """Send buf to rank ``dst`` of this group (blocks until buf is reusable)."""

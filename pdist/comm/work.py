@@ -6,9 +6,12 @@
 
 ``wait()`` first checks that every rank issued the same collective (the
 fingerprint exchange posted at issue, check.py), then waits for the data (with
-the watchdog's deadline, watchdog.py), runs the operation's finishing step
-(e.g. the division of ``op="avg"``) and records its trace span from issue to
-completion. ``is_completed()`` polls without blocking.
+the watchdog's deadline, watchdog.py), runs the transport's finishing step
+(``finish``: host staging's copy back to the device), then the operation's
+(``then``: e.g. the division of ``op="avg"``), and records its trace span from
+issue to completion. ``is_completed()`` polls without blocking; when it finds the
+data arrived it runs the same steps, once, so a polled handle's buffers hold the
+result as a waited one's do.
 
 Buffers. MPI reads and writes the arrays until the operation completes, so
 the handle, and the group's record of it (``Pending``), hold references to
@@ -57,10 +60,11 @@ class Pending:
 
 
 class Work:
-    __slots__ = ("_wait", "_test", "_then", "_done", "_span", "_keep", "_pending", "__weakref__")
+    __slots__ = ("_wait", "_test", "_then", "_fin", "_done", "_span", "_keep", "_pending", "__weakref__")
 
-    def __init__(self, wait=None, test=None, then=None, span=None, keep=()):
+    def __init__(self, wait=None, test=None, then=None, span=None, keep=(), finish=None):
         self._wait, self._test, self._then, self._span = wait, test, then, span
+        self._fin = finish           # the transport's finishing step, after the data arrived
         self._keep = keep            # buffers MPI may still touch
         self._pending = None         # the group's record (async collectives)
         self._done = wait is None
@@ -80,6 +84,8 @@ class Work:
             if last is None or last.seq < p.entry.seq:
                 p.group._last = p.entry
         self._done, self._keep = True, None
+        if self._fin is not None:
+            self._fin()
         if self._then is not None:
             self._then()
         if self._span is not None:
@@ -109,6 +115,19 @@ class Work:
 
     def __repr__(self):
         return f"<Work {'done' if self._done else 'pending'}>"
+
+
+def complete_fn(work):
+    """``work``'s wait and finishing step as one function that holds no reference to the
+    Work (the group's Pending keeps it: a dropped handle must still be collectable)."""
+    wait, fin = work._wait, work._fin
+    if fin is None:
+        return wait
+
+    def complete():
+        wait()
+        fin()
+    return complete
 
 
 def settle(group, error, block=True):

@@ -3,8 +3,9 @@
 ``init()`` starts MPI once (idempotent), sets BLAS threads per rank to
 ``max(1, cores // ranks on this node)`` unless the user set OMP/OPENBLAS/MKL
 _NUM_THREADS, turns on cooperative waits when ranks outnumber cores (mpi.py),
-starts the watchdog (every wait has a deadline, watchdog.py) and installs the
-failure hooks (a failure on any rank ends the job, failures.py). The package
+starts the watchdog (every wait has a deadline, watchdog.py), installs the
+failure hooks (a failure on any rank ends the job, failures.py) and, at exit, the
+destruction of the NCCL communicators, newest first (gpu_sync.py). The package
 (``pdist.comm``) re-exports all four functions.
 """
 from pdist.comm.group import ProcessGroup
@@ -31,6 +32,9 @@ def init(device=None, timeout=None):
         _world["group"] = ProcessGroup(MPI.COMM_WORLD.Dup(), "world")
         trace.set_world(_world["group"])
         failures.install()
+        import atexit
+        from pdist.comm import gpu_sync
+        atexit.register(gpu_sync.destroy_all)   # before failures' exit handshake (atexit: last in, first out)
     elif timeout is not None:
         watchdog.configure(timeout)
     return _world["group"]

@@ -103,6 +103,9 @@ class Tensor:
         return to_numpy(self.data)
 
     def item(self):
+        from pdist.engine.backend import guard_host_read, is_device_array
+        if is_device_array(self.data):
+            guard_host_read()                # a device read: under the deadline (pdist.comm.gpu_sync)
         return self.data.item()
 
     def detach(self):

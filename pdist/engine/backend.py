@@ -180,10 +180,24 @@ def array_module(a):
     return _np
 
 
+def set_host_read_guard(fn):
+    """``fn()`` runs before every device-to-host read and synchronize: pdist.comm.gpu_sync
+    installs a wait on an event under the watchdog's deadline once NCCL is in use."""
+    _state["host_read"] = fn
+
+
+def guard_host_read():
+    """Run the host-read guard, if any (before a copy to the host that skips ``to_numpy``)."""
+    fn = _state.get("host_read")
+    if fn is not None:
+        fn()
+
+
 def synchronize():
     """Wait for the device's queued work (a no-op on CPU): timings of GPU steps
     call it before reading the clock, or they time only the kernel launches."""
     if _state["device"] == "gpu":
+        guard_host_read()
         _state["module"].cuda.get_current_stream().synchronize()
 
 
@@ -199,6 +213,7 @@ def device_event():
 
 def elapsed_seconds(start, end):
     """Seconds of device time between two ``device_event()``s (waits for ``end``)."""
+    guard_host_read()
     end.synchronize()
     return _state["module"].cuda.get_elapsed_time(start, end) / 1e3
 
@@ -209,8 +224,10 @@ def is_device_array(a):
 
 
 def to_numpy(a):
-    """A NumPy array with the values of ``a`` (copies from the GPU if needed)."""
+    """A NumPy array with the values of ``a`` (copies from the GPU if needed, after the
+    device's work so far, waited for under a deadline once NCCL is in use)."""
     if is_device_array(a):
+        guard_host_read()
         return a.get()
     return _np.asarray(a)
 

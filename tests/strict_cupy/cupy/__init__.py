@@ -3,9 +3,11 @@ import numbers
 
 import numpy as _np
 
+from cupy._cupy14 import DTYPES, NDARRAY_NOT_IN_CUPY, NOT_IN_CUPY
+from cupy._memory import Mem as _Mem, mems as _mems
+
 __version__ = "0.0-strict-standin"
-_live = [0]          # bytes held by live device arrays (the memory pool's used_bytes)
-_peak = [0]
+_live, _peak = [0], [0]   # bytes held by live device arrays (the memory pool's used_bytes), their peak
 host_reads = [0]     # explicit device -> host copies (.get, .item, asnumpy): each one waits for the GPU
 
 
@@ -87,11 +89,16 @@ class ndarray:
         return self
 
     def _set(self, a):
+        if a.dtype.name not in DTYPES:
+            raise ValueError(f"Unsupported dtype {a.dtype}")
         self._a = a
         self._owns = a.base is None
         if self._owns:
             _live[0] += a.nbytes
             _peak[0] = max(_peak[0], _live[0])
+            self._mem = _mems[id(a)] = _Mem(a)
+        else:
+            self._mem = _mems.get(id(a.base))
 
     def __del__(self):
         if getattr(self, "_owns", False):
@@ -129,17 +136,26 @@ class ndarray:
         return (self[i] for i in range(len(self)))
 
     # ----------------------------------------------------- explicit ways out
-    def get(self, stream=None, out=None):
+    def get(self, stream=None, order="C", out=None, blocking=True):
         host_reads[0] += 1
-        return self._a.copy()
+        cuda._lazy.host_read()           # a copy on the current stream: the host waits for it
+        if out is None:
+            return self._a.copy()
+        if not (isinstance(out, _np.ndarray) and out.shape == self.shape and out.dtype == self.dtype):
+            raise ValueError("strict cupy: get(out=) needs a NumPy array of the same shape and dtype")
+        out[...] = self._a
+        return out
 
     def item(self):                  # explicit, as in CuPy (a named host sync)
         host_reads[0] += 1
+        cuda._lazy.host_read()
         return self._a.item()
 
-    def set(self, arr):
+    def set(self, arr, stream=None):
         if not isinstance(arr, _np.ndarray):
             raise TypeError("ndarray.set takes a NumPy array")
+        if arr.shape != self.shape or arr.dtype != self.dtype:
+            raise ValueError(f"strict cupy: set() of shape {arr.shape} {arr.dtype} into {self.shape} {self.dtype}")
         self._a[...] = arr
 
     # ----------------------------------------------------- attributes
@@ -171,8 +187,8 @@ class ndarray:
         self._a[_index_as_cupy(self._a.shape, i)] = _unwrap(v, "a value assigned into a device array")
 
     def __getattr__(self, name):
-        if name.startswith("_"):
-            raise AttributeError(name)
+        if name.startswith("_") or name in NDARRAY_NOT_IN_CUPY:
+            raise AttributeError(f"'cupy.ndarray' object has no attribute {name!r}")
         fn = getattr(self._a, name)
         if not callable(fn):
             return _wrap(fn)
@@ -258,8 +274,8 @@ _PASS = {"float16", "float32", "float64", "int8", "int16", "int32", "int64", "ui
 
 
 def __getattr__(name):
-    if name.startswith("__"):
-        raise AttributeError(name)
+    if name.startswith("__") or name in NOT_IN_CUPY:
+        raise AttributeError(f"module 'cupy' has no attribute {name!r} (CuPy 14.2)")
     obj = getattr(_np, name)
     if name in _PASS or isinstance(obj, type) or not callable(obj):
         return obj

@@ -37,8 +37,10 @@ for size in (0, 1, 7, 1001):
         x = cupy.asarray(ins[r])
         g.broadcast(x, src=n - 1, algorithm=alg)
         np.testing.assert_array_equal(to_numpy(x), ins[n - 1])
-w = g.all_reduce(cupy.full(10, float(r + 1)), op="avg", async_op=True)
+avg = cupy.full(10, float(r + 1))
+w = g.all_reduce(avg, op="avg", async_op=True)
 w.wait()
+np.testing.assert_array_equal(to_numpy(avg), np.full(10, (n + 1) / 2))
 h = np.arange(5.0) * (r + 1)                 # a NumPy collective stays on the host on a GPU backend
 g.all_reduce(h, algorithm="ring")
 assert isinstance(h, np.ndarray) and np.allclose(h, np.arange(5.0) * n * (n + 1) / 2)
@@ -55,5 +57,5 @@ for schedule, v in (("1f1b", 1), ("interleaved", 2)):
     assert not pipe._recvs and not pipe._stash
 if r == 0:
     from cupy.cuda import nccl
-    print(f"stats {nccl.STATS}")
+    print(f"stats {nccl._STATS}")
 print(f"OK rank {r} {want}", flush=True)

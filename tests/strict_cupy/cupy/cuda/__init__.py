@@ -1,9 +1,10 @@
-"""cupy.cuda stand-in: devices, streams, events (all synchronous: work finishes when issued)."""
+"""cupy.cuda stand-in: devices, streams, events. Work finishes when issued, except NCCL's on a
+non-default stream in lazy mode (``STRICT_CUPY_LAZY=1``, _lazy.py)."""
 import os
 import time
 
 import cupy as _cp
-from cupy.cuda import runtime  # noqa: F401
+from cupy.cuda import _lazy, runtime  # noqa: F401
 
 _current = [0]
 
@@ -18,7 +19,7 @@ class Device:
         _current[0] = self.id
 
     def synchronize(self):
-        pass
+        _lazy.host_sync()
 
     def __enter__(self):
         self._prev = _current[0]
@@ -30,22 +31,28 @@ class Device:
 
     @property
     def pci_bus_id(self):
-        return f"0000:{self.id:02x}:00.0"
+        """The physical GPU behind this index: CUDA_VISIBLE_DEVICES maps index i to its i-th entry."""
+        vis = [v.strip() for v in os.environ.get("CUDA_VISIBLE_DEVICES", "").split(",") if v.strip()]
+        phys = int(vis[self.id]) if self.id < len(vis) and vis[self.id].isdigit() else self.id
+        return f"0000:{phys:02x}:00.0"
 
 
 class Event:
     def __init__(self, block=False, disable_timing=False, interprocess=False):
-        self.recorded, self.disable_timing, self.time = False, disable_timing, None
+        self.recorded, self.disable_timing, self.time, self.pos = False, disable_timing, None, 0
 
     def record(self, stream=None):
-        self.recorded, self.time = True, time.perf_counter()   # work is synchronous: it ran by now
+        stream = stream or get_current_stream()
+        self.recorded, self.time = True, time.perf_counter()   # compute is synchronous: it ran by now
+        self.pos = _lazy.position() if stream.ptr else _lazy.compute_position()   # after what it waits for
 
     @property
     def done(self):
-        return True
+        """cudaEventQuery: never runs queued work."""
+        return _lazy.reached(self.pos)
 
     def synchronize(self):
-        pass
+        _lazy.run_until(self.pos, host=True)
 
 
 class Stream:
@@ -57,7 +64,7 @@ class Stream:
             Stream._ids[0] += 1
 
     def synchronize(self):
-        pass
+        _lazy.host_sync()
 
     def record(self, event=None):
         event = event or Event()
@@ -65,17 +72,24 @@ class Stream:
         return event
 
     def wait_event(self, event):
-        pass
+        """Later work on this stream waits for ``event``: the current stream's kernels run at
+        once here, so what the event orders runs now (lazy mode)."""
+        if self is get_current_stream():
+            _lazy.run_until(event.pos)
 
     @property
     def done(self):
-        return True
+        return _lazy.reached(_lazy.position())
 
     def use(self):
+        if self.ptr:
+            _lazy.run_until()          # kernels launched on it run after what it queued
         _stack[-1] = self
         return self
 
     def __enter__(self):
+        if self.ptr:
+            _lazy.run_until()
         _stack.append(self)
         return self
 

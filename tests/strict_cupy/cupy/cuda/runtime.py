@@ -14,7 +14,8 @@ def getDeviceCount():
 
 
 def deviceSynchronize():
-    pass
+    from cupy.cuda import _lazy
+    _lazy.host_sync()
 
 
 def getDeviceProperties(i):
