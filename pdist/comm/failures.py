@@ -12,8 +12,12 @@ than one rank):
   (watchdog.py), waits up to ``GRACE_S`` for the other ranks to print their
   own errors (ranks waiting in a collective see the announcement and raise at
   once), then calls ``MPI_Abort``, which ends every rank with a non-zero exit.
-* SIGINT: the first one raises KeyboardInterrupt where the rank is (waits
-  poll, so that is soon); a second one aborts at once.
+* SIGINT and SIGTERM: the first one raises KeyboardInterrupt where the rank is
+  (waits poll, so that is soon), so every rank prints its report and writes its
+  flight recorder within ``GRACE_S``; a second one (either) aborts at once.
+  SIGTERM is what a cluster sends: Open MPI's ``mpirun`` does not forward Ctrl-C,
+  it sends SIGCONT then SIGTERM to every rank (then SIGKILL); Slurm's ``scancel``
+  and time limits send SIGTERM, then SIGKILL after ``KillWait`` (30 s default).
 * ``atexit``: a rank that exits (``sys.exit(0)`` included) announces "exited
   after #k" and waits for the others. If all of them exit too, the job ends
   cleanly (exit 0). If one fails instead (e.g. it was waiting for this rank in
@@ -23,7 +27,8 @@ than one rank):
 This mirrors ``python -m mpi4py``'s run mode (abort on an uncaught exception)
 but works under plain ``mpirun python script.py`` and lets every rank print its
 own error first. A dead rank (SIGKILL) needs nothing: the MPI launcher ends
-the job at once.
+the job at once; where it does not (``srun`` without ``-K``), the ranks that wait
+find it "dead" by its pid within a second (liveness.py).
 """
 import atexit
 import os
@@ -49,7 +54,9 @@ def install():
     sys.excepthook = _excepthook
     try:
         if signal.getsignal(signal.SIGINT) is signal.default_int_handler:
-            signal.signal(signal.SIGINT, _on_sigint)
+            signal.signal(signal.SIGINT, _on_signal)
+        if signal.getsignal(signal.SIGTERM) in (signal.SIG_DFL, None):
+            signal.signal(signal.SIGTERM, _on_signal)
     except ValueError:          # not the main thread: leave signals alone
         pass
     atexit.register(_at_exit)
@@ -98,7 +105,7 @@ def fail_exception(exc_type, exc, tb):
     if cur is not None:
         first += f" (in {flight_recorder.describe(cur.as_dict())})"
     if exc_type is KeyboardInterrupt:
-        first = "KeyboardInterrupt (SIGINT)"
+        first = f"KeyboardInterrupt ({exc.args[0] if exc is not None and exc.args else 'SIGINT'})"
     stopped = isinstance(exc, watchdog.CollectiveTimeoutError) and exc.reason == "failed"
     fail(text, first, "sigint" if exc_type is KeyboardInterrupt else "exception",
          "STOPPED" if stopped else "FAILED")
@@ -108,11 +115,13 @@ def _excepthook(exc_type, exc, tb):
     fail_exception(exc_type, exc, tb)
 
 
-def _on_sigint(signum, frame):
+def _on_signal(signum, frame):
+    """SIGINT or SIGTERM: the first raises KeyboardInterrupt (its args name the signal)."""
     _state["sigint"] += 1
-    if _state["sigint"] > 1:                  # a second Ctrl-C: no more waiting
-        fail("second SIGINT: aborting now", "KeyboardInterrupt (second SIGINT)", "sigint")
-    raise KeyboardInterrupt
+    name = signal.Signals(signum).name
+    if _state["sigint"] > 1:                  # a second Ctrl-C (or SIGTERM): no more waiting
+        fail(f"second signal ({name}): aborting now", f"KeyboardInterrupt (second signal, {name})", "sigint")
+    raise KeyboardInterrupt(name) if signum != signal.SIGINT else KeyboardInterrupt
 
 
 def unwaited():
@@ -139,7 +148,7 @@ def _at_exit():
         return
     _state["ending"] = True
     peers = watchdog.peers()
-    bad = sorted(r for r, m in peers.items() if m["kind"] == "failed")
+    bad = sorted(r for r, m in peers.items() if m["kind"] in ("failed", "dead"))
     last = [f"{flight_recorder.describe(e)}" for e in watchdog._lasts().values()]
     why = (f"rank(s) {bad} failed while this rank had already exited" if bad else
            f"other ranks were still running {watchdog.timeout():g} s (PDIST_TIMEOUT) after this rank exited")
