@@ -112,9 +112,18 @@ def check_world(size, rank, local=None, environ=None):
     return found
 
 
+def _library():
+    """The first words of ``MPI.Get_library_version()`` (only where mpi4py.MPI is loaded already:
+    importing it starts MPI)."""
+    import sys
+    mpi = sys.modules.get("mpi4py.MPI")
+    if mpi is None:
+        return "(mpi4py.MPI not loaded)"
+    return " ".join(mpi.Get_library_version().splitlines()[0].split(",")[0].split())
+
+
 def _message(said, who, size, rank, var, extra=""):
-    from mpi4py import MPI
-    lib = " ".join(MPI.Get_library_version().splitlines()[0].split(",")[0].split())
+    lib = _library()
     return (f"this process was started by {who}, which says {said}, but MPI's world has {size} rank(s) "
             f"(this is rank {rank}){extra}: every process would train alone and report success. "
             f"mpi4py loaded {lib!r}, which did not join that launcher's job. Fix: {_fix(var)}.")

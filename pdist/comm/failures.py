@@ -104,11 +104,11 @@ def fail_exception(exc_type, exc, tb):
     cur = flight_recorder._cur[0]
     if cur is not None:
         first += f" (in {flight_recorder.describe(cur.as_dict())})"
-    if exc_type is KeyboardInterrupt:
-        first = f"KeyboardInterrupt ({exc.args[0] if exc is not None and exc.args else 'SIGINT'})"
+    sig = (exc.args[0] if exc is not None and exc.args else "SIGINT") if exc_type is KeyboardInterrupt else None
+    if sig:
+        first = f"KeyboardInterrupt ({sig})"
     stopped = isinstance(exc, watchdog.CollectiveTimeoutError) and exc.reason == "failed"
-    fail(text, first, "sigint" if exc_type is KeyboardInterrupt else "exception",
-         "STOPPED" if stopped else "FAILED")
+    fail(text, first, sig.lower() if sig else "exception", "STOPPED" if stopped else "FAILED")
 
 
 def _excepthook(exc_type, exc, tb):
@@ -120,8 +120,11 @@ def _on_signal(signum, frame):
     _state["sigint"] += 1
     name = signal.Signals(signum).name
     if _state["sigint"] > 1:                  # a second Ctrl-C (or SIGTERM): no more waiting
-        fail(f"second signal ({name}): aborting now", f"KeyboardInterrupt (second signal, {name})", "sigint")
-    raise KeyboardInterrupt(name) if signum != signal.SIGINT else KeyboardInterrupt
+        fail(f"second signal ({name}): aborting now", f"KeyboardInterrupt (second signal, {name})", name.lower())
+    if signum == signal.SIGTERM:              # the launcher's SIGKILL may follow soon (Open MPI 5: 0.25 s):
+        flight_recorder.dump("sigterm", watchdog._S["rank"], watchdog.timeout())   # write the recorder first
+        raise KeyboardInterrupt(name)
+    raise KeyboardInterrupt
 
 
 def unwaited():
