@@ -38,7 +38,12 @@ def main(case):
         if r == 1:
             report(rank=r, fault_at=time.time())
             os.kill(os.getpid(), signal.SIGKILL)
-        g.all_reduce(x)
+        t0 = time.monotonic()
+        try:
+            g.all_reduce(x)
+        except comm.CollectiveTimeoutError:
+            report(rank=r, detect_s=time.monotonic() - t0)
+            raise
     elif case == "dead_sim":                 # rank 1 goes quiet; rank 0 is told its pid is one that exited
         if r == 1:
             time.sleep(30)
