@@ -121,12 +121,13 @@ def blas_threads(own, union, local, disjoint):
 
 
 def user_threads():
-    """The user's explicit thread count (OMP_/OPENBLAS_/MKL_NUM_THREADS, the first set), or None."""
-    for v in USER_THREAD_VARS:
-        val = os.environ.get(v, "").strip().split(",")[0]
-        if val:
-            return int(val) if val.isdigit() and int(val) > 0 else None
-    return None
+    """{user_api: n} of the user's explicit settings: "blas" from OPENBLAS_NUM_THREADS or
+    MKL_NUM_THREADS (else OMP_NUM_THREADS), "openmp" from OMP_NUM_THREADS; only positive integers."""
+    def num(var):
+        val = os.environ.get(var, "").strip().split(",")[0]
+        return int(val) if val.isdigit() and int(val) > 0 else None
+    blas = num("OPENBLAS_NUM_THREADS") or num("MKL_NUM_THREADS") or num("OMP_NUM_THREADS")
+    return {k: v for k, v in (("blas", blas), ("openmp", num("OMP_NUM_THREADS"))) if v}
 
 
 def _limit_threads(threads):
@@ -151,7 +152,7 @@ def setup(comm=None):
     threads = blas_threads(cores_available(), cores, local, _state["disjoint"])
     if any(os.environ.get(v, "").strip() for v in USER_THREAD_VARS):
         threads = None                     # the user's choice wins, and is not lowered
-        if user_threads():
+        if user_threads():                 # (OpenBLAS alone would cap it at this rank's mask)
             _limit_threads(user_threads())
     else:
         _limit_threads(threads)
