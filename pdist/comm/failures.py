@@ -42,6 +42,7 @@ from mpi4py import MPI
 from pdist.comm import flight_recorder, watchdog
 
 GRACE_S = 2.0          # how long a failing rank waits for the others to print before aborting
+FLUSH_S = 0.2          # then lets the launcher forward their output (Open MPI's under load needs > 0.05 s)
 
 _state = {"installed": False, "ending": False, "sigint": 0, "hook": None}
 
@@ -92,7 +93,7 @@ def fail(text, error_line, reason="exception", word="FAILED"):
     if MPI.Is_initialized() and not MPI.Is_finalized() and MPI.COMM_WORLD.Get_size() > 1:
         watchdog.announce("failed", error=error_line)
         watchdog.wait_for_peers(GRACE_S)
-        time.sleep(0.05)                      # let the launcher forward the output
+        time.sleep(FLUSH_S)                   # let the launcher forward the output
         MPI.COMM_WORLD.Abort(1)
     os._exit(1)
 
@@ -158,5 +159,5 @@ def _at_exit():
     _print_block(f"this rank exited (last: {', '.join(last) or 'no collective'}) but the job did not "
                  f"end cleanly: {why}; aborting the job")
     watchdog.wait_for_peers(GRACE_S)          # let the failing ranks print their errors
-    time.sleep(0.05)
+    time.sleep(FLUSH_S)
     MPI.COMM_WORLD.Abort(1)
