@@ -13,7 +13,8 @@ than one rank):
   own errors (ranks waiting in a collective see the announcement and raise at
   once), then calls ``MPI_Abort``, which ends every rank with a non-zero exit.
 * SIGINT and SIGTERM: the first one raises KeyboardInterrupt where the rank is
-  (waits poll, so that is soon), so every rank prints its report and writes its
+  (waits poll, so that is soon; inside a collective, once it is over, at most
+  ``DEFER_S`` later, so that no peer is left in its data phase without a report), so every rank prints its report and writes its
   flight recorder within ``GRACE_S``; a second one (either) aborts at once.
   SIGTERM is what a cluster sends: Open MPI's ``mpirun`` does not forward Ctrl-C,
   it sends SIGCONT then SIGTERM to every rank (then SIGKILL); Slurm's ``scancel``
@@ -43,6 +44,8 @@ from pdist.comm import flight_recorder, watchdog
 
 GRACE_S = 2.0          # how long a failing rank waits for the others to print before aborting
 FLUSH_S = 0.2          # then lets the launcher forward their output (Open MPI's under load needs > 0.05 s)
+DEFER_S = 0.5          # the longest a signal waits for the call it came in to finish (``_defer``)
+ALARM_S = 0.02         # how often a deferred signal looks for the end of that call
 
 _state = {"installed": False, "ending": False, "sigint": 0, "hook": None}
 
@@ -117,15 +120,54 @@ def _excepthook(exc_type, exc, tb):
 
 
 def _on_signal(signum, frame):
-    """SIGINT or SIGTERM: the first raises KeyboardInterrupt (its args name the signal)."""
+    """SIGINT or SIGTERM: the first raises KeyboardInterrupt (its args name the signal), at once
+    outside pdist's calls; inside one, once it is over (``_defer``); a second one aborts."""
     _state["sigint"] += 1
     name = signal.Signals(signum).name
+    if _state["ending"] and _state["sigint"] == 1:   # already reporting a failure: let it finish
+        return
     if _state["sigint"] > 1:                  # a second Ctrl-C (or SIGTERM): no more waiting
         fail(f"second signal ({name}): aborting now", f"KeyboardInterrupt (second signal, {name})", name.lower())
     if signum == signal.SIGTERM:              # the launcher's SIGKILL may follow soon (Open MPI 5: 0.25 s):
         flight_recorder.dump("sigterm", watchdog._S["rank"], watchdog.timeout())   # write the recorder first
-        raise KeyboardInterrupt(name)
-    raise KeyboardInterrupt
+    if flight_recorder._cur[0] is not None and _defer(name):
+        return
+    _raise(name)
+
+
+def _raise(name):
+    raise KeyboardInterrupt(name) if name != "SIGINT" else KeyboardInterrupt
+
+
+def _defer(name):
+    """Inside a call, peers may already be past its check and in the data phase (a blocking MPI
+    call that cannot see this rank leave): finish the call first, then raise, at the next call's
+    start (flight_recorder.ON_ENTER) or at a SIGALRM tick (every ALARM_S) outside any call, at the
+    latest after DEFER_S. False where SIGALRM cannot be used (the signal is raised at once)."""
+    try:
+        _state["alarm"] = signal.signal(signal.SIGALRM, lambda s, f: _deferred())
+        signal.setitimer(signal.ITIMER_REAL, ALARM_S, ALARM_S)
+    except (ValueError, OSError):
+        return False
+    _state["deferred"] = (name, time.monotonic())
+    flight_recorder.ON_ENTER.append(_deferred_at_enter)
+    return True
+
+
+def _deferred_at_enter():
+    _deferred(force=True)
+
+
+def _deferred(force=False):
+    d = _state.get("deferred")
+    if d is None or not (force or flight_recorder._cur[0] is None or time.monotonic() - d[1] > DEFER_S):
+        return
+    _state["deferred"] = None
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    signal.signal(signal.SIGALRM, _state.pop("alarm", signal.SIG_DFL) or signal.SIG_DFL)
+    if _deferred_at_enter in flight_recorder.ON_ENTER:
+        flight_recorder.ON_ENTER.remove(_deferred_at_enter)
+    _raise(d[0])
 
 
 def unwaited():
