@@ -1,23 +1,41 @@
 # pdist — the two commands a newcomer needs are `make lesson L=00` and `make test`.
-# Both create .venv and install pdist (editable) with its test tools on first use.
-PYTHON ?= python3
+# Both create .venv and install pdist (editable) with its test tools and the mpich wheel on
+# first use. On a cluster, bring your own Python and MPI (README, "On a cluster"):
+#   make lesson L=03 N=4 PYTHON=$HOME/envs/pdist/bin/python MPIRUN="srun --mpi=pmix"
+# PYTHON given (environment or command line): make uses that Python as it is and installs
+# nothing. A $(VENV) that make did not create (no $(STAMP)) is used as it is too.
 VENV   ?= .venv
+STAMP  := $(VENV)/.installed
+ifeq ($(origin PYTHON),undefined)
 PY     := $(VENV)/bin/python
-MPIRUN := $(VENV)/bin/mpirun
+else
+PY     := $(PYTHON)
+endif
+BASE_PYTHON ?= python3
+# the mpirun beside $(PY), else the first on PATH; MPIRUN (environment or command line) wins
+MPIRUN ?= $(shell d=$$(dirname "$$(command -v $(PY) 2>/dev/null || echo $(PY))"); \
+            if [ -x "$$d/mpirun" ]; then echo "$$d/mpirun"; else echo mpirun; fi)
 L      ?= 00
 N      ?= 1
 ARGS   ?=
-STAMP  := $(VENV)/.installed
 
 .PHONY: venv lesson test test-fast budgets bench lint clean grade handout
 
 venv: $(STAMP)
 
+# make's own venv: created and installed once (again when setup.cfg changes); a venv or a
+# PYTHON that make did not create is checked (pdist and mpi4py import) and never installed into
 $(STAMP): setup.cfg pyproject.toml
-	$(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
-	$(PY) -m pip install -q -e '.[test]'
-	touch $(STAMP)
+	@if [ "$(origin PYTHON)" != "undefined" ] || { [ -x $(VENV)/bin/python ] && [ ! -e $(STAMP) ]; }; then \
+	  $(PY) -c "import pdist, mpi4py" 2>/dev/null || { echo "make: $(PY) cannot import pdist and mpi4py; \
+	install them there (README, On a cluster), or unset PYTHON and remove $(VENV) to let make create it"; exit 2; }; \
+	  echo "make: using $(PY) as it is (make did not create it: nothing installed)"; \
+	else \
+	  set -e; $(BASE_PYTHON) -m venv $(VENV); \
+	  $(VENV)/bin/python -m pip install -q --upgrade pip; \
+	  $(VENV)/bin/python -m pip install -q -e '.[test,mpich]'; \
+	  touch $(STAMP); \
+	fi
 
 # make lesson L=03 N=4   ->  mpirun -n 4 python lessons/03_*.py
 lesson: $(STAMP)
@@ -40,7 +58,7 @@ test-fast: $(STAMP)
 
 # files under 300 lines, functions under 60, 0 import cycles in pdist/ (stdlib only; CI runs it)
 budgets:
-	$(PYTHON) .ci/budgets.py
+	$(BASE_PYTHON) .ci/budgets.py
 
 # the course's autograder: every exercise in lessons/exercises/ (EX="01 03" for some; ARGS="--reference" etc.)
 EX ?=

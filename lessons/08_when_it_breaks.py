@@ -187,10 +187,11 @@ def child(args):
 
 
 def clean_env():
-    """The environment of a child mpiexec launched from inside an MPI rank: without
-    the parent's process-manager variables (a None value removes one)."""
-    drop = [k for k in os.environ if k.startswith(("PMI_", "PMIX_", "HYDRA_", "MPIR_", "MPI_LOCAL"))]
-    return dict({k: None for k in drop}, PDIST_TIMEOUT="20")
+    """The environment of a child job launched from inside an MPI rank: without every
+    launcher's variables (Hydra's, Open MPI's/PRRTE's/PMIx's, Intel's, Slurm's: a None value
+    removes one; pdist.launcher.nested_env), so the child is a new job, not a part of this one."""
+    from pdist.launcher import nested_env
+    return dict(nested_env(), PDIST_TIMEOUT="20")
 
 
 def explain(out):

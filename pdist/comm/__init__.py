@@ -20,8 +20,9 @@ from pdist.comm.group import ProcessGroup
 from pdist.comm.mesh import DeviceMesh
 from pdist.comm.watchdog import CollectiveTimeoutError
 from pdist.comm.work import Work
+from pdist.launcher import WorldSizeError
 from pdist.comm.world import default_group, get_world, init, is_initialized, self_group
 
 __all__ = ["init", "get_world", "default_group", "ProcessGroup", "DeviceMesh", "Work", "chunk_bounds",
            "CollectiveMismatchError", "CollectiveTimeoutError", "is_initialized",
-           "set_step", "get_step", "self_group"]
+           "set_step", "get_step", "self_group", "WorldSizeError"]

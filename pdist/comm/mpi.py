@@ -1,14 +1,21 @@
 """MPI transport on mpi4py: start-up, BLAS threads per rank, cooperative waits,
 and point-to-point over NumPy buffers (no pickling on any hot path).
 
-Threads. A node with C cores running L ranks gives each rank
-``max(1, C // L)`` BLAS threads (threadpoolctl), so four ranks on two cores do
-not fight over the cores (measured here: two ranks with two BLAS threads each
-ran a matmul loop 2.4x slower than with one each).
+Threads. ``setup()`` exchanges, over the node's split (``COMM_TYPE_SHARED``, one
+``allgather``), each rank's CPU affinity mask and pid. A node whose L ranks may run on
+the C cores of the union of those masks gives each rank ``max(1, C // L)`` BLAS threads
+(threadpoolctl), at most the cores of its own mask; when the masks are disjoint (the
+launcher bound each rank to its own cores: Open MPI's default at np <= 2, Intel MPI's
+pinning, ``srun --cpu-bind``, ``--map-by slot:PE=n``) each rank takes the cores of its own
+mask. Four ranks on two cores do not fight over the cores (measured here: two ranks with
+two BLAS threads each ran a matmul loop 2.4x slower than with one each). A user's
+``OMP_NUM_THREADS``/``OPENBLAS_NUM_THREADS``/``MKL_NUM_THREADS`` always stands: it is
+applied as given, even above the mask (OpenBLAS itself would cap it at the mask's size).
 
 Cooperative waits. MPICH ranks that wait busy-poll: a rank blocked in
 ``Recv``/``Allreduce`` spins on a core at 100%. When ranks outnumber cores
-(L > C) those spinning ranks steal time from the ranks doing real work (4 ranks
+(L > C, C the cores of the union of the node's masks: binding is not oversubscription)
+those spinning ranks steal time from the ranks doing real work (4 ranks
 on 2 cores with uneven work ran ~2x slower than ideal). In that case every
 blocking operation is issued non-blocking and finished by ``wait_all``:
 ``Test()``, and while not done, yield the core (``sched_yield``) for up to
@@ -35,10 +42,11 @@ mpi4py.rc.initialize = True
 from mpi4py import MPI  # noqa: E402
 
 from pdist.measure import trace  # noqa: E402
-from pdist.comm import watchdog  # noqa: E402
+from pdist.comm import liveness, watchdog  # noqa: E402
 from pdist.engine.env import env_number  # noqa: E402
 
-_state = {"limits": None, "cooperative": None, "local_size": None, "cores": None}
+_state = {"limits": None, "cooperative": None, "local_size": None, "cores": None, "node_cores": None,
+          "disjoint": False, "node_pids": {}}
 
 SEGMENT_BYTES = 1 << 19    # ring reduce-scatter pipelines reductions in 512 KiB pieces
 YIELD_SECONDS = env_number("PDIST_WAIT_YIELD_US", 1000, "number of microseconds", 1000,
@@ -59,35 +67,95 @@ def cores_available():
         return os.cpu_count() or 1
 
 
-def local_size(comm=None):
-    """Number of ranks sharing this node (size of the COMM_TYPE_SHARED split)."""
+def _mask():
+    try:
+        return sorted(os.sched_getaffinity(0))
+    except AttributeError:  # pragma: no cover - not Linux
+        return list(range(os.cpu_count() or 1))
+
+
+def _pid_namespace():
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # pragma: no cover - no /proc
+        return None
+
+
+def node_exchange(comm=None):
+    """Once: split ``comm`` by node and allgather each rank's (world rank, pid, pid namespace,
+    CPU mask). Sets the local size, the union of the node's masks and the node's peers
+    ({world rank: pid} of ranks that share this pid namespace, the ones ``os.kill(pid, 0)`` can
+    probe: watchdog.py). Collective over ``comm``."""
     if _state["local_size"] is None:
         comm = comm or MPI.COMM_WORLD
         node = comm.Split_type(MPI.COMM_TYPE_SHARED)
-        _state["local_size"] = node.Get_size()
+        me = (MPI.COMM_WORLD.Get_rank(), os.getpid(), _pid_namespace(), _mask())
+        infos = node.allgather(me)
         node.Free()
+        masks = [set(i[3]) for i in infos]
+        union = set().union(*masks)
+        _state.update(local_size=len(infos), node_cores=len(union),
+                      disjoint=sum(map(len, masks)) == len(union),
+                      node_pids={r: pid for r, pid, ns, _ in infos if ns == me[2] and r != me[0]})
+        liveness.set_node_pids(_state["node_pids"])
     return _state["local_size"]
 
 
-def setup(comm=None):
-    """Once per process: BLAS threads = max(1, cores // local ranks) unless the
-    user set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS; decide waits.
+def local_size(comm=None):
+    """Number of ranks sharing this node (size of the COMM_TYPE_SHARED split)."""
+    return node_exchange(comm)
 
-    Collective over ``comm`` (the node split, and the agreement on the wait mode).
+
+def node_cores(comm=None):
+    """Cores that this node's ranks may run on: the union of their affinity masks."""
+    node_exchange(comm)
+    return _state["node_cores"]
+
+
+def blas_threads(own, union, local, disjoint):
+    """BLAS threads for a rank whose mask has ``own`` cores, on a node whose ``local`` ranks
+    have masks of ``union`` cores in all (``disjoint``: no core in two masks)."""
+    if disjoint:
+        return max(1, own)
+    return max(1, min(own, union // local))
+
+
+def user_threads():
+    """{user_api: n} of the user's explicit settings: "blas" from OPENBLAS_NUM_THREADS or
+    MKL_NUM_THREADS (else OMP_NUM_THREADS), "openmp" from OMP_NUM_THREADS; only positive integers."""
+    def num(var):
+        val = os.environ.get(var, "").strip().split(",")[0]
+        return int(val) if val.isdigit() and int(val) > 0 else None
+    blas = num("OPENBLAS_NUM_THREADS") or num("MKL_NUM_THREADS") or num("OMP_NUM_THREADS")
+    return {k: v for k, v in (("blas", blas), ("openmp", num("OMP_NUM_THREADS"))) if v}
+
+
+def _limit_threads(threads):
+    try:
+        from threadpoolctl import threadpool_limits
+        _state["limits"] = threadpool_limits(limits=threads)
+    except ImportError:  # pragma: no cover - threadpoolctl is a dependency
+        pass
+
+
+def setup(comm=None):
+    """Once per process: BLAS threads from the node's masks (``blas_threads``) unless the user
+    set OMP_NUM_THREADS, OPENBLAS_NUM_THREADS or MKL_NUM_THREADS (then the user's number is
+    applied as given); cooperative waits when the node's ranks outnumber the union of their
+    cores. Collective over ``comm`` (the node exchange, and the agreement on the wait mode).
     Returns (threads, cooperative); threads is None when the user's setting stands."""
     if _state["cooperative"] is not None:
         return _state["limits_n"], _state["cooperative"]
     from pdist.engine.env import env_flag
-    cores, local = cores_available(), local_size(comm)
-    threads = max(1, cores // local)
+    local = node_exchange(comm)
+    cores = _state["node_cores"]
+    threads = blas_threads(cores_available(), cores, local, _state["disjoint"])
     if any(os.environ.get(v, "").strip() for v in USER_THREAD_VARS):
-        threads = None                     # the user's choice wins
+        threads = None                     # the user's choice wins, and is not lowered
+        if user_threads():                 # (OpenBLAS alone would cap it at this rank's mask)
+            _limit_threads(user_threads())
     else:
-        try:
-            from threadpoolctl import threadpool_limits
-            _state["limits"] = threadpool_limits(limits=threads)
-        except ImportError:  # pragma: no cover - threadpoolctl is a dependency
-            pass
+        _limit_threads(threads)
     auto = os.environ.get("PDIST_COOPERATIVE_WAIT", "").strip() == ""
     coop = local > cores if auto else env_flag("PDIST_COOPERATIVE_WAIT", False)
     # every rank must wait the same way: a blocking collective never matches a
@@ -201,4 +269,5 @@ def check_count(status, buf):
 
 
 __all__ = ["MPI", "setup", "cooperative", "set_cooperative", "wait_all", "contiguous_flat", "MPIP2P",
-           "check_count", "cores_available", "local_size", "WAITED"]
+           "check_count", "cores_available", "local_size", "node_cores", "node_exchange", "blas_threads",
+           "WAITED"]

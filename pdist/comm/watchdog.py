@@ -17,7 +17,13 @@ it waits in, the last one it finished on each group) to every rank, collects
 theirs for up to ``ROLLCALL_S``, and raises ``CollectiveTimeoutError`` whose
 message says which world ranks arrived at the collective and, for each missing
 rank, where it is instead: waiting elsewhere, "exited after #k", "failed", or
-"no answer". Every rank that waits gets the same roll-call and raises too.
+"no answer", or "dead".
+
+Liveness (liveness.py): every ``LIVENESS_S`` a waiting rank probes its node's peers
+(``os.kill(pid, 0)`` on the pids exchanged at ``comm.init()``). A peer that is gone is
+"dead": the wait takes the roll-call at once, so a killed rank is named within a second
+even where the launcher lets the job run on (``srun --mpi=pmi2`` without ``-K``, Hydra's
+``-disable-auto-cleanup``). Ranks on other nodes are not probed. Every rank that waits gets the same roll-call and raises too.
 
 The calls a rank waits in are the flight recorder's entries (flight_recorder.py:
 the last 64 calls, the current one, the step stamp).
@@ -27,11 +33,13 @@ import weakref
 
 from mpi4py import MPI
 
+from pdist.comm import liveness
 from pdist.comm.flight_recorder import _cur, describe
 
 TAG = 7701              # control-channel messages
 PROBE_S = 0.002         # how often a waiting rank reads the control channel and the clock
 ROLLCALL_S = 1.0        # how long a roll-call waits for the other ranks' answers
+GONE = ("exited", "failed", "dead")
 
 
 class CollectiveTimeoutError(RuntimeError):
@@ -45,7 +53,7 @@ class CollectiveTimeoutError(RuntimeError):
 
 
 _S = {"timeout": 600.0, "ctl": None, "rank": 0, "size": 1, "sent": [], "status_sent": False,
-      "groups": [], "silent": set()}
+      "groups": [], "silent": set(), "live_next": 0.0}
 _peers = {}              # world rank -> its latest control message
 
 
@@ -73,6 +81,16 @@ def register(group):
 
 def groups():
     return [g for g in (r() for r in _S["groups"]) if g is not None]
+
+
+# ------------------------------------------------------------ liveness
+def probe_peers():
+    """Mark every node peer whose process is gone as "dead" (liveness.py); True when one is."""
+    skip = {r for r, m in _peers.items() if m.get("kind") in GONE}
+    for r, pid in liveness.dead(skip).items():
+        _peers[r] = {"kind": "dead", "rank": r, "cur": None, "last": {}, "pid": pid,
+                     "error": f"dead: its process (pid {pid}) is gone, killed or crashed outside Python"}
+    return any(m.get("kind") == "dead" for m in _peers.values())
 
 
 # ------------------------------------------------------------ control channel
@@ -106,7 +124,7 @@ def drain():
     ctl, st, got = _S["ctl"], MPI.Status(), False
     while ctl.Iprobe(MPI.ANY_SOURCE, TAG, st):
         msg = ctl.recv(source=st.Get_source(), tag=TAG)
-        if _peers.get(msg["rank"], {}).get("kind") not in ("exited", "failed"):
+        if _peers.get(msg["rank"], {}).get("kind") not in GONE:
             _peers[msg["rank"]] = msg
         got = True
     return got
@@ -120,10 +138,15 @@ def wait_for_peers(limit, until_all_gone=True):
         drain()
         kinds = [_peers.get(r, {}).get("kind") for r in range(_S["size"])
                  if r != _S["rank"] and r not in _S["silent"]]     # (no answer to a roll-call: stuck)
-        if "failed" in kinds and not until_all_gone:
+        if not until_all_gone and time.perf_counter() >= _S["live_next"]:
+            _S["live_next"] = time.perf_counter() + liveness.LIVENESS_S
+            probe_peers()
+            kinds = [_peers.get(r, {}).get("kind") for r in range(_S["size"])
+                     if r != _S["rank"] and r not in _S["silent"]]
+        if ("failed" in kinds or "dead" in kinds) and not until_all_gone:
             return "failed"
-        if all(k in ("exited", "failed") for k in kinds):
-            if "failed" in kinds:
+        if all(k in GONE for k in kinds):
+            if "failed" in kinds or "dead" in kinds:
                 return "failed"
             if MPI.Request.Testall(_S["sent"]) or time.perf_counter() > end:
                 return "clean"                # (our own notices delivered: safe to finalize)
@@ -148,6 +171,9 @@ class Watch:
     def check(self, t):
         """Raise CollectiveTimeoutError if this wait can never finish."""
         self.next = t + PROBE_S
+        if t >= _S["live_next"]:
+            _S["live_next"] = t + liveness.LIVENESS_S
+            probe_peers()
         if _S["ctl"] is not None and (drain() or _peers):
             reason = self._blocked(t)
             if reason:
@@ -160,6 +186,8 @@ class Watch:
         kinds = {m.get("kind") for m in _peers.values()}
         if "failed" in kinds:
             return "failed"
+        if "dead" in kinds:
+            return "dead"
         if "status" in kinds:
             return "rollcall"
         if cur is None:
@@ -201,6 +229,7 @@ def rollcall(reason):
     others = [r for r in range(_S["size"]) if r != _S["rank"]]
     while any(r not in _peers for r in others) and time.perf_counter() < end:
         drain()
+        probe_peers()
         time.sleep(0.001)
     _S["silent"] = {r for r in others if r not in _peers}
     message, reason = format_rollcall(reason)
@@ -236,6 +265,8 @@ def format_rollcall(reason):
         elif m["kind"] == "failed":
             failed.append(r)
             lines.append(f"  rank {r}: failed: {m['error']}")
+        elif m["kind"] == "dead":
+            lines.append(f"  rank {r}: {m['error']}")
         elif c and c["seq"] and m["cur"] and m["cur"]["seq"] == c["seq"] and \
                 _key(m["cur"]["group"], m["cur"]["ranks"]) == key:
             arrived.append(r)
@@ -246,9 +277,14 @@ def format_rollcall(reason):
         where += f" (size={c['size']}, {c['dtype']}, step {c['step']})" if c["dtype"] else f" (step {c['step']})"
     wait = f"{_names(arrived, 'wait')} in {where}"
     bad = sorted(r for r, m in _peers.items() if m["kind"] == "failed")
+    dead = sorted(r for r, m in _peers.items() if m["kind"] == "dead")
     if bad:
         reason = "failed"
         head = f"{_names(bad)} failed ({_peers[bad[0]]['error']}); {wait}"
+    elif dead:
+        reason = "dead"
+        head = (f"{_names(dead)} {'is' if len(dead) == 1 else 'are'} dead (pid {_peers[dead[0]]['pid']} is gone: "
+                f"killed, or crashed outside Python); {wait}")
     elif exited:
         reason = "exited"
         head = "; ".join(f"{_names(rs)} exited {a}" for a, rs in exited.items()) + f"; {wait}"

@@ -1,6 +1,7 @@
 """The world group: ``init()`` once per process, then ``get_world()`` and ``self_group()``.
 
-``init()`` starts MPI once (idempotent), sets BLAS threads per rank to
+``init()`` starts MPI once (idempotent), checks that the world is the one the launcher
+started (pdist/launcher.py: else ``WorldSizeError`` on every process), sets BLAS threads per rank to
 ``max(1, cores // ranks on this node)`` unless the user set OMP/OPENBLAS/MKL
 _NUM_THREADS, turns on cooperative waits when ranks outnumber cores (mpi.py),
 starts the watchdog (every wait has a deadline, watchdog.py), installs the
@@ -26,8 +27,12 @@ def init(device=None, timeout=None):
     from pdist.comm import failures, watchdog
     if _world["group"] is None:
         from pdist.measure import trace
-        from pdist.comm.mpi import MPI, setup
-        setup(MPI.COMM_WORLD)
+        from pdist.comm.mpi import MPI, local_size, setup
+        from pdist.launcher import check_world, world_check_on
+        w = MPI.COMM_WORLD
+        if world_check_on():                 # the world the launcher started, or a WorldSizeError
+            check_world(w.Get_size(), w.Get_rank(), local_size(w))
+        setup(w)
         watchdog.configure(timeout)
         _world["group"] = ProcessGroup(MPI.COMM_WORLD.Dup(), "world")
         trace.set_world(_world["group"])

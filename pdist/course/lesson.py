@@ -265,8 +265,8 @@ def warn_shared_cores(world):
     the lesson prints is then a shared-core timing (ranks take turns on a core, so
     ms/step and idle time grow with the ranks, not with the algorithm). Returns True
     when it warned. Call it right after ``start(args)`` / ``comm.init()``."""
-    from pdist.comm.mpi import cores_available, local_size
-    ranks, cores = local_size(), cores_available()
+    from pdist.comm.mpi import local_size, node_cores
+    ranks, cores = local_size(), node_cores()          # the union of the node's masks: binding is not sharing
     if ranks <= cores:
         return False
     if world.rank == 0:
