@@ -22,10 +22,11 @@ K/V chunks and (cp - 1) dK/dV chunks backward (``ring_bytes``).
 
 Causal skipping and load balance. A (query chunk, key chunk) pair whose keys all come
 after its queries is skipped, the diagonal pair is masked, every other pair is full. Cut
-in cp contiguous chunks (``layout="contiguous"``), rank r computes r + 1/2 chunk pairs, so
-the last rank works 2 cp - 1 times as much as the first. Zigzag (``layout="zigzag"``,
-Megatron's and Llama 3's head-tail split): 2 cp chunks, rank r holds chunks r and
-2 cp - 1 - r, and every rank computes 2 cp chunk-pairs of work (``attention_work``).
+in cp contiguous chunks (``layout="contiguous"``), rank r computes r + 1 chunk pairs (its
+diagonal one masked), so the last rank works cp times as much as the first. Zigzag
+(``layout="zigzag"``, Megatron's and Llama 3's head-tail split): 2 cp chunks of T/2cp,
+rank r holds chunks r and 2 cp - 1 - r and computes (r + 1) + (2 cp - r) = 2 cp + 1 pairs
+of them, the same on every rank (``attention_work``).
 Heads as in pdist/engine/attention.py: grouped-query, g = n_head / n_kv_head query heads
 per kv head, q and k, v as (B, n_kv, g, T, hs) and (B, n_kv, 1, T, hs) views.
 """

@@ -63,12 +63,18 @@ def op_case(kind, layout, fused, n_head=4, n_kv=2, hs=4):
     else:
         y = ulysses_attention(*mine, n_head=n_head, n_kv_head=n_kv, group=world)
         want = ulysses_bytes(2, T, N, n_head, n_kv, hs, 8)
-    fwd = world.bytes_sent()
+    fwd, calls = world.bytes_sent(), _calls()
     y.backward(np.ascontiguousarray(G[:, pos]))
     got = (fwd, world.bytes_sent() - fwd)
+    # ring: (cp - 1) K/V sends forward, (cp - 1) K/V + (cp - 1) dK/dV backward; Ulysses: 4 all-to-alls each way
+    assert (calls, _calls() - calls) == ((N - 1, 2 * (N - 1)) if kind == "ring" else (4, 4)), (kind, calls, _calls())
     y_ok = close(y.data, ref.data[:, pos])
     g_ok = all(close(m.grad, t.grad[:, pos]) for m, t in zip(mine, ins))
     return y_ok, g_ok, list(got), list(want)
+
+
+def _calls():
+    return sum(world.stats.get(op, {}).get("calls", 0) for op in ("send", "all_to_all"))
 
 
 def op_cases():
@@ -159,6 +165,11 @@ if N == 2:
                                                         n_embd=16, dtype="float64"), SEED),
                                       comm.DeviceMesh(cp=2), context_parallel="ulysses"), "n_kv_head = 1", "ring")
 else:
+    mesh = comm.DeviceMesh(dp=2, cp=2)      # tp-cp-dp-pp order: cp next to tp, then dp
+    d, c = divmod(world.rank, 2)
+    assert (mesh.dp_rank, mesh.cp_rank) == (d, c) and mesh.rank_of(dp=d, cp=c) == world.rank, mesh
+    assert mesh.cp_group.ranks == [2 * d, 2 * d + 1] and mesh.dp_group.ranks == [c, 2 + c], mesh
+    assert mesh.dp_cp_group.ranks == [0, 1, 2, 3], mesh.dp_cp_group.ranks
     train_case("gpt2", "ring-zigzag", dp=2)
     train_case("llama", "ulysses", dp=2)
     train_case("gpt2", "ring", dp=2, zero=1)
