@@ -42,7 +42,7 @@ class SeqToHeads(Function):
 
     def forward(self, x, group, parts, to_heads=True):
         self.group, self.parts, self.to_heads = group, parts, to_heads
-        n, out, off = group.size, [], 0
+        out, off = [], 0
         for p in parts:
             out.append(_exchange(x[..., off:off + p], group, to_heads))
             off += p
