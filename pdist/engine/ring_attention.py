@@ -41,6 +41,7 @@ from pdist.engine.functional import causal_mask
 
 LAYOUTS = ("contiguous", "zigzag")
 KV_TAG, DKV_TAG = 71, 72
+work = {"scores": 0}  # (query, key) score elements this process's forward computed, per sequence and head
 
 
 def segments(T, cp, rank, layout="contiguous"):
@@ -79,7 +80,8 @@ def block_pairs(qsegs, ksegs):
 
 def attention_work(T, cp, layout="contiguous"):
     """Score elements (query, key pairs) each rank computes: [per rank]. Attention FLOPs of a
-    rank are 4 B n_head hs times this (Q K^T and P V, forward)."""
+    rank are 4 B n_head hs times this (Q K^T and P V, forward). The op counts what it does
+    in ``work["scores"]`` (per sequence and head), so a run measures it."""
     work = []
     for r in range(cp):
         q = segments(T, cp, r, layout)
@@ -108,6 +110,7 @@ def _merge(q5, kv, pairs, m, l, o, scale):
     """Fold one K/V chunk into the running max m, sum l and output o (online softmax)."""
     for qs, ks, diag in pairs:
         a = _scores(q5, kv[0], qs, ks, diag, scale)
+        work["scores"] += a.shape[-2] * a.shape[-1]
         m_new = xp.maximum(m[..., qs, :], a.max(axis=-1, keepdims=True))
         alpha = xp.exp(m[..., qs, :] - m_new)
         a -= m_new
@@ -222,4 +225,4 @@ def ring_attention(*tensors, n_head, n_kv_head=None, group, layout="contiguous")
 
 
 __all__ = ["ring_attention", "RingAttention", "segments", "positions", "block_pairs", "attention_work",
-           "ring_bytes", "LAYOUTS"]
+           "ring_bytes", "LAYOUTS", "work"]

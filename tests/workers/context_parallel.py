@@ -1,7 +1,7 @@
 """Context parallelism equals one process (float64, rtol 1e-9), every case in one launch.
 
     mpiexec -n 2 python tests/workers/context_parallel.py      # cp 2
-    mpiexec -n 4 python tests/workers/context_parallel.py      # cp 2 x dp 2, cp 4, ZeRO-1
+    mpiexec -n 4 python tests/workers/context_parallel.py      # cp 2 x dp 2, cp 4, ZeRO-1 and -3
 
 Op cases (the whole world is the cp group): ring (contiguous, zigzag) and Ulysses attention,
 fused [Q|K|V] and grouped-query q, k, v, on this rank's tokens against
@@ -20,7 +20,8 @@ from pdist.course import lesson
 from pdist.engine import attention
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import set_default_dtype, to_numpy
-from pdist.engine.ring_attention import RingAttention, positions, ring_attention, ring_bytes
+from pdist.engine import ring_attention as ring
+from pdist.engine.ring_attention import RingAttention, attention_work, positions, ring_attention, ring_bytes
 from pdist.engine.ulysses import ulysses_attention, ulysses_bytes
 from pdist.models.gpt import GPT
 from pdist.models.llama import Llama, LlamaConfig
@@ -57,6 +58,7 @@ def op_case(kind, layout, fused, n_head=4, n_kv=2, hs=4):
     pos = positions(T, N, world.rank, layout)
     mine = [Tensor(np.ascontiguousarray(t.data[:, pos]), requires_grad=True) for t in ins]
     world.reset_stats()
+    ring.work["scores"] = 0
     if kind == "ring":
         y = ring_attention(*mine, n_head=n_head, n_kv_head=n_kv, group=world, layout=layout)
         want = ring_bytes(2, T, N, n_kv, hs, 8)
@@ -64,6 +66,8 @@ def op_case(kind, layout, fused, n_head=4, n_kv=2, hs=4):
         y = ulysses_attention(*mine, n_head=n_head, n_kv_head=n_kv, group=world)
         want = ulysses_bytes(2, T, N, n_head, n_kv, hs, 8)
     fwd, calls = world.bytes_sent(), _calls()
+    if kind == "ring":  # the work it did is the formula's: the causal chunks skipped, zigzag balanced
+        assert ring.work["scores"] == attention_work(T, N, layout)[world.rank], (layout, ring.work)
     y.backward(np.ascontiguousarray(G[:, pos]))
     got = (fwd, world.bytes_sent() - fwd)
     # ring: (cp - 1) K/V sends forward, (cp - 1) K/V + (cp - 1) dK/dV backward; Ulysses: 4 all-to-alls each way
@@ -84,7 +88,8 @@ def op_cases():
                 continue                       # n_kv_head 2 does not split over cp 4 (refused below)
             y_ok, g_ok, got, want = op_case(kind, layout, fused)
             assert y_ok and g_ok and got == want, (kind, layout, fused, y_ok, g_ok, got, want)
-            report(case="op", kind=kind, layout=layout, fused=fused, rank=world.rank, bytes=got)
+            report(case="op", kind=kind, layout=layout, fused=fused, rank=world.rank, bytes=got,
+                   work=ring.work["scores"] if kind == "ring" else None)
 
 
 def stale_case():
@@ -137,6 +142,8 @@ def train_case(name, mode, dp, zero=0, raise_=True):
         np.testing.assert_allclose(losses, ref_losses, **TOL)
         checked = check_shards(model.sharded_state_dict(opt), ref_sd, lambda n, s: ref_state[n][s], close,
                                (name, mode, dp, zero))
+        full = model.full_state_dict()       # gathered over the dp x cp ranks: one process's state_dict
+        assert sorted(full) == sorted(ref_sd) and all(close(full[k], ref_sd[k]) for k in ref_sd), (name, mode)
     except AssertionError:
         if raise_:
             raise
@@ -173,6 +180,7 @@ else:
     train_case("gpt2", "ring-zigzag", dp=2)
     train_case("llama", "ulysses", dp=2)
     train_case("gpt2", "ring", dp=2, zero=1)
+    train_case("llama", "ring", dp=2, zero=3)
     train_case("gpt2", "ring", dp=1)
     train_case("llama", "ring-zigzag", dp=1)
     train_case("gpt2", "ulysses", dp=1)
