@@ -16,6 +16,7 @@ from pdist.parallel.context_parallel import check_context
 from pdist.testing import mpirun, reports
 
 W = "tests/workers/context_parallel.py"
+MEMORY_CP2 = 108032     # a GPT block's activation bytes per rank at cp 2 (B 4, T 16, C 16, float64)
 
 
 def _cases(out):
@@ -32,6 +33,7 @@ def test_cp2_ring_zigzag_ulysses_gpt_and_llama_equal_one_process():
     assert len(stale) == 2 and all(r["forward_equal"] and not r["grads_equal"] and not r["training_equal"]
                                    for r in stale), stale
     assert sum(r["case"] == "refused" for r in rs) == 2
+    assert {r["bytes"] for r in rs if r["case"] == "memory"} == {MEMORY_CP2}     # worker: = the T/cp formula
 
 
 def test_cp4_and_cp2_dp2_and_zero_equal_one_process():
@@ -44,6 +46,7 @@ def test_cp4_and_cp2_dp2_and_zero_equal_one_process():
     assert len(train) == 4 * 7
     ops = [r for r in reports(out) if r["case"] == "op"]
     assert len(ops) == 4 * 5
+    assert {r["bytes"] for r in reports(out) if r["case"] == "memory"} == {MEMORY_CP2 // 2}  # activations ∝ T/cp
     work = {lay: sorted(r["work"] for r in ops if r["kind"] == "ring" and r["layout"] == lay and r["fused"])
             for lay in ("contiguous", "zigzag")}           # measured by the op, per rank, T = 16, cp = 4
     assert work == {"contiguous": [16, 32, 48, 64], "zigzag": [36, 36, 36, 36]}, work

@@ -167,9 +167,9 @@ class RingAttention(Function):
                 w.wait()
             cur = nxt
         o /= l
-        self.kv, self.o, self.lse = kv, o, m + xp.log(l)
         y = xp.empty((B, Tl, n_head * hs), dtype=q5.dtype)
         _heads(y, n_kv, g)[...] = o
+        self.kv, self.y, self.lse = kv, y, m + xp.log(l)  # kept: K/V (2 N h), y (its consumer's too), lse
         return y
 
     @staticmethod
@@ -181,8 +181,8 @@ class RingAttention(Function):
         q5 = _views(self.arrays, self.n_head, self.n_kv)[0]
         g, cp, scale = q5.shape[2], self.group.size, self.scale
         gy = _heads(xp.ascontiguousarray(grad), self.n_kv, g)  # (B, n_kv, g, Tl, hs)
-        D = (gy * self.o).sum(axis=-1, keepdims=True)  # rowsum(G * y)
-        dq = xp.zeros_like(self.o)
+        D = (gy * _heads(self.y, self.n_kv, g)).sum(axis=-1, keepdims=True)  # rowsum(G * y)
+        dq = xp.zeros(gy.shape, dtype=gy.dtype)
         qsegs = segments(self.T, cp, self.group.rank, self.layout)
         cur, own, sends, acc = self.kv, None, [], None
         for s in range(cp):
@@ -214,7 +214,7 @@ class RingAttention(Function):
         gq5[...] = dq
         gk5[:, :, 0] = dkv[0]
         gv5[:, :, 0] = dkv[1]
-        self.kv = self.o = self.lse = self.arrays = None
+        self.kv = self.y = self.lse = self.arrays = None
         return grads
 
 

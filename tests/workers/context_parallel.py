@@ -23,6 +23,7 @@ from pdist.engine.backend import set_default_dtype, to_numpy
 from pdist.engine import ring_attention as ring
 from pdist.engine.ring_attention import RingAttention, attention_work, positions, ring_attention, ring_bytes
 from pdist.engine.ulysses import ulysses_attention, ulysses_bytes
+from pdist.measure.activation_memory import formula_bytes, measure_block
 from pdist.models.gpt import GPT
 from pdist.models.llama import Llama, LlamaConfig
 from pdist.optim import AdamW
@@ -153,6 +154,22 @@ def train_case(name, mode, dp, zero=0, raise_=True):
     return True
 
 
+def memory_case():
+    """A GPT block's activations per rank under ring CP, measured (pdist.measure.activation_memory)
+    against pdist's formula at s = T/cp tokens: 24 s b h + 2 s b as one process (its P replaced by)
+    K/V (2 s b h) and the log-sum-exp (a s b): every term is proportional to T/cp."""
+    cls, make = CONFIGS["gpt2"]
+    cfg = make()
+    model = parallelize(cls(cfg, SEED), comm.DeviceMesh(cp=N), context_parallel="ring-zigzag")
+    model.local_batch(*batch(0))                               # sets this rank's positions
+    s, h, a = T // N, cfg.n_embd, cfg.n_head
+    x = Tensor(np.random.default_rng(1).standard_normal((B, s, h)), requires_grad=True)
+    got, _ = measure_block(model.module.transformer.h[0], x)
+    want = 8 * (24 * s * B * h + 2 * s * B + 2 * s * B * h + a * s * B)
+    assert got == want, (got, want)
+    report(case="memory", rank=world.rank, cp=N, bytes=got, one_process=formula_bytes(cfg, B, "none", 8))
+
+
 def refused(fn, *needles):
     try:
         fn()
@@ -163,6 +180,7 @@ def refused(fn, *needles):
 
 
 op_cases()
+memory_case()
 if N == 2:
     for name in ("gpt2", "llama"):
         for mode in ("ring", "ring-zigzag", "ulysses"):
