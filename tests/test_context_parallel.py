@@ -27,7 +27,8 @@ def _cases(out):
 def test_cp2_ring_zigzag_ulysses_gpt_and_llama_equal_one_process():
     out = mpirun(2, W, timeout=120)
     rs = reports(out)
-    assert sum(r["case"] == "train" for r in rs) == 2 * 6, out[-3000:]        # 2 models x 3 modes, 2 ranks
+    assert sum(r["case"] == "train" for r in rs) == 2 * 7, out[-3000:]  # 2 models x 3 modes, + recompute & micro-batches
+    assert sum(r["recompute"] == "selective" and r["microbatches"] == 2 for r in rs if r["case"] == "train") == 2
     assert sum(r["case"] == "op" for r in rs) == 2 * 6, out[-3000:]
     stale = [r for r in rs if r["case"] == "stale"]
     assert len(stale) == 2 and all(r["forward_equal"] and not r["grads_equal"] and not r["training_equal"]

@@ -11,6 +11,8 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              ("gpipe", "1f1b", "interleaved", and the zero-bubble
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
+    ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
+                                                             DDP/ZeRO then span dp x cp (context_parallel.py)
 
 Each layer is left out where its size is 1 (microbatches then go to the plain model
 as gradient accumulation). Per rank, Megatron's 3-D parallelism (Narayanan et al.,

@@ -122,12 +122,14 @@ def reference(cls, cfg):
 _refs = {}
 
 
-def train_case(name, mode, dp, zero=0, raise_=True):
+def train_case(name, mode, dp, zero=0, raise_=True, recompute="none", microbatches=1):
     """K steps under context_parallel=mode on a (dp, cp = N / dp) mesh vs one process."""
     cls, make = CONFIGS[name]
     cfg = make()
     mesh = comm.DeviceMesh(dp=dp, cp=N // dp)
-    model = parallelize(cls(cfg, SEED), mesh, zero_stage=zero, context_parallel=mode)
+    cfg.recompute = recompute
+    model = parallelize(cls(cfg, SEED), mesh, zero_stage=zero, context_parallel=mode, microbatches=microbatches)
+    cfg.recompute = "none"                   # (the reference: one process, no recompute)
     opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS, weight_decay=lesson.WEIGHT_DECAY)
     losses = []
     for step in range(STEPS):
@@ -150,7 +152,7 @@ def train_case(name, mode, dp, zero=0, raise_=True):
             raise
         return False
     report(case="train", model=name, mode=mode, dp=dp, cp=mesh.cp_world_size, zero=zero, rank=world.rank,
-           pieces=checked, losses=losses)
+           pieces=checked, losses=losses, recompute=recompute, microbatches=microbatches)
     return True
 
 
@@ -185,6 +187,7 @@ if N == 2:
     for name in ("gpt2", "llama"):
         for mode in ("ring", "ring-zigzag", "ulysses"):
             train_case(name, mode, dp=1)
+    train_case("gpt2", "ring-zigzag", dp=1, recompute="selective", microbatches=2)
     stale_case()
     msg = refused(lambda: parallelize(Llama(LlamaConfig(vocab_size=96, block_size=T, n_head=4, n_kv_head=1,
                                                         n_embd=16, dtype="float64"), SEED),
