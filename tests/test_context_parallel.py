@@ -7,6 +7,8 @@ shard; bytes and message counts exactly), the planted stale-K/V backward (must f
 AdamW training of GPT-2 and Llama under ``parallelize(..., context_parallel=)`` against one
 process (float64, rtol 1e-9, every piece of every parameter and Adam state; B/dp rows and
 T/cp tokens per rank), the mesh's rank order, and the refusals."""
+import os
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -35,6 +37,16 @@ def test_cp2_ring_zigzag_ulysses_gpt_and_llama_equal_one_process():
                                    for r in stale), stale
     assert sum(r["case"] == "refused" for r in rs) == 2
     assert {r["bytes"] for r in rs if r["case"] == "memory"} == {MEMORY_CP2}     # worker: = the T/cp formula
+
+
+def test_cp2_on_device_arrays_standin():
+    """The same launch on device arrays (tests/strict_cupy, NCCL transport): ring's sends and
+    receives go out in one group call, else NCCL's blocking p2p would hang the ring."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PDIST_DEVICE="gpu", PDIST_GPU_TRANSPORT="nccl", STRICT_CUPY_LAZY="1",
+               PYTHONPATH=os.pathsep.join([str(root / "tests" / "strict_cupy"), os.environ.get("PYTHONPATH", "")]))
+    rs = reports(mpirun(2, W, env=env, timeout=120))
+    assert sum(r["case"] == "train" for r in rs) == 2 * 7 and sum(r["case"] == "op" for r in rs) == 2 * 6, rs
 
 
 def test_cp4_and_cp2_dp2_and_zero_equal_one_process():

@@ -141,9 +141,11 @@ class RingAttention(Function):
     fresh_grads = True
 
     def _ring(self, buf, tag):
-        """Post the exchange of ``buf`` round the ring: (received buffer, works)."""
+        """Post the exchange of ``buf`` round the ring: (received buffer, works). One batch (over
+        NCCL one group call: a lone NCCL send or receive would block its stream until matched)."""
         g, nxt = self.group, xp.empty(buf.shape, dtype=buf.dtype)
-        works = [g.irecv(nxt, (g.rank - 1) % g.size, tag), g.isend(buf, (g.rank + 1) % g.size, tag)]
+        works = g.batch_isend_irecv([("recv", nxt, (g.rank - 1) % g.size, tag),
+                                     ("send", buf, (g.rank + 1) % g.size, tag)])
         return nxt, works
 
     def _kseg(self, step):
@@ -195,9 +197,9 @@ class RingAttention(Function):
                 if acc is not None:  # the sum so far, from the ranks before
                     acc[1].wait()
                     dkv += acc[0]
-                sends.append(self.group.isend(dkv, (self.group.rank + 1) % cp, DKV_TAG))
-                buf = xp.empty(dkv.shape, dtype=dkv.dtype)
-                acc = (buf, self.group.irecv(buf, (self.group.rank - 1) % cp, DKV_TAG))
+                buf, (recv, send) = self._ring(dkv, DKV_TAG)  # on to r + 1; the next sum from r - 1
+                sends.append(send)
+                acc = (buf, recv)
             for w in works:
                 w.wait()
             cur = self._kv_for_step(cur, nxt)
