@@ -1,9 +1,13 @@
 """DeviceMesh: the world as a 3-D grid (pp, dp, tp) of ranks, and its sub-groups.
 
-Rank order (tp fastest-varying, then dp, then pp; Megatron's order, so the
-tensor-parallel ranks, which talk most, are neighbours on a node):
+Rank order (tp fastest-varying, then cp, then dp, then pp; Megatron's tp-cp-dp-pp, so
+the tensor-parallel ranks, which talk most, are neighbours on a node):
 
-    world_rank = (pp_rank * dp + dp_rank) * tp + tp_rank
+    world_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
+
+``cp`` (context parallelism, default 1) cuts every sequence; its ranks hold the same rows
+of the batch, so gradients are reduced over ``dp_cp_group`` (dp x cp ranks; ZeRO shards
+over it, as Megatron and torchtitan do). With cp = 1 it is ``dp_group``.
 
 For dp=2, tp=2 (4 ranks): tp groups {0,1} {2,3}; dp groups {0,2} {1,3}.
 Each rank belongs to one group per axis: ``tp_group`` holds the ranks with its
@@ -18,7 +22,7 @@ Coords = namedtuple("Coords", ["pp", "dp", "tp"])
 class DeviceMesh:
     """World -> dp / tp / pp ProcessGroups for a (pp, dp, tp) grid of ranks."""
 
-    def __init__(self, dp=1, tp=1, pp=1, world=None, topology=None):
+    def __init__(self, dp=1, tp=1, pp=1, world=None, topology=None, cp=1):
         """``topology``: simulate a cluster from now on (a spec string of
         pdist/comm/topology.py, e.g. "nodes=2x2,inter=12.5GB/s:10us"); None leaves it."""
         from pdist.comm.world import get_world
@@ -27,35 +31,58 @@ class DeviceMesh:
             from pdist.comm import topology as topo
             topo.set(topology)
         n = world.size
-        for name, v in (("dp", dp), ("tp", tp), ("pp", pp)):
+        for name, v in (("dp", dp), ("tp", tp), ("pp", pp), ("cp", cp)):
             if not isinstance(v, int) or v < 1:
                 raise ValueError(f"DeviceMesh: {name}={v!r} must be a positive integer")
-        if dp * tp * pp != n:
+        if cp > 1 and dp * tp * pp * cp != n:
+            raise ValueError(f"DeviceMesh(dp={dp}, cp={cp}, tp={tp}, pp={pp}): dp*cp*tp*pp = {dp * cp * tp * pp} "
+                             f"but the world has {n} rank(s). Choose sizes whose product is {n}, or launch "
+                             f"with mpirun -n {dp * cp * tp * pp}.")
+        if cp == 1 and dp * tp * pp != n:
             raise ValueError(
                 f"DeviceMesh(dp={dp}, tp={tp}, pp={pp}): dp*tp*pp = {dp * tp * pp} but the world has "
                 f"{n} rank(s). Choose sizes whose product is {n} (e.g. dp={n // (tp * pp) if n % (tp * pp) == 0 else n}"
                 f"{f', tp={tp}' if n % (tp * pp) == 0 and tp > 1 else ''}"
                 f"{f', pp={pp}' if n % (tp * pp) == 0 and pp > 1 else ''}), or launch with mpirun -n {dp * tp * pp}.")
         self.world, self.dp_world_size, self.tp_world_size, self.pp_world_size = world, dp, tp, pp
+        self.cp_world_size = cp
         r = world.rank
-        self.tp_rank, self.dp_rank, self.pp_rank = r % tp, (r // tp) % dp, r // (tp * dp)
+        self.tp_rank, self.cp_rank = r % tp, (r // tp) % cp
+        self.dp_rank, self.pp_rank = (r // (tp * cp)) % dp, r // (tp * cp * dp)
         self.coords = Coords(self.pp_rank, self.dp_rank, self.tp_rank)
-        self.tp_group = world.split(self.pp_rank * dp + self.dp_rank, self.tp_rank, "tp")
-        self.dp_group = world.split(self.pp_rank * tp + self.tp_rank, self.dp_rank, "dp")
-        self.pp_group = world.split(self.dp_rank * tp + self.tp_rank, self.pp_rank, "pp")
+        c, d, t, p = self.cp_rank, self.dp_rank, self.tp_rank, self.pp_rank
+        self.tp_group = world.split((p * dp + d) * cp + c, t, "tp")
+        self.dp_group = world.split((p * cp + c) * tp + t, d, "dp")
+        self.pp_group = world.split((d * cp + c) * tp + t, p, "pp")
+        self._split_cp(world)
         self.pp_is_first_stage = self.pp_rank == 0
         self.pp_is_last_stage = self.pp_rank == pp - 1
         self.pp_prev_rank = None if self.pp_is_first_stage else self.pp_rank - 1
         self.pp_next_rank = None if self.pp_is_last_stage else self.pp_rank + 1
 
-    def rank_of(self, dp=0, tp=0, pp=0):
-        """World rank of the grid point (pp, dp, tp)."""
-        return (pp * self.dp_world_size + dp) * self.tp_world_size + tp
+    def _split_cp(self, world):
+        """cp_group (same pp, dp, tp) and dp_cp_group (same pp, tp); with cp = 1 no split:
+        this process alone, and dp_group."""
+        cp, tp, p, t = self.cp_world_size, self.tp_world_size, self.pp_rank, self.tp_rank
+        if cp == 1:
+            from pdist.comm.world import self_group
+            self.cp_group, self.dp_cp_group = self_group(), self.dp_group
+            return
+        self.cp_group = world.split((p * self.dp_world_size + self.dp_rank) * tp + t, self.cp_rank, "cp")
+        self.dp_cp_group = world.split(p * tp + t, self.dp_rank * cp + self.cp_rank, "dp_cp")
+
+    def rank_of(self, dp=0, tp=0, pp=0, cp=0):
+        """World rank of the grid point (pp, dp, cp, tp)."""
+        return ((pp * self.dp_world_size + dp) * self.cp_world_size + cp) * self.tp_world_size + tp
 
     @property
     def shape(self):
-        return {"pp": self.pp_world_size, "dp": self.dp_world_size, "tp": self.tp_world_size}
+        out = {"pp": self.pp_world_size, "dp": self.dp_world_size, "tp": self.tp_world_size}
+        if self.cp_world_size > 1:
+            out["cp"] = self.cp_world_size
+        return out
 
     def __repr__(self):
-        return (f"<DeviceMesh pp={self.pp_world_size} dp={self.dp_world_size} tp={self.tp_world_size}; "
+        cp = f" cp={self.cp_world_size}" if self.cp_world_size > 1 else ""
+        return (f"<DeviceMesh pp={self.pp_world_size} dp={self.dp_world_size}{cp} tp={self.tp_world_size}; "
                 f"rank {self.world.rank} at {tuple(self.coords)}>")

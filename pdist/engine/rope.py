@@ -13,7 +13,8 @@ a, so backward turns the gradient back by -a:
     dx_i = g_i cos a + g_{i+d/2} sin a,   dx_{i+d/2} = g_{i+d/2} cos a - g_i sin a
 
 Positions are 0..T-1 of the sequence the attention sees (always the whole sequence:
-under sequence parallelism the projections gather it first). The tables are computed
+under sequence parallelism the projections gather it first), or, under context
+parallelism, the global positions of this rank's tokens (``positions``). The tables are computed
 in float64 on the host, rounded once to the activations' dtype, and cached.
 """
 import numpy as np
@@ -61,13 +62,18 @@ class Rotary(Function):
     """y = RoPE(x) for x (B, T, n_heads head_dim); see the module docstring for both directions."""
     fresh_grads = True
 
-    def forward(self, x, head_dim, theta):
+    def forward(self, x, head_dim, theta, positions=None):
         if head_dim % 2 or x.shape[-1] % head_dim:
             raise ValueError(f"rotary embedding: head_dim {head_dim} must be even and divide the width "
                              f"{x.shape[-1]} of the input {x.shape}")
         if x.ndim < 2:
             raise ValueError(f"rotary embedding: input {x.shape} needs a sequence axis (..., T, width)")
-        self.c, self.s = rope_tables(x.shape[-2], head_dim, theta, x.dtype)
+        if positions is None:
+            self.c, self.s = rope_tables(x.shape[-2], head_dim, theta, x.dtype)
+        else:  # this rank's global positions (context parallelism): rows of the longer tables
+            c, s = rope_tables(int(positions.max()) + 1, head_dim, theta, x.dtype)
+            idx = xp.asarray(positions)
+            self.c, self.s = c[idx], s[idx]
         self.head_dim = head_dim
         return _turn(x, self.c, self.s, head_dim, 1)
 
@@ -75,9 +81,10 @@ class Rotary(Function):
         return _turn(g, self.c, self.s, self.head_dim, -1)
 
 
-def apply_rotary(x, head_dim, theta=10000.0):
-    """Rotary position embedding of positions 0..T-1: x (..., T, n head_dim) Tensor -> same shape."""
-    return Rotary.apply(x, head_dim=head_dim, theta=theta)
+def apply_rotary(x, head_dim, theta=10000.0, positions=None):
+    """Rotary position embedding of positions 0..T-1 (or ``positions``, (T,) ints: the global
+    positions of the tokens, under context parallelism): x (..., T, n head_dim) Tensor -> same shape."""
+    return Rotary.apply(x, head_dim=head_dim, theta=theta, positions=positions)
 
 
 __all__ = ["apply_rotary", "rope_tables", "Rotary"]

@@ -128,11 +128,18 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, rng=_ZEROS)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, rng=_ZEROS)
 
+    context = None  # context parallelism's attention (pdist/parallel/context_parallel.py), or None
+
     def forward(self, x):
         qkv = self.c_attn(x)  # (B, T, 3C)
+        core = causal_self_attention if self.context is None else self._context_core
         if self.selective:
-            return self.c_proj(checkpoint(causal_self_attention, qkv, self.n_head))
-        return self.c_proj(causal_self_attention(qkv, self.n_head))
+            return self.c_proj(checkpoint(core, qkv, self.n_head))
+        return self.c_proj(core(qkv, self.n_head))
+
+
+    def _context_core(self, qkv, n_head):
+        return self.context(qkv, n_head=n_head)
 
 
 class MLP(nn.Module):

@@ -149,9 +149,14 @@ class LlamaAttention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh hd), (B, T, nkv hd) x 2
         return self.o_proj(checkpoint(self.core, q, k, v) if self.selective else self.core(q, k, v))
 
+    context = None  # context parallelism's attention (pdist/parallel/context_parallel.py), or None
+
     def core(self, q, k, v):
-        q = F.apply_rotary(q, self.head_dim, self.rope_theta)
-        k = F.apply_rotary(k, self.head_dim, self.rope_theta)
+        pos = None if self.context is None else self.context.positions  # global positions under CP
+        q = F.apply_rotary(q, self.head_dim, self.rope_theta, positions=pos)
+        k = F.apply_rotary(k, self.head_dim, self.rope_theta, positions=pos)
+        if self.context is not None:
+            return self.context(q, k, v, n_head=self.n_head, n_kv_head=self.n_kv_head)
         return attention.causal_attention(q, k, v, self.n_head, self.n_kv_head)  # (B, T, nh hd)
 
 

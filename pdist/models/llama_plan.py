@@ -9,7 +9,8 @@ and ``up_proj`` are column-parallel on one shared input, ``down_proj`` row-paral
 embedding is vocab-parallel; the untied ``lm_head`` is column-parallel over the vocabulary
 and the loss the vocab-parallel cross-entropy. Under sequence parallelism the RMSNorm
 weights get partial gradients; rotary positions need nothing (attention sees the whole
-sequence). A pipeline runs ``embed`` first and ``head`` last (nothing tied). ZeRO's units
+sequence); under context parallelism the ``heads`` modules get the cross-rank attention and
+RoPE turns by the global positions of this rank's tokens (pdist/parallel/context_parallel.py). A pipeline runs ``embed`` first and ``head`` last (nothing tied). ZeRO's units
 are the blocks and the final norm; the embedding and the head form the root.
 """
 from pdist.models.plan import Column, ModelPlan, PipelinePlan, Row, Vocab, VocabLoss

@@ -11,6 +11,8 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              ("gpipe", "1f1b", "interleaved", and the zero-bubble
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
+    ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
+                                                             DDP/ZeRO then span dp x cp (context_parallel.py)
 
 Each layer is left out where its size is 1 (microbatches then go to the plain model
 as gradient accumulation). Per rank, Megatron's 3-D parallelism (Narayanan et al.,
@@ -20,6 +22,7 @@ and is then averaged over dp. Every bad layout raises on every rank, before any
 collective, with one clear message.
 """
 from pdist.parallel.base import Local
+from pdist.parallel.context_parallel import ContextParallel, check_context, install
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, default_chunks
@@ -60,18 +63,23 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
                 chunks=1, data_parallel="bucketed", bucket_cap_mb=25, first_bucket_cap_mb=1,
-                check_finite=None, precision="fp32", scaler=None):
+                check_finite=None, precision="fp32", scaler=None, context_parallel=None):
     """The GPT ``model`` on this rank of ``mesh`` (a DeviceMesh), as one strategy of the one
     shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
     used when zero_stage = 0; ZeRO stages 1-3 replace it. ``precision``: "fp32" (the model's
     dtype), "bf16" or "fp16" (low-precision params and grads, fp32 masters: MixedPrecision,
     outermost; ``scaler``: fp16's GradScaler, default ``GradScaler()``). The precision's policy
     (pdist/engine/precision.py) goes to ``Local`` at once: the model is cast only after
-    tensor parallelism has cut its fp32 shards, and DDP/ZeRO read ``has_late_grads`` when built."""
+    tensor parallelism has cut its fp32 shards, and DDP/ZeRO read ``has_late_grads`` when built.
+    ``context_parallel``: "ring", "ring-zigzag" or "ulysses" with ``DeviceMesh(cp=)``
+    (pdist/parallel/context_parallel.py): DDP/ZeRO then span the dp x cp ranks."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
                  data_parallel, precision)
     chunks = default_chunks(schedule, chunks)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
+    check_context(model.config, mesh, context_parallel, precision, pipelined)
+    cp = context_parallel and install(model, mesh.cp_group, context_parallel)
+    dp_group = mesh.dp_cp_group if cp else mesh.dp_group
     s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision))
     if check_finite is not None:       # None: PDIST_CHECK_FINITE (default on)
         s.check_finite = bool(check_finite)
@@ -81,14 +89,16 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
     if zero_stage:                 # ZeRO fills a meta model's shards itself; the rest materialize here
-        s = ZeRO(s, zero_stage, mesh.dp_group)
-    elif data_parallel == "naive" and mesh.dp_world_size > 1:
-        s = DataParallelNaive(s, mesh.dp_group)
-    elif mesh.dp_world_size > 1:
-        s = DataParallel(s, mesh.dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
+        s = ZeRO(s, zero_stage, dp_group)
+    elif data_parallel == "naive" and dp_group.size > 1:
+        s = DataParallelNaive(s, dp_group)
+    elif dp_group.size > 1:
+        s = DataParallel(s, dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     s.materialize()                # a meta model (GPT(cfg, seed, device="meta")): this rank's pieces only
     if low_dtype(precision) is not None:
         s = MixedPrecision(s, precision, scaler)
+    if cp:
+        s = ContextParallel(s, mesh, cp)
     s.mesh = mesh
     return s
 

@@ -1,0 +1,148 @@
+"""Context parallelism: every sequence cut over the cp ranks, attention across them.
+
+    mesh = DeviceMesh(dp=2, cp=2)
+    model = parallelize(GPT(cfg, seed), mesh, context_parallel="ring")   # or "ring-zigzag", "ulysses"
+
+Each rank trains on B/dp rows (its dp rank's) and T/cp tokens of each (its cp rank's:
+``local_batch``). Everything but attention is per token, so only attention talks across
+the cp ranks: ring attention (pdist/engine/ring_attention.py: K/V chunks round the ring;
+"ring-zigzag": the head-tail chunks that balance the causal work) or Ulysses
+(pdist/engine/ulysses.py: all-to-all from tokens to heads and back). Token positions are
+the global ones: the plan's position modules (GPT's ``wpe``, a ``PositionShard``) read this
+rank's positions, and the attention modules (the plan's ``heads``) get a
+``ContextAttention`` as their ``context``, which also gives RoPE its positions.
+
+The invariant. All ranks hold the same number of tokens, b = B T / (dp cp), and rank
+(d, c)'s loss is the mean over its own, L_dc; the global-batch mean is L = (1/(dp cp))
+sum_dc L_dc, so dL/dw = (1/(dp cp)) sum_dc dL_dc/dw: the gradients are averaged over the
+dp x cp ranks (``mesh.dp_cp_group``, where DataParallel or ZeRO sit, and ZeRO shards) and
+the loss too. A rank's own dL_dc/dw includes the dK/dV that other ranks' queries sent back.
+
+This wrapper is the outermost strategy: it cuts the batch and passes the rest through.
+Not composed yet (refused by ``check_context``): tensor parallelism, pipelines,
+low precision and dropout.
+"""
+import numpy as np
+
+from pdist.data import shard
+from pdist.engine import precision
+from pdist.engine.backend import xp
+from pdist.engine.ring_attention import positions as ring_positions
+from pdist.engine.ring_attention import ring_attention
+from pdist.engine.ulysses import check_heads, ulysses_attention
+from pdist import nn
+from pdist.models.plan import PositionShard, plan_of, put, select
+from pdist.parallel.base import Local, ParallelModule
+
+MODES = {"ring": ("ring", "contiguous"), "ring-zigzag": ("ring", "zigzag"), "ulysses": ("ulysses", "contiguous")}
+
+
+def check_context(cfg, mesh, mode, precision_name="fp32", pipelined=False):
+    """Every error a context-parallel layout can have, the same on every rank."""
+    cp = getattr(mesh, "cp_world_size", 1)
+    if mode is None:
+        if cp > 1:
+            raise ValueError(f"DeviceMesh has cp = {cp}: pass parallelize(..., context_parallel='ring', "
+                             f"'ring-zigzag' or 'ulysses')")
+        return
+    if mode not in MODES:
+        raise ValueError(f"context_parallel must be one of {sorted(MODES)} or None, got {mode!r}")
+    if mesh.tp_world_size > 1 or mesh.pp_world_size > 1 or pipelined:
+        raise ValueError(f"context parallelism does not compose with tensor or pipeline parallelism yet "
+                         f"(tp = {mesh.tp_world_size}, pp = {mesh.pp_world_size}); use tp = pp = 1 with cp > 1")
+    if precision_name != "fp32":
+        raise ValueError(f"context parallelism runs in the model's dtype only; got precision={precision_name!r}, "
+                         "use precision='fp32'")
+    if cfg.dropout:
+        raise ValueError("context parallelism needs dropout = 0 (the masks of a cut sequence would differ "
+                         "from single-process training)")
+
+
+class ContextAttention:
+    """What the model's attention modules call under CP: ``ctx(qkv, n_head=)`` or
+    ``ctx(q, k, v, n_head=, n_kv_head=)`` on this rank's tokens; ``positions``: their
+    global positions (set by ``ContextParallel.local_batch``)."""
+
+    def __init__(self, group, mode="ring"):
+        self.group, (self.kind, self.layout) = group, MODES[mode]
+        self.positions = None
+
+    def positions_array(self):
+        return xp.asarray(self.positions)
+
+    def __call__(self, *tensors, n_head, n_kv_head=None):
+        if self.kind == "ulysses":
+            return ulysses_attention(*tensors, n_head=n_head, n_kv_head=n_kv_head, group=self.group)
+        return ring_attention(*tensors, n_head=n_head, n_kv_head=n_kv_head, group=self.group, layout=self.layout)
+
+
+class ContextPositions(nn.Module):
+    """A position embedding read at this rank's global positions -> (T/cp, C). Same Parameter."""
+
+    def __init__(self, old, context):
+        super().__init__()
+        self.weight, self.context = old.weight, context
+
+    def forward(self, pos):
+        return precision.embedding(self.context.positions_array(), self.weight)  # (T/cp, C)
+
+
+def install(model, group, mode):
+    """Give the plan's attention modules a ContextAttention, its position modules this rank's
+    positions. Ulysses: every attention module's head counts must divide by cp (checked here,
+    the same on every rank, before any collective). Returns the ContextAttention."""
+    plan, ctx = plan_of(model), ContextAttention(group, mode)
+    modules = list(model.named_modules())
+    found = [(path, m, attrs) for pattern, attrs in plan.heads.items() for path, m in select(pattern, modules)]
+    if not found:
+        raise ValueError(f"context parallelism: the plan of {type(model).__name__} names no attention module "
+                         "(ModelPlan.heads); add them to its plan (docs/design.md, 'Adding a model')")
+    for path, m, attrs in found:
+        if ctx.kind == "ulysses":
+            heads = [getattr(m, a) for a in attrs]
+            check_heads(heads[0], heads[-1], group.size, path)
+        m.context = ctx
+    for pattern, style in plan.sequence.items():
+        if isinstance(style, PositionShard):
+            for path, old in select(pattern, modules):
+                put(model, path, ContextPositions(old, ctx))
+    return ctx
+
+
+class ContextParallel(ParallelModule):
+    """The outermost strategy under CP: cuts the global batch to this rank's B/dp rows and
+    T/cp tokens and sets their positions; gradients and the loss are averaged by the
+    DataParallel / ZeRO inside it, over dp x cp (see the module docstring)."""
+
+    def __init__(self, inner, mesh, context):
+        super().__init__(inner, mesh.cp_group)
+        self._aux = None               # the loss is already averaged over dp x cp inside
+        self.mesh, self.context = mesh, context
+        self.cp_rank, self.cp_world_size = mesh.cp_rank, mesh.cp_world_size
+        self.local_shape = None        # (rows, tokens) of the last local batch
+
+    seq_shards = property(lambda self: self.cp_world_size)
+
+    def local_batch(self, x, y):
+        """Rows [d B/dp, (d+1) B/dp) of dp rank d, and this cp rank's tokens of each."""
+        m, cp = self.mesh, self.cp_world_size
+        x, y = shard((x, y), m.dp_rank, m.dp_world_size)
+        B, T = x.shape
+        block = getattr(getattr(self.module, "config", None), "block_size", T)
+        if T > block:
+            raise ValueError(f"sequence length T = {T} exceeds the model's block_size {block}")
+        pos = ring_positions(T, cp, self.cp_rank, self.context.layout)
+        self.context.positions = pos
+        xs, ys = x[:, pos], y[:, pos]
+        assert xs.shape == (B, T // cp), (xs.shape, B, T, cp)
+        self.local_shape = xs.shape
+        return self.find(Local).local_batch(xs, ys)
+
+
+def token_permutation(T, cp, layout):
+    """The global positions of all ranks' tokens, rank 0's first: (T,)."""
+    return np.concatenate([ring_positions(T, cp, r, layout) for r in range(cp)])
+
+
+__all__ = ["ContextParallel", "ContextAttention", "ContextPositions", "install", "check_context", "MODES",
+           "token_permutation"]

@@ -1,0 +1,100 @@
+"""Context parallelism (ring attention, zigzag, Ulysses) equals one process, and its bytes and
+work equal the formulas.
+
+tests/workers/context_parallel.py runs every case of one world size in one launch: the
+attention ops against pdist.engine.attention on the whole sequence (y, dQ, dK, dV shard by
+shard; bytes and message counts exactly), the planted stale-K/V backward (must fail),
+AdamW training of GPT-2 and Llama under ``parallelize(..., context_parallel=)`` against one
+process (float64, rtol 1e-9, every piece of every parameter and Adam state; B/dp rows and
+T/cp tokens per rank), the mesh's rank order, and the refusals."""
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+
+from pdist.engine.ring_attention import attention_work, block_pairs, positions, segments
+from pdist.parallel.context_parallel import check_context
+from pdist.testing import mpirun, reports
+
+W = "tests/workers/context_parallel.py"
+MEMORY_CP2 = 108032     # a GPT block's activation bytes per rank at cp 2 (B 4, T 16, C 16, float64)
+
+
+def _cases(out):
+    return {(r["case"], r.get("model"), r.get("kind", r.get("mode")), r.get("layout"), r.get("dp"), r.get("zero"),
+             r.get("fused")) for r in reports(out)}
+
+
+def test_cp2_ring_zigzag_ulysses_gpt_and_llama_equal_one_process():
+    out = mpirun(2, W, timeout=120)
+    rs = reports(out)
+    assert sum(r["case"] == "train" for r in rs) == 2 * 7, out[-3000:]  # 2 models x 3 modes, + recompute & micro-batches
+    assert sum(r["recompute"] == "selective" and r["microbatches"] == 2 for r in rs if r["case"] == "train") == 2
+    assert sum(r["case"] == "op" for r in rs) == 2 * 6, out[-3000:]
+    stale = [r for r in rs if r["case"] == "stale"]
+    assert len(stale) == 2 and all(r["forward_equal"] and not r["grads_equal"] and not r["training_equal"]
+                                   for r in stale), stale
+    assert sum(r["case"] == "refused" for r in rs) == 2
+    assert {r["bytes"] for r in rs if r["case"] == "memory"} == {MEMORY_CP2}     # worker: = the T/cp formula
+
+
+def test_cp2_on_device_arrays_standin():
+    """The same launch on device arrays (tests/strict_cupy, NCCL transport): ring's sends and
+    receives go out in one group call, else NCCL's blocking p2p would hang the ring."""
+    root = Path(__file__).resolve().parent.parent
+    env = dict(os.environ, PDIST_DEVICE="gpu", PDIST_GPU_TRANSPORT="nccl", STRICT_CUPY_LAZY="1",
+               PYTHONPATH=os.pathsep.join([str(root / "tests" / "strict_cupy"), os.environ.get("PYTHONPATH", "")]))
+    rs = reports(mpirun(2, W, env=env, timeout=120))
+    assert sum(r["case"] == "train" for r in rs) == 2 * 7 and sum(r["case"] == "op" for r in rs) == 2 * 6, rs
+
+
+def test_cp4_and_cp2_dp2_and_zero_equal_one_process():
+    out = mpirun(4, W, timeout=150)
+    train = [r for r in reports(out) if r["case"] == "train"]
+    got = {(r["model"], r["mode"], r["dp"], r["cp"], r["zero"]) for r in train}
+    assert got == {("gpt2", "ring-zigzag", 2, 2, 0), ("llama", "ulysses", 2, 2, 0), ("gpt2", "ring", 2, 2, 1),
+                   ("llama", "ring", 2, 2, 3),
+                   ("gpt2", "ring", 1, 4, 0), ("llama", "ring-zigzag", 1, 4, 0), ("gpt2", "ulysses", 1, 4, 0)}, got
+    assert len(train) == 4 * 7
+    ops = [r for r in reports(out) if r["case"] == "op"]
+    assert len(ops) == 4 * 5
+    assert {r["bytes"] for r in reports(out) if r["case"] == "memory"} == {MEMORY_CP2 // 2}  # activations ∝ T/cp
+    work = {lay: sorted(r["work"] for r in ops if r["kind"] == "ring" and r["layout"] == lay and r["fused"])
+            for lay in ("contiguous", "zigzag")}           # measured by the op, per rank, T = 16, cp = 4
+    assert work == {"contiguous": [16, 32, 48, 64], "zigzag": [36, 36, 36, 36]}, work
+
+
+def test_zigzag_balances_the_causal_work():
+    """Per-rank attention work (score elements computed, the masked diagonal chunk counted
+    whole): contiguous chunks of c = T/cp, rank r computes r + 1 chunk pairs, the last rank
+    cp times the first; zigzag (chunks of c' = T/2cp), every rank 2 cp + 1 pairs."""
+    T, cp = 64, 4
+    plain, zig = attention_work(T, cp), attention_work(T, cp, "zigzag")
+    c, c2 = T // cp, T // (2 * cp)
+    assert plain == [(r + 1) * c * c for r in range(cp)] and max(plain) == cp * min(plain), plain
+    assert zig == [(2 * cp + 1) * c2 * c2] * cp, zig
+
+
+def test_segments_positions_and_errors():
+    assert segments(16, 2, 0, "zigzag") == [(0, 4), (12, 16)] and segments(16, 2, 1, "zigzag") == [(4, 8), (8, 12)]
+    assert sorted(x for r in range(4) for x in positions(16, 4, r, "zigzag")) == list(range(16))
+    with pytest.raises(ValueError, match="divisible by 8"):
+        segments(12, 4, 0, "zigzag")
+    with pytest.raises(ValueError, match="layout"):
+        segments(16, 2, 0, "striped")
+    assert [d for _, _, d in block_pairs([(0, 4)], [(0, 4)])] == [True] and block_pairs([(0, 4)], [(4, 8)]) == []
+
+
+@pytest.mark.parametrize("kw, needle", [
+    (dict(mode=None, cp=2), "context_parallel='ring'"),
+    (dict(mode="rings", cp=2), "must be one of"),
+    (dict(mode="ring", cp=2, pp=2), "does not compose"),
+    (dict(mode="ring", cp=2, precision_name="bf16"), "precision='fp32'"),
+    (dict(mode="ring", cp=2, dropout=0.1), "dropout = 0"),
+])
+def test_check_context_refuses_clearly(kw, needle):
+    mesh = SimpleNamespace(cp_world_size=kw.pop("cp"), tp_world_size=1, pp_world_size=kw.pop("pp", 1))
+    cfg = SimpleNamespace(dropout=kw.pop("dropout", 0.0))
+    with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
+        check_context(cfg, mesh, **kw)
