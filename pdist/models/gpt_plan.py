@@ -8,9 +8,10 @@ embedding ``wte`` is vocab-parallel and the tied head shares its shard, so the l
 ``wpe`` and the dropout hold T/t tokens, and the replicated parameters (LayerNorms, the
 row-parallel biases, ``wpe``) get partial gradients. A pipeline runs ``embed`` first and
 ``head`` last; the last stage's ``lm_head.weight`` is its copy of the tied ``wte``. ZeRO's
-units are the blocks and ``ln_f``; ``wte`` and ``wpe`` form the root.
+units are the blocks and ``ln_f``; ``wte`` and ``wpe`` form the root. With ``n_expert`` > 0
+each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism does not cut it yet.
 """
-from pdist.models.plan import Column, DropoutShard, ModelPlan, PipelinePlan, PositionShard, Row, Vocab, VocabLoss
+from pdist.models.plan import Column, Experts, DropoutShard, ModelPlan, PipelinePlan, PositionShard, Row, Vocab, VocabLoss
 
 BLOCK = "transformer.h.*"
 
@@ -32,7 +33,8 @@ def gpt_plan(cfg):
                               first_modules=("transformer.wte", "transformer.wpe"),
                               last_modules=("transformer.ln_f", "lm_head"), loss="loss_fn",
                               tied={"lm_head.weight": "transformer.wte.weight"}, hidden=cfg.n_embd),
-        zero_units=(BLOCK, "transformer.ln_f"))
+        zero_units=(BLOCK, "transformer.ln_f"),
+        experts={f"{BLOCK}.mlp": Experts(cfg.n_expert)} if cfg.n_expert else {})
 
 
 __all__ = ["gpt_plan"]

@@ -42,6 +42,10 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
         raise ValueError(f"data_parallel must be 'bucketed' or 'naive', got {data_parallel!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    if getattr(cfg, "n_expert", 0) and (tp > 1 or pp > 1 or chunks > 1 or zero_stage):
+        raise ValueError(f"a mixture-of-experts model (n_expert={cfg.n_expert}) runs on data parallelism "
+                         f"(and expert parallelism) only so far: got tp={tp}, pp={pp}, chunks={chunks}, "
+                         f"zero_stage={zero_stage}; use tp=pp=1, zero_stage=0 (or n_expert=0)")
     check_tp_config(cfg, tp)
     if sequence_parallel and cfg.block_size % tp:
         raise ValueError(f"sequence parallelism over tp = {tp} needs block_size ({cfg.block_size}) divisible "
