@@ -1,5 +1,6 @@
-"""Expert parallelism's collective: all_to_all_v (variable rows along axis 0) at 2 and 4
-ranks, one launch each with many cases (tests/workers/moe_all_to_all_v.py)."""
+"""Expert parallelism: its collective, all_to_all_v (variable rows along axis 0), at 2 and 4
+ranks (tests/workers/moe_all_to_all_v.py), and ExpertParallel against one process
+(tests/workers/moe_expert_parallel.py); one launch per world size for each, many cases."""
 from pathlib import Path
 
 import pytest
@@ -16,3 +17,15 @@ def test_all_to_all_v(n):
     res = reports(mpirun(n, W / "moe_all_to_all_v.py", timeout=60))
     assert sorted(r["rank"] for r in res) == list(range(n))
     assert all(r["ok"] and r["cases"] >= 96 for r in res)
+
+
+@pytest.mark.parametrize("n, eps", [(2, ["2", "1"]), (4, ["2", "4"])])
+def test_expert_parallel_equals_one_process(n, eps):
+    """ep 2 / ep 1 x dp 2 at 2 ranks, ep 2 x dp 2 and ep 4 at 4 ranks; GPT (dropless) and Llama
+    (capacity 1.0: drops): K AdamW steps, float64, every dense parameter, the router and
+    every expert shard by shard (rtol 1e-9), the drops, and the all_to_all_v bytes exactly."""
+    res = reports(mpirun(n, W / "moe_expert_parallel.py", *eps, timeout=120))
+    assert sorted(r["rank"] for r in res) == list(range(n)) and all(r["ok"] for r in res)
+    done = res[0]["done"]
+    assert sorted({d["ep"] for d in done}) == sorted(int(e) for e in eps) and len(done) == 4
+    assert all(d["a2a_bytes"] > 0 for d in done if d["ep"] > 1)

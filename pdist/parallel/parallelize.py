@@ -22,6 +22,7 @@ collective, with one clear message.
 from pdist.parallel.base import Local
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
+from pdist.parallel.expert_parallel import ExpertParallel
 from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, default_chunks
 from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import make_schedule
@@ -46,6 +47,8 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
         raise ValueError(f"a mixture-of-experts model (n_expert={cfg.n_expert}) runs on data parallelism "
                          f"(and expert parallelism) only so far: got tp={tp}, pp={pp}, chunks={chunks}, "
                          f"zero_stage={zero_stage}; use tp=pp=1, zero_stage=0 (or n_expert=0)")
+    if getattr(mesh, "ep_world_size", 1) > 1 and not getattr(cfg, "n_expert", 0):
+        raise ValueError(f"ep={mesh.ep_world_size} needs a mixture-of-experts model (n_expert > 0 in the config)")
     check_tp_config(cfg, tp)
     if sequence_parallel and cfg.block_size % tp:
         raise ValueError(f"sequence parallelism over tp = {tp} needs block_size ({cfg.block_size}) divisible "
@@ -84,7 +87,9 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
-    if zero_stage:                 # ZeRO fills a meta model's shards itself; the rest materialize here
+    if getattr(model.config, "n_expert", 0) and mesh.dp_world_size > 1:
+        s = ExpertParallel(s, mesh)            # experts over ep (E/ep per rank), the rest data parallel
+    elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, mesh.dp_group)
     elif data_parallel == "naive" and mesh.dp_world_size > 1:
         s = DataParallelNaive(s, mesh.dp_group)
