@@ -7,8 +7,10 @@ steps: every parameter this rank holds -- the dense ones, the router, its E/ep e
 their global names -- and its gradient (rtol 1e-9); the drops summed over dp; the
 all_to_all_v bytes of this rank, exactly, from the per-shard expert counts of the
 reference: 2 (S + R) C itemsize per MoE layer and step (S: rows this rank sends to other
-ep ranks, R: rows it receives), forward and backward."""
+ep ranks, R: rows it receives), forward and backward. The launch first runs the
+all_to_all_v cases of moe_all_to_all_v.py (one launch per world size for both)."""
 import sys
+from pathlib import Path
 
 import numpy as np
 
@@ -102,11 +104,18 @@ def one_layout(world, ep, kind, cf):
 
 
 def main():
+    """First the all_to_all_v cases (moe_all_to_all_v.py: the same launch), then the layouts."""
     world = comm.init()
+    sys.path.insert(0, str(Path(__file__).parent))
+    import moe_all_to_all_v as a2av
+    cases = a2av.check_group(world)
+    a2av.check_errors(world)
+    if world.size == 4:
+        cases += a2av.check_group(comm.DeviceMesh(dp=2, tp=2).dp_group)
     eps = [int(a) for a in sys.argv[1:]] or [world.size]
     done = [one_layout(world, ep, kind, cf) for ep in eps for kind, cf in (("gpt", None), ("llama", 1.0))]
     assert any(d["drops"] for d in done if d["cf"]), done
-    report(rank=world.rank, n=world.size, done=done, ok=True)
+    report(rank=world.rank, n=world.size, done=done, a2a_cases=cases, ok=True)
 
 
 if __name__ == "__main__":
