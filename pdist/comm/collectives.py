@@ -141,8 +141,9 @@ class Collectives:
             sc = rc = [0] * self.size
         sent = sum(c for q, c in enumerate(sc) if q != self.rank) * row * inp.itemsize
         ce, re_ = [c * row for c in sc], [c * row for c in rc]
+        raw = (lambda a: a) if self._on_nccl(fo) else words      # MPI moves 2-byte floats as words
         return self._run("all_to_all_v", fi, sent, lambda c, nb: c.all_to_all_v(fo, fi, ce, re_, nb),
-                         {"pairwise": lambda t: alg.all_to_all_v_pairwise(t, words(fo), words(fi), ce, re_)},
+                         {"pairwise": lambda t: alg.all_to_all_v_pairwise(t, raw(fo), raw(fi), ce, re_)},
                          algorithm, async_op, error=err, keep=(fo, fi), fp_size=row,
                          verify=lambda: self._verify_counts(sc, rc))
 

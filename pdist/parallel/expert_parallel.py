@@ -35,7 +35,7 @@ from pdist.data import shard
 from pdist.engine.autograd import Function
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.shape_ops import concat
-from pdist.models.moe import Gather, moe_layers
+from pdist.models.moe import Gather, moe_layers, moe_stats
 from pdist.models.plan import expert_of, plan_of
 from pdist.parallel.base import ParallelModule
 
@@ -129,6 +129,18 @@ class ExpertParallel(ParallelModule):
     def local_batch(self, x, y):
         """This rank's rows of the global batch: [r B/dp, (r+1) B/dp)."""
         return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
+
+    def moe_stats(self, reset=True):
+        """moe_stats of the whole batch: each layer's tokens per expert, routed and dropped
+        rows, summed over the dp ranks (every rank gets the same). Collective over dp."""
+        parts = self.group.all_gather_object(moe_stats(self.module, reset))
+        out = {}
+        for name in parts[0]:
+            ss = [p[name] for p in parts]
+            out[name] = {"tokens": np.sum([s["tokens"] for s in ss], 0).tolist(),
+                         "routed": np.sum([s["routed"] for s in ss], 0).tolist(),
+                         "dropped": sum(s["dropped"] for s in ss), "calls": sum(s["calls"] for s in ss)}
+        return out
 
     def finish_grad_sync(self):
         """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp."""

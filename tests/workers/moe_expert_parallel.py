@@ -79,7 +79,9 @@ def one_layout(world, ep, kind, cf):
     if mesh.ep_group is not None:
         mesh.ep_group.reset_stats()
     for step in range(K):
-        loss = model.forward_backward(*model.local_batch(*batch(step)))
+        x, y = model.local_batch(*batch(step))
+        assert x.shape == (B // n, T), x.shape                # B/dp rows on every rank
+        loss = model.forward_backward(x, y)
         assert abs(loss - losses[step]) <= 1e-9 * abs(losses[step]), (ep, kind, cf, step, loss, losses[step])
         if step < K - 1:
             opt.step()
@@ -95,7 +97,7 @@ def one_layout(world, ep, kind, cf):
         n_expert_params += ".experts." in gname
     per_expert = 4 if kind == "gpt" else 3
     assert n_expert_params == cfg.n_layer * (E // ep) * per_expert, (ep, n_expert_params)   # E/ep experts here
-    drops = sum(world.all_gather_object(sum(s["dropped"] for s in moe_stats(model.module).values())))
+    drops = sum(s["dropped"] for s in model.moe_stats().values())
     assert drops == ref_drops and (drops > 0) == (cf is not None and drops > 0), (drops, ref_drops)
     got = mesh.ep_group.stats.get("all_to_all_v", {}).get("bytes", 0) if mesh.ep_group else 0
     want = expected_bytes(tokens, mesh.dp_rank, ep, 8, cfg.n_embd) if ep > 1 else 0
