@@ -2,7 +2,8 @@
 
 For each (layout, model, capacity): K AdamW steps under parallelize(model, DeviceMesh(dp=n,
 ep=ep)) and, on every rank, one process (Local, microbatches = dp: the same shards, so the
-same drops) on the same global batches. Checked per step: the loss (rtol 1e-9); after K
+same drops) on the same global batches; full_state_dict is the one process's, and loads
+into the layout of another ep. Checked per step: the loss (rtol 1e-9); after K
 steps: every parameter this rank holds -- the dense ones, the router, its E/ep experts by
 their global names -- and its gradient (rtol 1e-9); the drops summed over dp; the
 all_to_all_v bytes of this rank, exactly, from the per-shard expert counts of the
@@ -102,7 +103,22 @@ def one_layout(world, ep, kind, cf):
     got = mesh.ep_group.stats.get("all_to_all_v", {}).get("bytes", 0) if mesh.ep_group else 0
     want = expected_bytes(tokens, mesh.dp_rank, ep, 8, cfg.n_embd) if ep > 1 else 0
     assert got == want, (ep, kind, cf, got, want)
+    check_state(world, model, ref, M, cfg, ep)
     return {"ep": ep, "kind": kind, "cf": cf, "drops": drops, "a2a_bytes": got}
+
+
+def check_state(world, model, ref, M, cfg, ep):
+    """full_state_dict gathers every expert (the single-process state dict); loaded into the
+    layout of another ep (ep 4 -> 2, 2 -> 4, 2 -> 1, 1 -> 2), each rank holds its experts."""
+    full = model.full_state_dict()
+    assert list(full) == list(cfg.param_shapes()), sorted(set(full) ^ set(cfg.param_shapes()))
+    for name, arr in full.items():
+        np.testing.assert_allclose(arr, ref[name][0], rtol=1e-9, atol=1e-12, err_msg=f"full {ep} {name}")
+    other = {1: 2, 2: 4 if world.size == 4 else 1, 4: 2}[ep]
+    again = parallelize(M(cfg, seed=11), comm.DeviceMesh(dp=world.size, ep=other))
+    again.load_full_state_dict(full)
+    for name, p in again.named_parameters():
+        assert np.array_equal(p.data, full[getattr(p, "global_name", name)]), (ep, other, name)
 
 
 def main():
