@@ -156,6 +156,10 @@ def test_parallelize_refuses_moe_with_tp_pp_zero():
     from pdist.parallel.parallelize import check_layout
 
     class Mesh:
-        dp_world_size, tp_world_size, pp_world_size = 1, 2, 1
+        dp_world_size, tp_world_size, pp_world_size, ep_world_size = 1, 2, 1, 1
     with pytest.raises(ValueError, match="mixture-of-experts.*tp=2"):
         check_layout(tiny("gpt", n_expert=2), Mesh())
+    with pytest.raises(ValueError, match="mixture-of-experts.*zero_stage=1"):
+        check_layout(tiny("llama", n_expert=2), type("M", (Mesh,), {"tp_world_size": 1})(), zero_stage=1)
+    with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
+        check_layout(tiny("gpt"), type("M", (Mesh,), {"tp_world_size": 1, "dp_world_size": 2, "ep_world_size": 2})())
