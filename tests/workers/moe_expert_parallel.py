@@ -75,6 +75,9 @@ def one_layout(world, ep, kind, cf):
     M, cfg = config(kind, cf)
     losses, ref, tokens, ref_drops = reference(M, cfg, n)
     mesh = comm.DeviceMesh(dp=n, ep=ep)
+    d = mesh.dp_rank                                  # tp = pp = 1: dp rank = world rank
+    assert mesh.ep_rank == d % ep and mesh.edp_group.ranks == list(range(d % ep, n, ep)), mesh.edp_group
+    assert ep == 1 or mesh.ep_group.ranks == list(range(d - d % ep, d - d % ep + ep)), mesh.ep_group
     model = parallelize(M(cfg, seed=3), mesh)
     opt = AdamW(model.parameters(), lr=1e-2)
     if mesh.ep_group is not None:
@@ -121,6 +124,15 @@ def check_state(world, model, ref, M, cfg, ep):
         assert np.array_equal(p.data, full[getattr(p, "global_name", name)]), (ep, other, name)
 
 
+def bad_mesh(world):
+    try:
+        comm.DeviceMesh(dp=world.size, ep=3)
+    except ValueError as e:
+        assert "ep=3 must be a positive integer dividing dp" in str(e), e
+    else:
+        raise AssertionError("DeviceMesh(ep=3) was accepted")
+
+
 def main():
     """First the all_to_all_v cases (moe_all_to_all_v.py: the same launch), then the layouts."""
     world = comm.init()
@@ -130,6 +142,7 @@ def main():
     a2av.check_errors(world)
     if world.size == 4:
         cases += a2av.check_group(comm.DeviceMesh(dp=2, tp=2).dp_group)
+    bad_mesh(world)
     eps = [int(a) for a in sys.argv[1:]] or [world.size]
     done = [one_layout(world, ep, kind, cf) for ep in eps for kind, cf in (("gpt", None), ("llama", 1.0))]
     assert any(d["drops"] for d in done if d["cf"]), done
