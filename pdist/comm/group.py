@@ -138,7 +138,8 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         pending_check = None
         if self.check:
             fp = fingerprint(op, self._seq, _step[0], size, dtype, redop, root, algorithm, error, async_op)
-            describe = lambda: (str(dtype), f"size={size} dtype={dtype} op={redop or '-'} root={root} "  # noqa: E731
+            what = "size" if fp_size is None else "row"        # all_to_all_v: elements per row
+            describe = lambda: (str(dtype), f"{what}={size} dtype={dtype} op={redop or '-'} root={root} "  # noqa: E731
                                 f"algorithm={algorithm} async_op={async_op}")
             if async_op and algorithm == "mpi" and error is None and verify is None and not self._on_nccl(arr):
                 # verified in Work.wait() or at the next collective, so issuing stays non-blocking
