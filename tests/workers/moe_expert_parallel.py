@@ -124,6 +124,28 @@ def check_state(world, model, ref, M, cfg, ep):
         assert np.array_equal(p.data, full[getattr(p, "global_name", name)]), (ep, other, name)
 
 
+def uniform_bytes(world, ep):
+    """A uniform routing (token n to experts n mod 4 and n+1 mod 4, by a planted gate): one
+    MoE layer's forward and backward move 4 all-to-alls of tokens k C (ep - 1)/ep elements."""
+    from pdist import Tensor
+    N, C, k = 8, 8, 2
+    cfg = GPTConfig(vocab_size=8, block_size=8, n_layer=1, n_head=1, n_embd=C, dtype="float64", n_expert=E,
+                    expert_top_k=k)
+    mesh = comm.DeviceMesh(dp=world.size, ep=ep)
+    layer = parallelize(GPT(cfg, seed=0), mesh).module.blocks[0].mlp
+    layer.gate.weight.data[...] = np.eye(C, E) + np.eye(C, E, -E)          # feature i -> expert i mod 4
+    x = np.zeros((N, C))
+    x[np.arange(N), np.arange(N) % E] = 10.0
+    x[np.arange(N), E + (np.arange(N) + 1) % E] = 5.0
+    mesh.ep_group.reset_stats()
+    t = Tensor(x, requires_grad=True)
+    layer(t).sum().backward()
+    assert layer.stats["tokens"].tolist() == [N * k // E] * E, layer.stats
+    got, want = mesh.ep_group.stats["all_to_all_v"]["bytes"], 4 * N * k * C * 8 * (ep - 1) // ep
+    assert got == want, (ep, got, want)
+    return got
+
+
 def bad_mesh(world):
     try:
         comm.DeviceMesh(dp=world.size, ep=3)
@@ -146,7 +168,8 @@ def main():
     eps = [int(a) for a in sys.argv[1:]] or [world.size]
     done = [one_layout(world, ep, kind, cf) for ep in eps for kind, cf in (("gpt", None), ("llama", 1.0))]
     assert any(d["drops"] for d in done if d["cf"]), done
-    report(rank=world.rank, n=world.size, done=done, a2a_cases=cases, ok=True)
+    uniform = [uniform_bytes(world, ep) for ep in eps if ep > 1]
+    report(rank=world.rank, n=world.size, done=done, a2a_cases=cases, uniform=uniform, ok=True)
 
 
 if __name__ == "__main__":
