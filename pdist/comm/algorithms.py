@@ -235,3 +235,53 @@ def all_to_all_pairwise(t, out, inp):
     for s in range(1, n):
         d, q = (r + s) % n, (r - s) % n
         t.sendrecv(inp[d * k:(d + 1) * k], d, out[q * k:(q + 1) * k], q)
+
+
+def row_size(a):
+    """Elements per axis-0 row of ``a`` (1 for a vector)."""
+    k = 1
+    for d in a.shape[1:]:
+        k *= int(d)
+    return k
+
+
+def counts_error(send_counts, recv_counts, inp, out, n):
+    """(send, recv, error) for all_to_all_v: the counts as int lists, and a message naming
+    what to change when they don't fit ``inp``/``out`` (None when they do)."""
+    try:
+        sc, rc = [int(c) for c in send_counts], [int(c) for c in recv_counts]
+    except (TypeError, ValueError):
+        return [0] * n, [0] * n, f"send_counts/recv_counts must be sequences of {n} integers"
+    if len(sc) != n or len(rc) != n:
+        return sc, rc, (f"send_counts has {len(sc)} and recv_counts {len(rc)} entries; "
+                        f"both need one per rank of the group ({n})")
+    if min(sc + rc) < 0:
+        return sc, rc, f"counts must be >= 0, got send_counts={sc} recv_counts={rc}"
+    rows_in, rows_out = (a.shape[0] if a.ndim else 1 for a in (inp, out))
+    if sum(sc) != rows_in or sum(rc) != rows_out:
+        return sc, rc, (f"sum(send_counts)={sum(sc)} must equal inp.shape[0]={rows_in} and "
+                        f"sum(recv_counts)={sum(rc)} out.shape[0]={rows_out}")
+    if inp.shape[1:] != out.shape[1:] or inp.dtype != out.dtype:
+        return sc, rc, (f"out rows {out.shape[1:]} x {out.dtype} must match inp rows "
+                        f"{inp.shape[1:]} x {inp.dtype}")
+    return sc, rc, None
+
+
+def displacements(counts):
+    """[0, c0, c0+c1, ...]: where each rank's block starts."""
+    d = [0]
+    for c in counts[:-1]:
+        d.append(d[-1] + c)
+    return d
+
+
+def all_to_all_v_pairwise(t, out, inp, send_counts, recv_counts):
+    """all_to_all_v by hand (counts in elements): step s = 1..n-1, send the block of rank
+    r+s while receiving rank r-s's block; empty blocks travel as empty messages, so both
+    sides always post. Sends sum_{q != r} send_counts[q] elements in n-1 rounds."""
+    n, r = t.size, t.rank
+    sd, rd = displacements(send_counts), displacements(recv_counts)
+    out[rd[r]:rd[r] + recv_counts[r]] = inp[sd[r]:sd[r] + send_counts[r]]
+    for s in range(1, n):
+        d, q = (r + s) % n, (r - s) % n
+        t.sendrecv(inp[sd[d]:sd[d] + send_counts[d]], d, out[rd[q]:rd[q] + recv_counts[q]], q)

@@ -33,7 +33,7 @@ from pdist.comm.flight_recorder import _batch
 from pdist.comm.mpi import MPI, wait_all
 
 OPS = ["barrier", "all_reduce", "reduce_scatter", "all_gather", "broadcast", "reduce", "all_to_all",
-       "all_gather_object", "broadcast_object", "gather_object", "split"]
+       "all_gather_object", "broadcast_object", "gather_object", "split", "all_to_all_v"]
 REDOPS = ["", "sum", "avg", "max", "min"]
 ALGOS = ["", "mpi", "naive", "ring", "tree", "pairwise"]
 FIELDS = ["op", "seq", "step", "size", "dtype", "reduce-op", "root", "algorithm", "async_op", "batch",

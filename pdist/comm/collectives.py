@@ -8,7 +8,7 @@ hand-built algorithms it offers.
 Algorithms: ``"mpi"`` (the default: the transport's own collective), and the
 hand-built ones of algorithms.py over point-to-point: all_reduce ``naive``,
 ``ring``; reduce_scatter / all_gather ``naive``, ``ring``; broadcast ``naive``,
-``tree``; reduce ``naive``, ``tree``; all_to_all ``pairwise``. Hand-built
+``tree``; reduce ``naive``, ``tree``; all_to_all(_v) ``pairwise``. Hand-built
 algorithms run eagerly: with ``async_op=True`` they return a completed Work.
 
 Accounting (docs/design.md; what this rank sends, the way a ring moves it; S = the
@@ -17,12 +17,14 @@ full tensor's bytes, n = group size), ``pg.stats[op]["bytes"]``:
     all_reduce 2(n-1)/n*S   reduce_scatter, all_gather (n-1)/n*S
     broadcast, reduce (n-1)/n*S (a pipelined chain: n-1 of n ranks forward S)
     all_to_all (n-1)/n*S    send S, recv 0, barrier 0
+    all_to_all_v  the rows this rank sends to the others: sum_{q != r} send_counts[q] * row bytes
+                  (= (n-1)/n*S for equal counts, as all_to_all)
 
 ``pg.stats[op]["wire_bytes"]`` counts the bytes this rank really sent in the
 hand-built algorithms and in send/isend (MPI's own collectives are opaque to
 us: they add 0), so a lesson can set an algorithm beside the theory.
 """
-from pdist.engine.backend import array_module
+from pdist.engine.backend import array_module, words
 from pdist.comm import algorithms as alg
 from pdist.comm.algorithms import chunk_bounds
 
@@ -120,6 +122,30 @@ class Collectives:
                          lambda c, nb: c.all_to_all(fo, fi, nb),
                          {"pairwise": lambda t: alg.all_to_all_pairwise(t, fo, fi)}, algorithm, async_op, error=err,
                          keep=(fo, fi))
+
+    def all_to_all_v(self, out, inp, send_counts, recv_counts, algorithm=None, async_op=False):
+        """Variable all-to-all along axis 0 (MPI_Alltoallv): rows
+        ``inp[sum(send_counts[:q]) : sum(send_counts[:q+1])]`` go to rank q, and
+        ``out``'s block q (``recv_counts[q]`` rows, in rank order) comes from rank q.
+
+        Contract: ``send_counts[q]`` on rank r equals ``recv_counts[r]`` on rank q (when
+        the group's check is on, a mismatch raises CollectiveMismatchError on every rank,
+        naming the pairs); rows are ``inp.shape[1:]``, equal to ``out.shape[1:]`` and on
+        every rank; zeros are allowed. Accounted bytes: the rows sent to other ranks."""
+        fi, e1 = self._flat(inp, "all_to_all_v inp")
+        fo, e2 = self._flat(out, "all_to_all_v out")
+        sc, rc, err = alg.counts_error(send_counts, recv_counts, inp, out, self.size)
+        err = e1 or e2 or err
+        row = alg.row_size(inp)
+        if err:
+            sc = rc = [0] * self.size
+        sent = sum(c for q, c in enumerate(sc) if q != self.rank) * row * inp.itemsize
+        ce, re_ = [c * row for c in sc], [c * row for c in rc]
+        raw = (lambda a: a) if self._on_nccl(fo) else words      # MPI moves 2-byte floats as words
+        return self._run("all_to_all_v", fi, sent, lambda c, nb: c.all_to_all_v(fo, fi, ce, re_, nb),
+                         {"pairwise": lambda t: alg.all_to_all_v_pairwise(t, raw(fo), raw(fi), ce, re_)},
+                         algorithm, async_op, error=err, keep=(fo, fi), fp_size=row,
+                         verify=lambda: self._verify_counts(sc, rc))
 
     def barrier(self, async_op=False):
         """Return once every rank of the group has called barrier()."""

@@ -28,7 +28,7 @@ from pdist.comm import flight_recorder, topology, watchdog
 from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
 from pdist.comm.collectives import Collectives
 from pdist.comm.flight_recorder import _cur, _step
-from pdist.comm.mpi import MPI, MPIP2P, contiguous_flat
+from pdist.comm.mpi import MPI, MPIP2P, contiguous_flat, wait_all
 from pdist.comm.mpi_collectives import MPICollectives
 from pdist.comm.objects import ObjectCollectives
 from pdist.comm.point_to_point import PointToPoint
@@ -37,7 +37,8 @@ from pdist.engine.backend import is_low
 
 ALGORITHMS = {"all_reduce": ("mpi", "naive", "ring"), "reduce_scatter": ("mpi", "naive", "ring"),
               "all_gather": ("mpi", "naive", "ring"), "broadcast": ("mpi", "naive", "tree"),
-              "reduce": ("mpi", "naive", "tree"), "all_to_all": ("mpi", "pairwise"), "barrier": ("mpi",)}
+              "reduce": ("mpi", "naive", "tree"), "all_to_all": ("mpi", "pairwise"), "all_to_all_v": ("mpi", "pairwise"),
+              "barrier": ("mpi",)}
 REDUCE_OPS = ("sum", "avg", "max", "min")
 
 
@@ -121,7 +122,7 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         return settle(self, error, block)
 
     def _run(self, op, arr, theory, native, hand, algorithm, async_op,
-             redop="", root=-1, error=None, then=None, keep=()):
+             redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
             if arr is not None and is_low(arr.dtype):
@@ -132,18 +133,23 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
             error = self._settle(error, block=not (async_op and algorithm == "mpi"))
         self._seq += 1
         size, dtype = (arr.size, arr.dtype) if arr is not None else (0, None)
+        size = size if fp_size is None else fp_size      # all_to_all_v: the row size, not the total
         ent = flight_recorder.enter(self, op, self._seq, size, dtype)
         pending_check = None
         if self.check:
             fp = fingerprint(op, self._seq, _step[0], size, dtype, redop, root, algorithm, error, async_op)
-            describe = lambda: (str(dtype), f"size={size} dtype={dtype} op={redop or '-'} root={root} "  # noqa: E731
+            what = "size" if fp_size is None else "row"        # all_to_all_v: elements per row
+            describe = lambda: (str(dtype), f"{what}={size} dtype={dtype} op={redop or '-'} root={root} "  # noqa: E731
                                 f"algorithm={algorithm} async_op={async_op}")
-            if async_op and algorithm == "mpi" and error is None and not self._on_nccl(arr):
+            if async_op and algorithm == "mpi" and error is None and verify is None and not self._on_nccl(arr):
                 # verified in Work.wait() or at the next collective, so issuing stays non-blocking
                 # (NCCL: checked before it is queued, as a mismatched kernel would hang the GPU)
                 pending_check = agree_start(self, fp, error, describe)
             else:
                 agree(self, fp, error, describe, self._fpbuf)
+                if verify is not None and self.size > 1:   # every rank is here: check the pairs
+                    err = verify()
+                    agree(self, fp[:-1] + [1 if err else 0], err, describe, self._fpbuf)
         elif error:
             raise CollectiveMismatchError(f"{op} on group '{self.name}': {error}")
         args = {"op": op, "bytes": int(arr.nbytes) if arr is not None else 0,
@@ -190,6 +196,17 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         def then():
             flat.__itruediv__(n)                       # flat /= n in place (NumPy or CuPy)
         return then
+
+    def _verify_counts(self, send, recv):
+        """After the fingerprints agreed: does rank q send this rank the ``recv[q]`` rows it
+        expects? (an all-to-all of the counts on the fingerprint channel, in step on every
+        rank). The error names each mismatched pair, by world rank."""
+        mine, theirs = np.asarray(send, np.int64), np.empty(self.size, np.int64)
+        wait_all([self._fp.Ialltoall(mine, theirs)])
+        bad = [f"world rank {self.ranks[self.rank]} expects recv_counts[{q}]={recv[q]} rows from world "
+               f"rank {self.ranks[q]}, which sends send_counts[{self.rank}]={int(theirs[q])}"
+               for q in range(self.size) if int(theirs[q]) != recv[q]]
+        return "; ".join(bad) + "; pass recv_counts = the peers' send_counts (exchange them first)" if bad else None
 
     @staticmethod
     def _redop_error(op, dtype):

@@ -90,6 +90,11 @@ class MPIHostBackend:
         h, ho = _to_host(inp), _pinned(out)
         return self._staged(self.mpi.all_to_all(ho, h, nb), lambda: _to_device(out, ho))
 
+    def all_to_all_v(self, out, inp, send_counts, recv_counts, nb=False):
+        h, ho = _to_host(inp), _pinned(out)
+        return self._staged(self.mpi.all_to_all_v(ho, h, send_counts, recv_counts, nb),
+                            lambda: _to_device(out, ho))
+
     def barrier(self, nb=False):
         return self.mpi.barrier(nb)
 

@@ -22,7 +22,7 @@ Coords = namedtuple("Coords", ["pp", "dp", "tp"])
 class DeviceMesh:
     """World -> dp / tp / pp ProcessGroups for a (pp, dp, tp) grid of ranks."""
 
-    def __init__(self, dp=1, tp=1, pp=1, world=None, topology=None, cp=1):
+    def __init__(self, dp=1, tp=1, pp=1, world=None, topology=None, cp=1, ep=1):
         """``topology``: simulate a cluster from now on (a spec string of
         pdist/comm/topology.py, e.g. "nodes=2x2,inter=12.5GB/s:10us"); None leaves it."""
         from pdist.comm.world import get_world
@@ -59,6 +59,24 @@ class DeviceMesh:
         self.pp_is_last_stage = self.pp_rank == pp - 1
         self.pp_prev_rank = None if self.pp_is_first_stage else self.pp_rank - 1
         self.pp_next_rank = None if self.pp_is_last_stage else self.pp_rank + 1
+        self._expert_groups(ep)
+
+    def _expert_groups(self, ep):
+        """Expert parallelism inside the dp group (GShard; Megatron's expert groups): ep divides
+        dp; ``ep_group`` = the dp ranks with the same dp_rank // ep (they split the experts,
+        E/ep each, ep_rank = dp_rank % ep); ``edp_group`` = the dp ranks with the same ep_rank
+        (the dp/ep replicas of each expert, over which its gradient is reduced). ep = 1: no
+        ep group (None), edp_group = dp_group."""
+        dp = self.dp_world_size
+        if not isinstance(ep, int) or ep < 1 or dp % ep:
+            raise ValueError(f"DeviceMesh: ep={ep!r} must be a positive integer dividing dp={dp} "
+                             f"(expert parallelism splits each data-parallel group's experts)")
+        self.ep_world_size, self.ep_rank = ep, self.dp_rank % ep
+        if ep == 1:
+            self.ep_group, self.edp_group = None, self.dp_group
+            return
+        self.ep_group = self.dp_group.split(self.dp_rank // ep, self.dp_rank, "ep")
+        self.edp_group = self.dp_group.split(self.ep_rank, self.dp_rank, "edp")
 
     def _split_cp(self, world):
         """cp_group (same pp, dp, tp) and dp_cp_group (same pp, tp); with cp = 1 no split:

@@ -93,6 +93,12 @@ class MPICollectives:
         c, out, inp = self.comm, words(out), words(inp)
         return self._go(lambda: c.Alltoall(inp, out), lambda: [c.Ialltoall(inp, out)], nb)
 
+    def all_to_all_v(self, out, inp, send_counts, recv_counts, nb=False):
+        """Alltoallv; counts in elements of the flat buffers."""
+        c = self.comm
+        si, so = _typed(words(inp), list(send_counts)), _typed(words(out), list(recv_counts))
+        return self._go(lambda: c.Alltoallv(si, so), lambda: [c.Ialltoallv(si, so)], nb)
+
     def barrier(self, nb=False):
         c = self.comm
         return self._go(c.Barrier, lambda: [c.Ibarrier()], nb)

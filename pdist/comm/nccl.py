@@ -199,6 +199,25 @@ class NCCLBackend(NCCLPointToPointMixin):
             _nccl.groupEnd()
         return self._finish(self._issue(go if k and self.size > 1 else lambda s: None), nb, (out, inp))
 
+    def all_to_all_v(self, out, inp, send_counts, recv_counts, nb=False):
+        """Grouped send/recv of each peer's block (counts in elements); empty blocks skipped
+        on both sides, this rank's own block a device copy."""
+        from pdist.comm.algorithms import displacements
+        r, sd, rd = self.rank, displacements(send_counts), displacements(recv_counts)
+        out[rd[r]:rd[r] + recv_counts[r]] = inp[sd[r]:sd[r] + send_counts[r]]
+        peers = [q for q in range(self.size) if q != r and (send_counts[q] or recv_counts[q])]
+
+        def go(s):
+            dt = _dtype(inp)
+            _nccl.groupStart()
+            for q in peers:
+                if send_counts[q]:
+                    self.nc.send(_ptr(inp[sd[q]:]), send_counts[q], dt, q, s)
+                if recv_counts[q]:
+                    self.nc.recv(_ptr(out[rd[q]:]), recv_counts[q], dt, q, s)
+            _nccl.groupEnd()
+        return self._finish(self._issue(go if peers else lambda s: None), nb, (out, inp))
+
     def barrier(self, nb=False):
         one = cupy.zeros(1, cupy.float32)
         return self.all_reduce(one, "sum", nb)

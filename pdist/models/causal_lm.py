@@ -25,6 +25,7 @@ from pdist.engine import functional as F
 from pdist.engine.autograd import Tensor, no_grad
 from pdist.engine.backend import asarray, default_dtype, to_numpy, xp
 from pdist.engine.meta import MetaArray, RowStream, materialize_whole
+from pdist.models.moe import aux_loss
 
 
 class ZerosRng:
@@ -119,7 +120,9 @@ class CausalLM(nn.Module):
         logits = self.head(x)  # (B, T, V)
         if targets is None:
             return logits
-        return logits, self.loss_fn(logits, targets)
+        loss = self.loss_fn(logits, targets)
+        aux = aux_loss(self) if getattr(self.config, "n_expert", 0) else None   # MoE: + the balancing loss
+        return logits, loss if aux is None else loss + aux
 
     def generate(self, idx, n_new, temperature=1.0, seed=0):
         """Sample n_new tokens after idx (B, T) -> (B, T + n_new) NumPy ints."""

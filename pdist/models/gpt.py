@@ -9,7 +9,9 @@ Parameter names: ``transformer.wte.weight`` (V, C), ``transformer.wpe.weight``
 (block_size, C), ``transformer.h.{i}.ln_1.weight/bias``,
 ``...attn.c_attn.weight`` (C, 3C) / ``.bias`` (3C), ``...attn.c_proj.weight`` (C, C),
 ``...ln_2``, ``...mlp.c_fc.weight`` (C, 4C), ``...mlp.c_proj.weight`` (4C, C),
-``transformer.ln_f.weight/bias``. The tied ``lm_head.weight`` is not a separate
+``transformer.ln_f.weight/bias``. With ``n_expert`` = E > 0 the MLP is a mixture of experts
+(pdist/models/moe.py): ``...mlp.gate.weight`` (C, E), ``...mlp.experts.{e}.c_fc``/``c_proj``
+as the dense MLP's. The tied ``lm_head.weight`` is not a separate
 parameter; ``load_state_dict`` ignores it and GPT-2's ``attn.bias`` mask buffers.
 
 Tensor and pipeline parallelism transform this one model (pdist.parallel): TP
@@ -24,7 +26,7 @@ its own generator seeded by (seed, crc32(name)) -- ``gpt_init``.
 """
 import math
 from dataclasses import dataclass
-from typing import ClassVar
+from typing import ClassVar, Optional
 
 import numpy as np
 
@@ -36,6 +38,7 @@ from pdist.engine.recompute import check_mode, checkpoint
 from pdist.models.causal_lm import ZEROS as _ZEROS
 from pdist.models.causal_lm import CausalLM, CrossEntropyLoss, check_device, init_stream, normal_init
 from pdist.models.gpt_plan import gpt_plan
+from pdist.models.moe import MoE, check_moe_config
 
 
 @dataclass
@@ -48,6 +51,10 @@ class GPTConfig:
     dropout: float = 0.0
     dtype: str = "float32"
     recompute: str = "none"     # "none" | "selective" | "full": pdist/engine/recompute.py, docs/recompute.md
+    n_expert: int = 0           # 0: the dense MLP; E > 0: an MoE MLP of E GELU experts (pdist/models/moe.py)
+    expert_top_k: int = 2       # experts per token
+    capacity_factor: Optional[float] = None   # None: dropless; c: each expert takes ceil(c N k / E) rows
+    router_aux_loss_coef: float = 0.01        # the load-balancing loss's weight (Switch)
     model_type: ClassVar[str] = "gpt2"   # Hugging Face's name (not a field: not in asdict, not in checkpoints' config)
 
     def __post_init__(self):
@@ -59,6 +66,9 @@ class GPTConfig:
         if self.dtype not in ("float32", "float64"):
             raise ValueError(f"GPTConfig.dtype must be 'float32' or 'float64', got {self.dtype!r}")
         check_mode(self.recompute)
+        problems = check_moe_config(self)
+        if problems:
+            raise ValueError("GPTConfig: " + "; ".join(problems))
 
     def param_shapes(self):
         """name -> shape of every parameter, in the model's order."""
@@ -69,9 +79,13 @@ class GPTConfig:
             shapes.update({h + "ln_1.weight": (C,), h + "ln_1.bias": (C,),
                            h + "attn.c_attn.weight": (C, 3 * C), h + "attn.c_attn.bias": (3 * C,),
                            h + "attn.c_proj.weight": (C, C), h + "attn.c_proj.bias": (C,),
-                           h + "ln_2.weight": (C,), h + "ln_2.bias": (C,),
-                           h + "mlp.c_fc.weight": (C, 4 * C), h + "mlp.c_fc.bias": (4 * C,),
-                           h + "mlp.c_proj.weight": (4 * C, C), h + "mlp.c_proj.bias": (C,)})
+                           h + "ln_2.weight": (C,), h + "ln_2.bias": (C,)})
+            mlps = [h + "mlp."] if not self.n_expert else [h + f"mlp.experts.{e}." for e in range(self.n_expert)]
+            if self.n_expert:
+                shapes[h + "mlp.gate.weight"] = (C, self.n_expert)
+            for m in mlps:
+                shapes.update({m + "c_fc.weight": (C, 4 * C), m + "c_fc.bias": (4 * C,),
+                               m + "c_proj.weight": (4 * C, C), m + "c_proj.bias": (C,)})
         shapes.update({"transformer.ln_f.weight": (C,), "transformer.ln_f.bias": (C,)})
         return shapes
 
@@ -161,7 +175,9 @@ class Block(nn.Module):
         self.ln_1 = nn.LayerNorm(cfg.n_embd)
         self.attn = Attention(cfg)
         self.ln_2 = nn.LayerNorm(cfg.n_embd)
-        self.mlp = MLP(cfg)
+        self.mlp = MLP(cfg) if not cfg.n_expert else MoE(
+            nn.Linear(cfg.n_embd, cfg.n_expert, bias=False, rng=_ZEROS), [MLP(cfg) for _ in range(cfg.n_expert)],
+            cfg.expert_top_k, cfg.capacity_factor, cfg.router_aux_loss_coef)
 
     def forward(self, x):
         return checkpoint(self.body, x) if self.full_recompute else self.body(x)

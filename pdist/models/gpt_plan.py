@@ -12,8 +12,10 @@ units are the blocks and ``ln_f``; ``wte`` and ``wpe`` form the root. Under cont
 parallelism (pdist/parallel/context_parallel.py) the ``heads`` modules are the attention
 that goes across the cp ranks, and ``wpe`` (a PositionShard) reads the global positions of
 this rank's tokens.
+With ``n_expert`` > 0 each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism
+does not cut it yet.
 """
-from pdist.models.plan import Column, DropoutShard, ModelPlan, PipelinePlan, PositionShard, Row, Vocab, VocabLoss
+from pdist.models.plan import Column, Experts, DropoutShard, ModelPlan, PipelinePlan, PositionShard, Row, Vocab, VocabLoss
 
 BLOCK = "transformer.h.*"
 
@@ -35,7 +37,8 @@ def gpt_plan(cfg):
                               first_modules=("transformer.wte", "transformer.wpe"),
                               last_modules=("transformer.ln_f", "lm_head"), loss="loss_fn",
                               tied={"lm_head.weight": "transformer.wte.weight"}, hidden=cfg.n_embd),
-        zero_units=(BLOCK, "transformer.ln_f"))
+        zero_units=(BLOCK, "transformer.ln_f"),
+        experts={f"{BLOCK}.mlp": Experts(cfg.n_expert)} if cfg.n_expert else {})
 
 
 __all__ = ["gpt_plan"]

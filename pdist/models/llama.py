@@ -17,6 +17,8 @@ so a ``save_pretrained`` file loads without transposes): ``model.embed_tokens.we
 (n_kv_head hd, C), ``o_proj`` (C, n_head hd); ``model.layers.{i}.mlp.gate_proj.weight``,
 ``up_proj`` (I, C), ``down_proj`` (C, I); ``model.layers.{i}.input_layernorm.weight``,
 ``post_attention_layernorm.weight`` (C,); ``model.norm.weight`` (C,); ``lm_head.weight`` (V, C).
+With ``n_expert`` = E > 0 the MLP is a mixture of experts (pdist/models/moe.py; Qwen2-MoE's
+names): ``...mlp.gate.weight`` (E, C), ``...mlp.experts.{e}.gate_proj``/``up_proj``/``down_proj``.
 
 Init: every weight N(0, 0.02^2) (HF's initializer_range), the norms 1, each from its own
 generator seeded by (seed, crc32(name)) -- ``llama_init`` (pdist.models.causal_lm).
@@ -33,6 +35,7 @@ from pdist.engine import functional as F
 from pdist.engine.recompute import MODES, checkpoint
 from pdist.models.causal_lm import ZEROS, CausalLM, CrossEntropyLoss, check_device, init_stream, normal_init
 from pdist.models.llama_plan import llama_plan
+from pdist.models.moe import MoE, check_moe_config
 
 STD = 0.02  # HF LlamaConfig.initializer_range
 
@@ -51,6 +54,10 @@ class LlamaConfig:
     dropout: float = 0.0              # must be 0: Llama has no dropout (kept so generic checks read it)
     dtype: str = "float32"
     recompute: str = "none"           # "none" | "selective" | "full": pdist/engine/recompute.py
+    n_expert: int = 0                 # 0: the dense MLP; E > 0: an MoE MLP of E SwiGLU experts (models/moe.py)
+    expert_top_k: int = 2             # experts per token
+    capacity_factor: Optional[float] = None   # None: dropless; c: each expert takes ceil(c N k / E) rows
+    router_aux_loss_coef: float = 0.01        # the load-balancing loss's weight (Switch)
     model_type: ClassVar[str] = "llama"   # Hugging Face's name (not a field)
 
     def __post_init__(self):
@@ -84,7 +91,7 @@ class LlamaConfig:
             out.append(f"dtype must be 'float32' or 'float64', got {self.dtype!r}")
         if self.recompute not in MODES:
             out.append(f"recompute must be one of {MODES}, got {self.recompute!r}")
-        return out
+        return out + check_moe_config(self)
 
     head_dim = property(lambda self: self.n_embd // self.n_head)
 
@@ -96,10 +103,13 @@ class LlamaConfig:
         for i in range(self.n_layer):
             h = f"model.layers.{i}."
             shapes.update({h + "self_attn.q_proj.weight": (q, C), h + "self_attn.k_proj.weight": (kv, C),
-                           h + "self_attn.v_proj.weight": (kv, C), h + "self_attn.o_proj.weight": (C, q),
-                           h + "mlp.gate_proj.weight": (I, C), h + "mlp.up_proj.weight": (I, C),
-                           h + "mlp.down_proj.weight": (C, I),
-                           h + "input_layernorm.weight": (C,), h + "post_attention_layernorm.weight": (C,)})
+                           h + "self_attn.v_proj.weight": (kv, C), h + "self_attn.o_proj.weight": (C, q)})
+            mlps = [h + "mlp."] if not self.n_expert else [h + f"mlp.experts.{e}." for e in range(self.n_expert)]
+            if self.n_expert:
+                shapes[h + "mlp.gate.weight"] = (self.n_expert, C)
+            for m in mlps:
+                shapes.update({m + "gate_proj.weight": (I, C), m + "up_proj.weight": (I, C), m + "down_proj.weight": (C, I)})
+            shapes.update({h + "input_layernorm.weight": (C,), h + "post_attention_layernorm.weight": (C,)})
         shapes.update({"model.norm.weight": (C,), "lm_head.weight": (V, C)})
         return shapes
 
@@ -181,7 +191,9 @@ class LlamaDecoderLayer(nn.Module):
         super().__init__()
         self.full_recompute = cfg.recompute == "full"
         self.self_attn = LlamaAttention(cfg)
-        self.mlp = LlamaMLP(cfg)
+        self.mlp = LlamaMLP(cfg) if not cfg.n_expert else MoE(
+            _linear(cfg.n_embd, cfg.n_expert), [LlamaMLP(cfg) for _ in range(cfg.n_expert)],
+            cfg.expert_top_k, cfg.capacity_factor, cfg.router_aux_loss_coef)
         self.input_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps)
         self.post_attention_layernorm = nn.RMSNorm(cfg.n_embd, eps=cfg.rms_norm_eps)
 

@@ -12,8 +12,10 @@ weights get partial gradients; rotary positions need nothing (attention sees the
 sequence); under context parallelism the ``heads`` modules get the cross-rank attention and
 RoPE turns by the global positions of this rank's tokens (pdist/parallel/context_parallel.py). A pipeline runs ``embed`` first and ``head`` last (nothing tied). ZeRO's units
 are the blocks and the final norm; the embedding and the head form the root.
+With ``n_expert`` > 0 each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism
+does not cut it yet.
 """
-from pdist.models.plan import Column, ModelPlan, PipelinePlan, Row, Vocab, VocabLoss
+from pdist.models.plan import Column, Experts, ModelPlan, PipelinePlan, Row, Vocab, VocabLoss
 
 BLOCK = "model.layers.*"
 
@@ -34,7 +36,8 @@ def llama_plan(cfg):
         pipeline=PipelinePlan(blocks="model.layers", first="embed", last="head",
                               first_modules=("model.embed_tokens",), last_modules=("model.norm", "lm_head"),
                               loss="loss_fn", hidden=cfg.n_embd),
-        zero_units=(BLOCK, "model.norm"))
+        zero_units=(BLOCK, "model.norm"),
+        experts={f"{BLOCK}.mlp": Experts(cfg.n_expert)} if cfg.n_expert else {})
 
 
 __all__ = ["llama_plan"]

@@ -16,6 +16,9 @@ models bring a sharding plan and Megatron's layers record ``partition_dim``:
     sequence_partial  parameter patterns whose gradients are partial sums under SP
     pipeline          PipelinePlan: first part, blocks, last part, tied pairs, activation width
     zero_units        module patterns, in forward order: ZeRO/FSDP's units (the rest is the root)
+    experts           {module pattern: Experts()}  the MoE layers (pdist/models/moe.py): their
+                      ``experts.{e}`` parameters are the experts that expert parallelism splits
+                      over the ep ranks (E/ep each); the rest of the layer (the gate) is dense
 
 A pattern is a dotted module or parameter path; ``*`` stands for one whole path segment
 (``transformer.h.*.attn`` matches ``transformer.h.3.attn``). ``nn.Sequential`` has the
@@ -62,6 +65,15 @@ class DropoutShard:
 
 
 @dataclass(frozen=True)
+class Experts:
+    """An MoE layer of ``n_expert`` experts held in its ModuleList ``experts``: expert
+    parallelism keeps experts [r E/ep, (r+1) E/ep) on ep rank r; their gradients are reduced
+    over the ranks that hold the same expert, the gate's over dp (Lepikhin et al. 2020)."""
+    n_expert: int = 0
+    attr: str = "experts"
+
+
+@dataclass(frozen=True)
 class PipelinePlan:
     """The model as [first] + blocks + [last] (pdist/parallel/pipeline). ``first``/``last``:
     the model's methods that virtual stage 0 / V-1 run (embedding; final norm and head);
@@ -88,6 +100,7 @@ class ModelPlan:
     sequence_partial: tuple = ()
     pipeline: PipelinePlan = PipelinePlan()
     zero_units: tuple = ()
+    experts: dict = field(default_factory=dict)
 
 
 def matches(pattern, path):
@@ -124,6 +137,17 @@ def tp_split(plan, name):
     return False
 
 
+def expert_of(plan, name):
+    """(MoE layer path, expert id) when parameter ``name`` belongs to an expert of one of the
+    plan's MoE layers (``<layer>.experts.<e>.<...>``), else None (a dense parameter)."""
+    parts = name.split(".")
+    for pattern, style in plan.experts.items():
+        n = len(pattern.split("."))
+        if len(parts) > n + 2 and parts[n] == style.attr and matches(pattern, ".".join(parts[:n])):
+            return ".".join(parts[:n]), int(parts[n + 1])
+    return None
+
+
 def plan_of(model):
     """The plan a model (or a config) brings: ``model.parallel_plan()``. Any other module has
     the trivial plan (nothing cut; an ``nn.Sequential``'s children are pipeline blocks); a
@@ -132,4 +156,4 @@ def plan_of(model):
 
 
 __all__ = ["ModelPlan", "PipelinePlan", "Column", "Row", "Vocab", "VocabLoss", "PositionShard",
-           "DropoutShard", "matches", "select", "get", "put", "plan_of", "tp_split"]
+           "DropoutShard", "Experts", "matches", "select", "get", "put", "plan_of", "tp_split", "expert_of"]

@@ -1,4 +1,4 @@
-"""``parallelize``: one GPT, any (dp, tp, pp) mesh, one model of the one shape.
+"""``parallelize``: one model (GPT, Llama), any (dp, cp, tp, pp, ep) mesh, one model of the one shape.
 
     mesh = DeviceMesh(dp=2, tp=2, pp=2)
     model = parallelize(GPT(cfg, seed), mesh, zero_stage=1, sequence_parallel=True,
@@ -11,6 +11,8 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              ("gpipe", "1f1b", "interleaved", and the zero-bubble
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
+    ExpertParallel(.., mesh)                                 n_expert > 0, in DDP's place: E/ep experts per rank,
+                                                             tokens over all_to_all_v (expert_parallel.py)
     ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
                                                              DDP/ZeRO then span dp x cp (context_parallel.py)
 
@@ -25,6 +27,7 @@ from pdist.parallel.base import Local
 from pdist.parallel.context_parallel import ContextParallel, check_context, install
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
+from pdist.parallel.expert_parallel import ExpertParallel
 from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, default_chunks
 from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import make_schedule
@@ -45,6 +48,13 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
         raise ValueError(f"data_parallel must be 'bucketed' or 'naive', got {data_parallel!r}")
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
+    cp = getattr(mesh, "cp_world_size", 1)
+    if getattr(cfg, "n_expert", 0) and (tp > 1 or pp > 1 or cp > 1 or chunks > 1 or zero_stage):
+        raise ValueError(f"a mixture-of-experts model (n_expert={cfg.n_expert}) runs on data parallelism "
+                         f"(and expert parallelism) only so far: got tp={tp}, pp={pp}, cp={cp}, chunks={chunks}, "
+                         f"zero_stage={zero_stage}; use tp=pp=cp=1, zero_stage=0 (or n_expert=0)")
+    if getattr(mesh, "ep_world_size", 1) > 1 and not getattr(cfg, "n_expert", 0):
+        raise ValueError(f"ep={mesh.ep_world_size} needs a mixture-of-experts model (n_expert > 0 in the config)")
     check_tp_config(cfg, tp)
     if sequence_parallel and cfg.block_size % tp:
         raise ValueError(f"sequence parallelism over tp = {tp} needs block_size ({cfg.block_size}) divisible "
@@ -88,7 +98,9 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
-    if zero_stage:                 # ZeRO fills a meta model's shards itself; the rest materialize here
+    if getattr(model.config, "n_expert", 0) and mesh.dp_world_size > 1:
+        s = ExpertParallel(s, mesh)            # experts over ep (E/ep per rank), the rest data parallel
+    elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, dp_group)
     elif data_parallel == "naive" and dp_group.size > 1:
         s = DataParallelNaive(s, dp_group)

@@ -123,6 +123,12 @@ for g in GROUPS if "bf16" in CASES else ():
     out = cupy.empty(4 * n, BF16)
     g.all_to_all(out, cupy.asarray(xs[r]))
     same_bits(out, np.concatenate([xs[q][4 * r:4 * r + 4] for q in range(n)]), f"bf16 all_to_all n={n}")
+    blk = lambda p, q: (np.arange((p + q) % 3 * 2).reshape(-1, 2) + 16 * p + 4 * q).astype(BF16)  # noqa: E731
+    for alg in ("mpi", "pairwise"):                  # all_to_all_v: rows r -> q = (r + q) % 3, zeros too
+        out = cupy.empty((sum((p + r) % 3 for p in range(n)), 2), BF16)
+        g.all_to_all_v(out, cupy.asarray(np.concatenate([blk(r, q) for q in range(n)])),
+                       [(r + q) % 3 for q in range(n)], [(p + r) % 3 for p in range(n)], algorithm=alg)
+        same_bits(out, np.concatenate([blk(p, r) for p in range(n)]), f"bf16 all_to_all_v {alg} n={n}")
     got = cupy.empty(4 * n, BF16)
     works = g.batch_isend_irecv([("send", cupy.asarray(xs[r]), (r + 1) % n, 0), ("recv", got, (r - 1) % n, 0)])
     for w in works:

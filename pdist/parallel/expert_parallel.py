@@ -1,0 +1,178 @@
+"""Expert parallelism (GShard, Lepikhin et al. 2020; Switch, Fedus et al. 2021): the experts
+of every MoE layer split over the ep ranks of each data-parallel group, tokens sent to
+their experts and back over all_to_all_v.
+
+    mesh = DeviceMesh(dp=4, ep=2)       # ep groups: dp ranks {0, 1}, {2, 3}; edp: {0, 2}, {1, 3}
+    model = parallelize(GPT(cfg, seed), mesh)   # cfg.n_expert = E: E/ep experts per rank
+
+Each rank trains on its B/dp rows. In an MoE layer (pdist/models/moe.py) it routes its own
+tokens (so the capacity and the drops are those of its shard), sorts the kept rows by
+expert, and ``ExpertDispatch`` runs
+
+    counts   all_to_all of the per-expert row counts (ep x E/ep integers)
+    dispatch all_to_all_v: the rows for experts [q E/ep, (q+1) E/ep) go to ep rank q
+    experts  each local expert on its rows (from every source), regrouped by expert
+    combine  all_to_all_v back to the source, in the source's order
+
+and backward the two all-to-alls again, in reverse (AllToAllV's backward). Bytes per MoE
+layer on ep rank r: the rows it sends the others plus the rows it sends back, times
+C * itemsize, in forward and again in backward; for a uniform routing of N tokens, top-k,
+each all-to-all moves N k C (ep - 1)/ep elements (issue 26's tokens*k*h*(ep-1)/ep, twice
+forward, twice backward).
+
+Gradients. The loss of the global batch is L = (1/dp) sum_s L_s (L_s: shard s's mean,
+plus its aux loss). A dense parameter (attention, norms, the gate) gets dL_s on rank s:
+averaged over dp. Expert e's holder receives, through the combine's backward, the
+gradients of every shard of its ep group, so it holds sum_{s in group} dL_s/dθ_e; summed
+over the edp group (the dp/ep replicas of e) and divided by dp it is dL/dθ_e. (Averaging
+over edp instead would scale expert gradients by ep: the bug the equivalence test catches.)
+
+Not done yet, and refused by parallelize: tensor/pipeline parallelism and ZeRO with MoE.
+"""
+import numpy as np
+
+from pdist.data import shard
+from pdist.engine.autograd import Function
+from pdist.engine.backend import to_numpy, xp
+from pdist.engine.shape_ops import concat
+from pdist.models.moe import Gather, moe_layers, moe_stats
+from pdist.models.plan import expert_of, plan_of
+from pdist.parallel.base import ParallelModule
+
+
+class AllToAllV(Function):
+    """y = all_to_all_v(x) over ``group`` with (send, recv) row counts; dx = the reverse
+    all_to_all_v of dy (recv, send)."""
+    fresh_grads = True
+
+    def forward(self, x, group=None, send=(), recv=()):
+        self.group, self.send, self.recv = group, list(send), list(recv)
+        out = xp.empty((sum(self.recv),) + x.shape[1:], dtype=x.dtype)
+        group.all_to_all_v(out, xp.ascontiguousarray(x), self.send, self.recv)
+        return out
+
+    def backward(self, g):
+        gx = xp.empty((sum(self.send),) + g.shape[1:], dtype=g.dtype)
+        self.group.all_to_all_v(gx, xp.ascontiguousarray(g), self.recv, self.send)
+        return gx, None, None, None
+
+
+class ExpertDispatch:
+    """A layer's ``apply_experts`` under expert parallelism: ``layer.experts`` holds the
+    experts [first, first + E/ep) of ep rank ``group.rank``."""
+
+    def __init__(self, layer, group, n_expert):
+        self.layer, self.group, self.E = layer, group, n_expert
+        self.El = n_expert // group.size
+
+    def __call__(self, xs, counts):
+        ep, El = self.group.size, self.El
+        mine = np.ascontiguousarray(np.asarray(counts, np.int64))           # (E,) rows per expert, mine
+        theirs = np.empty_like(mine)
+        self.group.all_to_all(theirs, mine)                                 # theirs[q El + e]: q's rows for my e
+        send = mine.reshape(ep, El).sum(1).tolist()
+        by_src = theirs.reshape(ep, El)                                     # (ep, El)
+        recv = by_src.sum(1).tolist()
+        xr = AllToAllV.apply(xs, group=self.group, send=send, recv=recv)   # (R, C), by source, then expert
+        perm, per_expert = regroup(by_src)
+        ys = self._local(Gather.apply(xr, xp.asarray(perm)), per_expert)    # by expert, then source
+        back = Gather.apply(ys, xp.asarray(np.argsort(perm, kind="stable")))
+        return AllToAllV.apply(back, group=self.group, send=recv, recv=send)   # (M, C), xs's order
+
+    def _local(self, xe, per_expert):
+        outs, a = [], 0
+        for e, c in enumerate(per_expert):
+            if c:
+                outs.append(self.layer.experts[e](xe[a:a + c]))
+            a += c
+        return concat(outs, axis=0) if len(outs) > 1 else outs[0] if outs else xe * 0.0
+
+
+def regroup(by_src):
+    """(perm, per_expert): row order of the received rows (source-major, expert-minor) that
+    lists them expert-major, source-minor; and each local expert's row count."""
+    ep, El = by_src.shape
+    start = np.concatenate([[0], np.cumsum(by_src.reshape(-1))])[:-1].reshape(ep, El)
+    perm = [np.arange(start[q, e], start[q, e] + by_src[q, e]) for e in range(El) for q in range(ep)]
+    perm = np.concatenate(perm).astype(np.int64) if perm else np.zeros(0, np.int64)
+    return perm, [int(c) for c in by_src.sum(0)]
+
+
+class ExpertParallel(ParallelModule):
+    """Data parallelism over ``mesh.dp_group`` with each MoE layer's experts split over
+    ``mesh.ep_group`` (see the module docstring). ``ep = 1``: every rank holds every expert
+    and the dispatch stays local; the gradients are reduced as above (edp = dp)."""
+
+    def __init__(self, inner, mesh):
+        super().__init__(inner, mesh.dp_group)
+        self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
+        self.loss_weight = 1.0 / self.dp_world_size
+        self.ep_group, self.edp_group = mesh.ep_group, mesh.edp_group
+        ep, r = mesh.ep_world_size, mesh.ep_rank
+        plan = plan_of(self.module)
+        for name, layer in moe_layers(self.module):
+            if layer.n_expert % ep:
+                raise ValueError(f"expert parallelism: {name} has n_expert={layer.n_expert} experts, which "
+                                 f"do not split over ep={ep} ranks; choose n_expert divisible by ep")
+            for pname, p in layer.named_parameters(prefix=name):
+                p.global_name = getattr(p, "global_name", pname)
+            if ep > 1:
+                El = layer.n_expert // ep
+                from pdist import nn
+                layer.experts = nn.ModuleList(list(layer.experts)[r * El:(r + 1) * El])
+                layer.apply_experts = ExpertDispatch(layer, self.ep_group, layer.n_expert)
+        self.inner.materialize()
+        self._dense, self._experts = [], []
+        for n, p in self.named_parameters():
+            (self._experts if expert_of(plan, getattr(p, "global_name", n)) else self._dense).append(p)
+
+    def local_batch(self, x, y):
+        """This rank's rows of the global batch: [r B/dp, (r+1) B/dp)."""
+        return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
+
+    def moe_stats(self, reset=True):
+        """moe_stats of the whole batch: each layer's tokens per expert, routed and dropped
+        rows, summed over the dp ranks (every rank gets the same). Collective over dp."""
+        parts = self.group.all_gather_object(moe_stats(self.module, reset))
+        out = {}
+        for name in parts[0]:
+            ss = [p[name] for p in parts]
+            out[name] = {"tokens": np.sum([s["tokens"] for s in ss], 0).tolist(),
+                         "routed": np.sum([s["routed"] for s in ss], 0).tolist(),
+                         "dropped": sum(s["dropped"] for s in ss), "calls": sum(s["calls"] for s in ss)}
+        return out
+
+    def finish_grad_sync(self):
+        """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp."""
+        self.inner.finish_grad_sync()
+        _reduce(self._dense, self.group, "avg", 1.0)
+        _reduce(self._experts, self.edp_group, "sum", 1.0 / self.dp_world_size)
+
+
+def _reduce(params, group, op, scale):
+    """One flat all-reduce of ``params``' gradients over ``group``; a gradient missing on every
+    rank stays None (as on one process, where AdamW then skips it: an expert no token chose),
+    one missing only here counts as zeros. The flags travel at the buffer's end."""
+    if not params:
+        return
+    here = [p.grad is not None for p in params]
+    flat = xp.concatenate([p.grad.reshape(-1) if h else xp.zeros(p.size, p.dtype) for p, h in zip(params, here)]
+                          + [xp.asarray(here, dtype=params[0].dtype)])
+    if group.size > 1:
+        group.all_reduce(flat, op=op)
+    if scale != 1.0:
+        flat *= scale
+    anywhere = to_numpy(flat[-len(params):]) > 0
+    a = 0
+    for p, h, used in zip(params, here, anywhere):
+        g = flat[a:a + p.size].reshape(p.shape)
+        if not used:
+            p.grad = None
+        elif h:
+            p.grad[...] = g
+        else:
+            p.grad = g.copy()
+        a += p.size
+
+
+__all__ = ["ExpertParallel", "ExpertDispatch", "AllToAllV", "regroup"]
