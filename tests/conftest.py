@@ -125,8 +125,7 @@ def _counted(launch):
 SLOW = [
     "tests/test_gpu_standin.py::test_file_passes_on_the_standin",   # a whole test file, again
     "tests/test_gpu_standin.py::test_device_transport",
-    "tests/test_layouts.py::test_layout_equals_single_process[n8 ",  # 8 ranks
-    "tests/test_layouts.py::test_layout_equals_single_process[n2 --dp 2 --naive",
+    "tests/test_layouts.py::test_layouts_equal_single_process[n8-",  # 8 ranks
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_grade.py::test_class_mode_rejects_each_wrong_answer",
     "tests/test_grade.py::test_reference_gets_full_points",
