@@ -157,28 +157,27 @@ ALONE = ["tests/test_failures.py::",
          "tests/test_grade.py::test_reference", "tests/test_grade.py::test_class_mode"]
 
 
-# Tests that take longest (15-70 s each in a run of the whole suite under -n 4 on 2 cores at
-# load 13-20, AMD EPYC, 2026-12-01): started first, one per worker in turn, so that none of
-# them is left running alone at the end while the other workers are idle.
+# Tests that take longest: 6-45 s of CPU each in a run of the whole suite under -n 4 on 2
+# cores (AMD EPYC, load 13-20, 2026-12-01), and the batched layouts and wrong answers. Started
+# first, one per worker in turn, so that none of them is left running alone at the end while
+# the other workers are idle.
 LONG = [
-    "tests/test_precision.py::test_loss_curve_close_to_fp32",
-    "tests/test_gpu_standin.py::test_device_transport",
     "tests/test_gpu_standin.py::test_file_passes_on_the_standin",
+    "tests/test_gpu_standin.py::test_device_transport",
+    "tests/test_comm.py::test_collectives_forced_wait_mode",
+    "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
     "tests/test_layouts.py::test_layouts_equal_single_process",
-    "tests/test_killed_suite.py::",
-    "tests/test_lessons_04_05.py::",
-    "tests/test_lessons_00.py::",
-    "tests/test_grader_runner.py::test_class_mode_progress_json_and_a_stuck_student_capped",
-    "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
-    "tests/test_precision.py::test_pipeline_and_sequence_parallel_equal_one_process",
-    "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",
-    "tests/test_launch_cleanup.py::test_launch_bounds_its_output_and_reaps_setsid_children",
-    "tests/test_defaults.py::test_corpus_is_the_same_whatever_the_process_imported",
-    "tests/test_llama.py::test_five_adamw_steps_match_transformers",
-    "tests/test_zero.py::test_lesson_03_json_contract",
+    "tests/test_lesson_06.py::test_lesson_06_at_8_ranks_json",
+    "tests/test_lessons_04_05.py::test_lesson_05",
+    "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks",
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
-    "tests/test_plan.py::test_lesson_06_memory_and_group_bytes_equal_the_plan",
+    "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
+    "tests/test_zero.py::test_lesson_03_json_contract",
+    "tests/test_debug.py::test_simulated_cluster_layouts_order_as_predicted",
+    "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",
+    "tests/test_precision.py::test_loss_curve_close_to_fp32",
+    "tests/test_killed_suite.py::",
 ]
 
 
