@@ -15,6 +15,10 @@ The pool is a small JSON file under a lock (``fcntl.flock``) in the temporary di
 named by the pid of the pytest that started the workers (it removes the files at its end);
 a holder that died (its pid is gone) loses its units. Without xdist (``pytest tests/x.py``)
 none of this is active.
+
+Also here: the tests ``make test-fast`` leaves out (SLOW), those that hold the whole pool
+(ALONE), the order in which xdist's workers take the tests (``dealt``: whole-pool tests,
+then the longest, first) and a one-time bytecode compile (``compile_bytecode``).
 """
 import contextlib
 import fcntl
