@@ -242,8 +242,9 @@ def compile_bytecode():
     """Under ``PYTHONDONTWRITEBYTECODE`` (set in many CI and container images) each of the
     suite's processes (every rank of every launch) would compile pdist from source again,
     about 0.07 s of CPU each (2-core AMD EPYC, 2026-12-01); the pytest that starts
-    the suite compiles it once instead (``compileall``, into the usual ``__pycache__``
-    folders, which git ignores), and the processes read it (they still write nothing).
+    the suite compiles pdist/ and the CuPy stand-in once instead (``compileall``, into
+    the usual ``__pycache__`` folders, which git ignores; never the lessons or the test
+    fixtures, whose folders tests list), and the processes read it (they write nothing).
     ``PDIST_TEST_BYTECODE=0`` leaves it."""
     if not sys.flags.dont_write_bytecode or os.environ.get("PDIST_TEST_BYTECODE") == "0":
         return
@@ -251,7 +252,7 @@ def compile_bytecode():
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     if not os.path.isfile(os.path.join(root, "pdist", "__init__.py")):
         return                                # this conftest copied elsewhere (tests/test_killed_suite.py)
-    for sub in ("pdist", "tests", "lessons", "bench"):
+    for sub in ("pdist", os.path.join("tests", "strict_cupy")):   # what the ranks import (scripts are not cached)
         if os.path.isdir(os.path.join(root, sub)):
             compileall.compile_dir(os.path.join(root, sub), quiet=2)
 

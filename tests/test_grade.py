@@ -148,7 +148,7 @@ def test_every_exercise_has_wrong_answer_fixtures():
     assert {p.name for p in WRONG.iterdir() if p.is_dir()} == set(WRONG_ANSWERS)
     files = {e[0]: e[1] for e in grade.EXERCISES}
     for student, (ex, _) in WRONG_ANSWERS.items():
-        held = sorted(f.name for f in (WRONG / student).iterdir())
+        held = sorted(f.name for f in (WRONG / student).iterdir() if f.name != "__pycache__")   # (Python's cache)
         assert held == [files[ex]], (student, held)             # one exercise per folder: class mode grades it fast
         text = (WRONG / student / files[ex]).read_text()
         assert text.startswith('"""Wrong: ') and "solutions" not in text, student
@@ -180,7 +180,8 @@ def test_class_mode_rejects_wrong_answers(tmp_path):
     for s in students:
         (tmp_path / "class" / s).mkdir(parents=True)
         for f in (WRONG / s).iterdir():
-            (tmp_path / "class" / s / f.name).write_text(f.read_text())
+            if f.is_file():                      # (not a __pycache__ that grading it may leave)
+                (tmp_path / "class" / s / f.name).write_text(f.read_text())
     out = tmp_path / "class.csv"
     p = run_grade("--class", str(tmp_path / "class"), "--csv", str(out))
     assert p.returncode == 0, p.stderr
