@@ -178,7 +178,6 @@ LONG = [
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
     "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
     "tests/test_zero.py::test_lesson_03_json_contract",
-    "tests/test_debug.py::test_simulated_cluster_layouts_order_as_predicted",
     "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",
     "tests/test_precision.py::test_loss_curve_close_to_fp32",
     "tests/test_killed_suite.py::",
