@@ -168,7 +168,6 @@ ALONE = ["tests/test_failures.py::",
 LONG = [
     "tests/test_gpu_standin.py::test_file_passes_on_the_standin",
     "tests/test_gpu_standin.py::test_device_transport",
-    "tests/test_comm.py::test_collectives_forced_wait_mode",
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
     "tests/test_layouts.py::test_layouts_equal_single_process",
