@@ -15,11 +15,16 @@ The pool is a small JSON file under a lock (``fcntl.flock``) in the temporary di
 named by the pid of the pytest that started the workers (it removes the files at its end);
 a holder that died (its pid is gone) loses its units. Without xdist (``pytest tests/x.py``)
 none of this is active.
+
+Also here: the tests ``make test-fast`` leaves out (SLOW), those that hold the whole pool
+(ALONE), the order in which xdist's workers take the tests (``dealt``: whole-pool tests,
+then the longest, first) and a one-time bytecode compile (``compile_bytecode``).
 """
 import contextlib
 import fcntl
 import json
 import os
+import sys
 import tempfile
 import time
 
@@ -125,8 +130,7 @@ def _counted(launch):
 SLOW = [
     "tests/test_gpu_standin.py::test_file_passes_on_the_standin",   # a whole test file, again
     "tests/test_gpu_standin.py::test_device_transport",
-    "tests/test_layouts.py::test_layout_equals_single_process[n8 ",  # 8 ranks
-    "tests/test_layouts.py::test_layout_equals_single_process[n2 --dp 2 --naive",
+    "tests/test_layouts.py::test_layouts_equal_single_process[n8-",  # 8 ranks
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_grade.py::test_class_mode_rejects_each_wrong_answer",
     "tests/test_grade.py::test_reference_gets_full_points",
@@ -157,12 +161,64 @@ ALONE = ["tests/test_failures.py::",
          "tests/test_grade.py::test_reference", "tests/test_grade.py::test_class_mode"]
 
 
+# Tests that take longest: 6-45 s of CPU each in a run of the whole suite under -n 4 on 2
+# cores (AMD EPYC, load 13-20, 2026-12-01), and the batched layouts and wrong answers. Started
+# first, one per worker in turn, so that none of them is left running alone at the end while
+# the other workers are idle.
+LONG = [
+    "tests/test_gpu_standin.py::test_file_passes_on_the_standin",
+    "tests/test_gpu_standin.py::test_device_transport",
+    "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
+    "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
+    "tests/test_layouts.py::test_layouts_equal_single_process",
+    "tests/test_lesson_06.py::test_lesson_06_at_8_ranks_json",
+    "tests/test_lessons_04_05.py::test_lesson_05",
+    "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks",
+    "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
+    "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
+    "tests/test_zero.py::test_lesson_03_json_contract",
+    "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",
+    "tests/test_precision.py::test_loss_curve_close_to_fp32",
+    "tests/test_killed_suite.py::",
+]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.nodeid.startswith(p) for p in SLOW):
             item.add_marker(pytest.mark.slow)
         if any(item.nodeid.startswith(p) for p in ALONE) and item.get_closest_marker("cores") is None:
             item.add_marker(pytest.mark.cores("all"))
+    workers = int(getattr(config, "workerinput", {}).get("workercount", 0))
+    if workers > 1:
+        items[:] = dealt(items, workers)
+
+
+def dealt(items, workers):
+    """The order under pytest-xdist (every worker computes the same one): its load scheduler
+    first hands each of the W workers a run of about N/W/4 consecutive tests, then the rest
+    in small runs as they finish. So the whole-pool tests (``cores("all")``) and then the
+    LONG ones are dealt one per worker in turn at the head of those first runs: the
+    whole-pool tests all run at the start, one after another, while nothing else is in
+    flight (the pool drains once, not once for each), and the long ones run side by side,
+    early. The other tests keep their order (and their module fixtures)."""
+    def whole(it):
+        m = it.get_closest_marker("cores")
+        return m is not None and m.args[0] == "all"
+    alone = [it for it in items if whole(it)]
+    long_ = [it for it in items if not whole(it) and any(it.nodeid.startswith(p) for p in LONG)]
+    picked = {id(it) for it in alone + long_}
+    rest = [it for it in items if id(it) not in picked]
+    run = max(2, len(items) // workers // 4)
+    heads = [[] for _ in range(workers)]
+    for i, it in enumerate(alone + long_):
+        heads[i % workers].append(it)
+    out = []
+    for head in heads:
+        fill = max(0, run - len(head))
+        out += head + rest[:fill]
+        rest = rest[fill:]
+    return out + rest
 
 
 def pytest_configure(config):
@@ -170,12 +226,33 @@ def pytest_configure(config):
     inherits the worker's environment but is none): count the launches. This runs before
     the test modules import ``launch``, so they import the counted one."""
     global RUN
+    if not hasattr(config, "workerinput"):
+        compile_bytecode()
     if hasattr(config, "workerinput") and RUN is None:
         RUN = os.getppid()
         import pdist.testing
         pdist.testing.launch = _counted(pdist.testing.launch)
     config.addinivalue_line("markers", "cores(k): the test holds k rank units (\"all\": the whole "
                                        "pool) for its whole run under pytest-xdist (tests/conftest.py)")
+
+
+def compile_bytecode():
+    """Under ``PYTHONDONTWRITEBYTECODE`` (set in many CI and container images) each of the
+    suite's processes (every rank of every launch) would compile pdist from source again,
+    about 0.07 s of CPU each (2-core AMD EPYC, 2026-12-01); the pytest that starts
+    the suite compiles pdist/ and the CuPy stand-in once instead (``compileall``, into
+    the usual ``__pycache__`` folders, which git ignores; never the lessons or the test
+    fixtures, whose folders tests list), and the processes read it (they write nothing).
+    ``PDIST_TEST_BYTECODE=0`` leaves it."""
+    if not sys.flags.dont_write_bytecode or os.environ.get("PDIST_TEST_BYTECODE") == "0":
+        return
+    import compileall
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    if not os.path.isfile(os.path.join(root, "pdist", "__init__.py")):
+        return                                # this conftest copied elsewhere (tests/test_killed_suite.py)
+    for sub in ("pdist", os.path.join("tests", "strict_cupy")):   # what the ranks import (scripts are not cached)
+        if os.path.isdir(os.path.join(root, sub)):
+            compileall.compile_dir(os.path.join(root, sub), quiet=2)
 
 
 @pytest.hookimpl(hookwrapper=True)

@@ -154,7 +154,7 @@ def test_every_exercise_has_wrong_answer_fixtures():
     assert {p.name for p in WRONG.iterdir() if p.is_dir()} == set(WRONG_ANSWERS)
     files = {e[0]: e[1] for e in grade.EXERCISES}
     for student, (ex, _) in WRONG_ANSWERS.items():
-        held = sorted(f.name for f in (WRONG / student).iterdir())
+        held = sorted(f.name for f in (WRONG / student).iterdir() if f.name != "__pycache__")   # (Python's cache)
         assert held == [files[ex]], (student, held)             # one exercise per folder: class mode grades it fast
         text = (WRONG / student / files[ex]).read_text()
         assert text.startswith('"""Wrong: ') and "solutions" not in text, student
@@ -162,13 +162,21 @@ def test_every_exercise_has_wrong_answer_fixtures():
 
 @in_instructor_copy
 @pytest.mark.slow
-@pytest.mark.parametrize("student", sorted(WRONG_ANSWERS))
-def test_each_wrong_answer_is_rejected_naming_its_mistake(student):
-    ex_id, says = WRONG_ANSWERS[student]
-    ex = next(e for e in grade.EXERCISES if e[0] == ex_id)
-    r = grade.grade_one(ex, WRONG / student)
-    text = " ".join(str(v) for v in r.values())
-    assert r["status"] == "failing" and r["points"] == 0 and says in text, (student, r)
+@pytest.mark.parametrize("eid", [e[0] for e in grade.EXERCISES])
+def test_each_wrong_answer_is_rejected_naming_its_mistake(eid):
+    """Every wrong answer of one exercise, graded in as few jobs as they allow
+    (pdist/course/checks_batch.py: the same checks and verdict as ``grade_one``, a file
+    after another only while every file ends cleanly on every rank); each must fail with 0
+    points and its own reason. Class mode and --dir (below) grade through ``grade_one``."""
+    from pdist.course.checks_batch import grade_batch
+    students = sorted(s for s, (ex_id, _) in WRONG_ANSWERS.items() if ex_id == eid)
+    ex = next(e for e in grade.EXERCISES if e[0] == eid)
+    missed = []
+    for student, r in zip(students, grade_batch(ex, [WRONG / s for s in students])):
+        text = " ".join(str(v) for v in r.values())
+        if not (r["status"] == "failing" and r["points"] == 0 and WRONG_ANSWERS[student][1] in text):
+            missed.append((student, WRONG_ANSWERS[student][1], r["status"], r["msg"]))
+    assert not missed, "\n".join(f"{s}: want {want!r}; got {st}: {msg}" for s, want, st, msg in missed)
 
 
 @in_instructor_copy
@@ -178,7 +186,8 @@ def test_class_mode_rejects_wrong_answers(tmp_path):
     for s in students:
         (tmp_path / "class" / s).mkdir(parents=True)
         for f in (WRONG / s).iterdir():
-            (tmp_path / "class" / s / f.name).write_text(f.read_text())
+            if f.is_file():                      # (not a __pycache__ that grading it may leave)
+                (tmp_path / "class" / s / f.name).write_text(f.read_text())
     out = tmp_path / "class.csv"
     p = run_grade("--class", str(tmp_path / "class"), "--csv", str(out))
     assert p.returncode == 0, p.stderr

@@ -1,10 +1,11 @@
 """The one shape: every layout and composition equals single-process training, for every model.
 
 tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
-(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch, both models) and checks, on every rank: the losses,
-every piece of every parameter and of Adam's m and v in ``sharded_state_dict`` against
-the same box of the single-process tensors (float64, rtol 1e-9), ``full_state_dict``
-against the single-process state_dict, and ``load_full_state_dict`` as its inverse.
+(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch per batch of layouts,
+both models) and checks, on every rank: the losses, every piece of every parameter and of
+Adam's m and v in ``sharded_state_dict`` against the same box of the single-process tensors
+(float64, rtol 1e-9), ``full_state_dict`` against the single-process state_dict, and
+``load_full_state_dict`` as its inverse.
 Also: non-finite values raise NonFiniteError on every rank (tests/workers/nonfinite.py),
 and bad layouts raise before any collective."""
 import re
@@ -34,16 +35,45 @@ LAYOUTS = [
 ]
 
 
-@pytest.mark.parametrize("n,layout", LAYOUTS, ids=[f"n{n} {a}" for n, a in LAYOUTS])
-def test_layout_equals_single_process(n, layout):
-    out = mpirun(n, W, *layout.split(), "--model", ",".join(MODELS), timeout=300)
+# The layouts run in batches: one launch per batch (one mpiexec start and one import of pdist
+# per rank for all of its layouts), each layout reported and asserted by name. A batch holds
+# layouts of one world size, at most PER_BATCH of them (fewer at 4 and 8 ranks, which run
+# longer), so that no batch keeps a pytest-xdist worker busy long after the others.
+PER_BATCH = {1: 5, 2: 5, 3: 5, 4: 3, 8: 2}
+
+
+def _batches():
+    out = {}
+    for n in sorted({n for n, _ in LAYOUTS}):
+        mine = [a for m, a in LAYOUTS if m == n]
+        k = -(-len(mine) // PER_BATCH[n])
+        for j in range(k):
+            out[f"n{n}-{j + 1}of{k}"] = (n, mine[j::k])      # round robin: slow kinds spread out
+    return out
+
+
+BATCHES = _batches()
+
+
+def test_batches_hold_every_layout_once():
+    held = sorted((n, a) for n, layouts in BATCHES.values() for a in layouts)
+    assert held == sorted(LAYOUTS), held
+
+
+@pytest.mark.parametrize("batch", list(BATCHES))
+def test_layouts_equal_single_process(batch):
+    """Each layout of the batch, in one launch: every rank reports every model, with its own
+    (pp, dp, tp) coordinates. A layout that fails ends the job with its name in the message."""
+    n, layouts = BATCHES[batch]
+    out = mpirun(n, W, "--each=" + ";".join(layouts), "--model", ",".join(MODELS), timeout=120 + 60 * len(layouts))
     got = reports(out)
-    for name in MODELS:
-        mine = [r for r in got if r["model"] == name]
-        assert sorted(r["rank"] for r in mine) == list(range(n)), (name, out)
-        assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (name, out)
-        coords = {tuple(r["coords"]) for r in mine}
-        assert len(coords) == n, coords                        # every rank its own (pp, dp, tp)
+    for layout in layouts:
+        for name in MODELS:
+            mine = [r for r in got if r["model"] == name and r["case"] == layout]
+            assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
+            assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (layout, name, mine)
+            coords = {tuple(r["coords"]) for r in mine}
+            assert len(coords) == n, (layout, coords)                  # every rank its own (pp, dp, tp)
 
 
 @pytest.mark.parametrize("n", [2, 4])

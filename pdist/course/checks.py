@@ -38,26 +38,37 @@ def main(exercise, source):
     if world.size > 1:          # every rank has taken (and deleted) its key before any student code runs
         from mpi4py import MPI
         MPI.COMM_WORLD.Barrier()
+    if run_checks(exercise, source, world, lambda **kw: rep.report(exercise=exercise, rank=world.rank, **kw)):
+        _stop()
 
-    def report(**kw):
-        rep.report(exercise=exercise, rank=world.rank, **kw)
+
+def run_checks(exercise, source, world, report):
+    """Load ``source`` and run the exercise's checks on ``world`` in order, one report per
+    check; returns None when all passed (then a ``done`` report), else the failed check's
+    report fields (reported, and this rank stops checking)."""
+    from pdist import comm
+    from pdist.engine.backend import set_default_dtype
+    set_default_dtype("float64")
     try:
         S = load(source)
         checks = CHECKS[exercise](S, world)
     except BaseException as e:   # SystemExit too: a module that exits while loading
-        report(index=-1, check="loads", ok=False, msg=f"the exercise file does not load: {_one_line(e)}",
-               detail=student_traceback(e, source))
-        _stop()
+        fields = dict(index=-1, check="loads", ok=False, msg=f"the exercise file does not load: {_one_line(e)}",
+                      detail=student_traceback(e, source))
+        report(**fields)
+        return fields
     for i, (name, fn) in enumerate(checks):
         t0 = time.perf_counter()
         try:
             fn()
         except BaseException as e:
-            report(index=i, check=name, ok=False, seconds=round(time.perf_counter() - t0, 3),
-                   **failure(e, source, comm.CollectiveTimeoutError))
-            _stop()
+            fields = dict(index=i, check=name, ok=False, seconds=round(time.perf_counter() - t0, 3),
+                          **failure(e, source, comm.CollectiveTimeoutError))
+            report(**fields)
+            return fields
         report(index=i, check=name, ok=True, seconds=round(time.perf_counter() - t0, 3))
     report(done=True, checks=len(checks))
+    return None
 
 
 def failure(e, source, timeout_error):

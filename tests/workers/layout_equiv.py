@@ -1,6 +1,7 @@
-"""One layout of the one shape equals single-process training (float64), for every model.
+"""Each layout of the one shape equals single-process training (float64), for every model.
 
     mpiexec -n 8 python tests/workers/layout_equiv.py --dp 2 --tp 2 --pp 2 --zero 1 --sp --model gpt2,llama
+    mpiexec -n 2 python tests/workers/layout_equiv.py "--each=--dp 2;--tp 2 --sp" --model gpt2,llama
 
 For each model named by ``--model``: K AdamW steps through ``pdist.training.train`` (the
 one loop) on the same global batches as one process. Checked on every rank, reported as
@@ -8,7 +9,13 @@ JSON (pdist.testing.report, one report per model): the loss of every step (rtol 
 every piece of every parameter and of Adam's m and v in ``sharded_state_dict`` against the
 same box of the single-process tensors (rtol 1e-9: shard by shard), ``full_state_dict``
 against the single-process state_dict, and ``load_full_state_dict`` of the reference
-restoring it exactly."""
+restoring it exactly.
+
+``--each=A;B;...`` runs several layouts of this world size in one launch (one start-up of
+mpiexec and the imports for all of them; the single-process reference of each model is
+computed once per configuration). Each report then carries ``case`` (the layout's
+arguments), and an error in a layout is re-raised naming it, so the job's failure message
+(pdist.testing) says which layout and model failed, with that rank's traceback."""
 import argparse
 
 import numpy as np
@@ -35,26 +42,34 @@ p.add_argument("--meta", action="store_true", help="build the model on device='m
 p.add_argument("--n-layer", type=int, default=4)
 p.add_argument("--batch-size", type=int, default=8)
 p.add_argument("--model", default="gpt2", help="comma-separated: gpt2, llama")
-args = p.parse_args()
+p.add_argument("--each", default=None, help="several layouts, ';'-separated, each run in turn (one launch)")
+ARGS = p.parse_args()
 set_default_dtype("float64")
 world = comm.init()
-B, T, SEED, TOL = args.batch_size, 8, 3, dict(rtol=1e-9, atol=1e-12)
+T, SEED, TOL = 8, 3, dict(rtol=1e-9, atol=1e-12)
 tokens, tok = data.char_dataset(50_000)
-CONFIGS = {"gpt2": lambda: lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=args.n_layer, n_head=4,
-                                              n_embd=32),
-           "llama": lambda: LlamaConfig(vocab_size=96, block_size=T, n_layer=args.n_layer, n_head=4, n_kv_head=2,
-                                        n_embd=32, intermediate_size=48, dtype="float64")}
 MODELS = {"gpt2": GPT, "llama": Llama}
-batch = data.batch_fn(tokens, B, T, SEED, 96)
+_REFERENCES = {}
 
 
-def reference(make, steps):
-    """Single-process training and its optimizer state, by name."""
-    model = make()
+def config(name, args):
+    if name == "gpt2":
+        return lesson.gpt_config(96, dtype="float64", block_size=T, n_layer=args.n_layer, n_head=4, n_embd=32)
+    return LlamaConfig(vocab_size=96, block_size=T, n_layer=args.n_layer, n_head=4, n_kv_head=2, n_embd=32,
+                       intermediate_size=48, dtype="float64")
+
+
+def reference(name, args, batch):
+    """Single-process training and its optimizer state, by name (computed once per
+    model, depth, batch size and step count; nothing here writes to what it returns)."""
+    key = (name, args.n_layer, args.batch_size, args.steps)
+    if key in _REFERENCES:
+        return _REFERENCES[key]
+    model = MODELS[name](config(name, args), SEED)
     opt = AdamW(model.parameters(), lr=lesson.LR, betas=lesson.BETAS, eps=lesson.EPS,
                 weight_decay=lesson.WEIGHT_DECAY)
     losses = []
-    for step in range(steps):
+    for step in range(args.steps):
         x, y = batch(step)
         model.zero_grad()
         _, loss = model(x, y)
@@ -62,15 +77,16 @@ def reference(make, steps):
         opt.step()
         losses.append(loss.item())
     states = {n: opt.state[id(q)] for n, q in model.named_parameters()}
-    return losses, model.state_dict(), states
+    _REFERENCES[key] = (losses, model.state_dict(), states)
+    return _REFERENCES[key]
 
 
-def check_shards(shards, ref_sd, ref_state):
+def check_shards(shards, ref_sd, ref_state, steps):
     """Every piece of every parameter and Adam state equals the same box of one process's."""
     checked = 0
     for key, pieces in shards.items():
         if key.startswith("optimizer.step."):
-            assert all(int(to_numpy(s.data)) == args.steps for s in pieces), (key, pieces)
+            assert all(int(to_numpy(s.data)) == steps for s in pieces), (key, pieces)
             continue
         if key.startswith("optimizer."):
             _, state, name = key.split(".", 2)
@@ -105,8 +121,9 @@ def check_full(model, shards, ref_sd, make):
     assert all(np.array_equal(to_numpy(again[k]), to_numpy(init[k])) for k in init)
 
 
-def run(name):
-    cfg, cls = CONFIGS[name](), MODELS[name]
+def run(name, args, case):
+    cfg, cls = config(name, args), MODELS[name]
+    batch = data.batch_fn(tokens, args.batch_size, T, SEED, 96)
     mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
     meta.CHUNK_ELEMS = 37 if args.meta else 1 << 16    # chunks that cut rows: the stream must still match
     model = parallelize(cls(cfg, SEED, device="meta" if args.meta else None), mesh, zero_stage=args.zero,
@@ -119,16 +136,30 @@ def run(name):
         for pc in model.pieces():
             assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), init_sd[pc.name][box_slices(pc)]), pc
     rows = len(model.local_batch(*batch(0))[0])
+    B = args.batch_size
     assert rows == B // args.dp, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
     losses = train(model, opt, batch, args.steps)
-    ref_losses, ref_sd, ref_state = reference(lambda: cls(cfg, SEED), args.steps)
+    ref_losses, ref_sd, ref_state = reference(name, args, batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg=f"{name}: losses")
     shards = model.sharded_state_dict(opt)
-    checked = check_shards(shards, ref_sd, ref_state)
+    checked = check_shards(shards, ref_sd, ref_state, args.steps)
     check_full(model, shards, ref_sd, lambda: cls(cfg, SEED))
-    report(rank=world.rank, model=name, coords=list(mesh.coords), layout=vars(args), steps=args.steps,
+    report(rank=world.rank, model=name, case=case, coords=list(mesh.coords), layout=vars(args), steps=args.steps,
            checked_pieces=checked, losses=losses)
 
 
-for model_name in args.model.split(","):
-    run(model_name)
+def main():
+    cases = [c.strip() for c in ARGS.each.split(";") if c.strip()] if ARGS.each is not None else [None]
+    for case in cases:
+        args = p.parse_args(case.split() + ["--model", ARGS.model]) if case is not None else ARGS
+        for model_name in args.model.split(","):
+            if case is None:
+                run(model_name, args, case)
+                continue
+            try:
+                run(model_name, args, case)
+            except Exception as e:        # name the layout: the job's failure message shows this line
+                raise AssertionError(f"layout {case!r}, model {model_name}: {type(e).__name__}: {e}") from e
+
+
+main()
