@@ -38,11 +38,21 @@ def test_collectives(n):
     assert all(r["ok"] and r["n"] == n and r["cooperative"] == (expect == "1") for r in res)
 
 
-@pytest.mark.parametrize("n,coop", [(2, "1"), (3, "0")])
+@pytest.mark.parametrize("n,coop", [(2, "1"), (2, "0")])
 def test_collectives_forced_wait_mode(n, coop):
-    """Both wait paths (cooperative Test+sleep, and MPI's blocking calls) give the same results."""
+    """Both wait paths (cooperative Test+sleep, and MPI's blocking calls) give the same results.
+    At 2 ranks: spinning ranks never outnumber 2 cores (3 ranks' non-power-of-two cases:
+    test_collectives[3]; the wait mode does not change which messages an algorithm sends)."""
     res = reports(mpirun(n, W / "comm_collectives.py", coop, timeout=180, env={"PDIST_COOPERATIVE_WAIT": coop}))
     assert len(res) == n and all(r["ok"] and r["cooperative"] == (coop == "1") for r in res)
+
+
+def test_forced_blocking_waits_win_over_oversubscription():
+    """PDIST_COOPERATIVE_WAIT=0 turns cooperative waits off where 2 ranks share one core (each
+    pins itself before start-up; it then stops: nothing spins there but start-up's exchange)."""
+    res = reports(mpirun(2, W / "comm_collectives.py", "0", "one-core", timeout=60,
+                         env={"PDIST_COOPERATIVE_WAIT": "0"}))
+    assert len(res) == 2 and all(r["ok"] and not r["cooperative"] for r in res)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

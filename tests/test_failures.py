@@ -178,9 +178,10 @@ def test_clean_exit_is_quick_and_zero(n, tmp_path):
     assert not list(tmp_path.iterdir())                    # no flight dump on success
 
 
-@pytest.mark.parametrize("env_timeout,expect", [(None, 2), ("3", 3)])
+@pytest.mark.parametrize("env_timeout,expect", [(None, 2), ("1", 1)])
 def test_init_timeout_and_env_override(env_timeout, expect, tmp_path):
-    """comm.init(timeout=2) sets the deadline; PDIST_TIMEOUT, when set, wins."""
+    """comm.init(timeout=2) sets the deadline; PDIST_TIMEOUT, when set, wins (1 s: the shorter
+    awaits less; a deadline met early on a loaded box still names PDIST_TIMEOUT's 1 s)."""
     f = ended(run(2, "timeout", tmp_path, env={"PDIST_TIMEOUT": env_timeout, "FAIL_INIT_TIMEOUT": "2"}), "timeout")
     assert f"did not complete within {expect} s (PDIST_TIMEOUT)" in f[0], f[0]
 

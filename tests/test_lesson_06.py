@@ -34,7 +34,10 @@ def test_lesson_06_at_8_ranks_json(tmp_path, model):
                                     "--dp 2 --tp 2 --zero 1 --no-sp", "--dp 4 --zero 3",
                                     "--tp 2 --pp 2 --precision bf16", "--model llama --dp 2 --tp 2 --precision bf16"])
 def test_lesson_06_pairs_at_4_ranks(layout):
-    out = mpirun(4, L06, "--steps", "3", *layout.split(), timeout=300)
+    """Each pair composes and equals one process; a small model (the 8-rank tests above run the
+    lesson's own sizes): 2 layers (one per stage at pp 2), width 32, T 16, 2 steps."""
+    out = mpirun(4, L06, "--steps", "2", "--n-layer", "2", "--n-embd", "32", "--block-size", "16",
+                 *layout.split(), timeout=300)
     assert "PASS: 06_mesh" in out, out
 
 

@@ -112,10 +112,11 @@ def test_lesson_04_mixed_precision(tmp_path):
 
 
 def test_lesson_05_mixed_precision(tmp_path):
-    """bf16 pipelines (gpipe, 1f1b, interleaved) equal one process with m micro-batches bit for bit."""
+    """bf16 pipelines (gpipe, 1f1b, interleaved) equal one process with m micro-batches bit for bit
+    (a small model: 4 layers, two chunks per rank interleaved, width 32, T 16)."""
     path = tmp_path / "pp16.json"
     out = mpirun(2, "lessons/05_pipeline_parallel.py", "--steps", "2", "--precision", "bf16", "--json", str(path),
-                 timeout=300)
+                 "--n-layer", "4", "--n-embd", "32", "--block-size", "16", timeout=300)
     assert "PASS: 05_pipeline_parallel" in out and "bf16: bit for bit" in out, out
     s = json.loads(path.read_text())
     assert s["check"] == "PASS" and {r["precision"] for r in s["runs"]} == {"bf16"}

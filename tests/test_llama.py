@@ -14,15 +14,23 @@ import json
 import numpy as np
 import pytest
 
-torch = pytest.importorskip("torch")
-transformers = pytest.importorskip("transformers")
-from transformers.models.llama import modeling_llama  # noqa: E402
+from pdist import checkpoint
+from pdist.course import lesson
+from pdist.engine.autograd import no_grad
+from pdist.models.llama import Llama, LlamaConfig
+from pdist.parallel.base import Local
 
-from pdist import checkpoint  # noqa: E402
-from pdist.course import lesson  # noqa: E402
-from pdist.engine.autograd import no_grad  # noqa: E402
-from pdist.models.llama import Llama, LlamaConfig  # noqa: E402
-from pdist.parallel.base import Local  # noqa: E402
+torch = transformers = modeling_llama = None  # imported by _torch_and_transformers, not at collection
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _torch_and_transformers():
+    """torch and transformers cost seconds to import: once per module when its tests run (a skip
+    without them), never while pytest collects."""
+    global torch, transformers, modeling_llama
+    torch = pytest.importorskip("torch")
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
 
 HF = dict(vocab_size=29, hidden_size=24, intermediate_size=40, num_hidden_layers=2, num_attention_heads=4,
           num_key_value_heads=2, max_position_embeddings=16, rms_norm_eps=1e-5, rope_theta=500.0)
