@@ -128,8 +128,7 @@ def _counted(launch):
 # a run of the whole suite under pytest-xdist (-n 4) on 2 cores at load average 12-15
 # (AMD EPYC, 2026-12-01); about 3-5 s each on a quiet machine. A node id, or its beginning.
 SLOW = [
-    "tests/test_gpu_standin.py::test_file_passes_on_the_standin",   # a whole test file, again
-    "tests/test_gpu_standin.py::test_device_transport",
+    "tests/test_gpu_standin.py::test_file_passes_on_the_standin",   # host test cases, again
     "tests/test_layouts.py::test_layouts_equal_single_process[n8-",  # 8 ranks
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_grade.py::test_class_mode_rejects_each_wrong_answer",
@@ -166,7 +165,7 @@ ALONE = ["tests/test_failures.py::",
 # the other workers are idle.
 LONG = [
     "tests/test_gpu_standin.py::test_file_passes_on_the_standin",
-    "tests/test_gpu_standin.py::test_device_transport",
+    "tests/test_gpu_standin.py::test_device_defects_fixed_with_lazy_streams",
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
     "tests/test_layouts.py::test_layouts_equal_single_process",

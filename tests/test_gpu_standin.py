@@ -1,10 +1,12 @@
 """The GPU code path on CPU: PDIST_DEVICE=gpu with the strict CuPy stand-in
 (tests/strict_cupy: device arrays that refuse implicit host transfers, NCCL emulated
-over MPI with blocking large sends; lazy streams in the device workers). Runs the pipeline, comm, lesson-00 and tensor-parallel test files
-in a subprocess with that environment, and the device-transport worker (collectives,
-1F1B and interleaved pipelines with 8 MiB activations) over the NCCL path and over
-MPI host staging."""
+over MPI with blocking large sends; lazy streams in the device workers). Runs the device
+cases of the pipeline, comm, lesson-00 and tensor-parallel test files in a subprocess with
+that environment, and tests/workers/gpu_standin_cases.py (issue 24's defects, every
+collective x algorithm, pipelines whose sends block) over the NCCL path and over MPI host
+staging."""
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -23,25 +25,29 @@ def _env(transport="nccl"):
     return env
 
 
-# test_lessons_00's broken-gradient test replaces PYTHONPATH (it would lose the stand-in)
-FILES = [("tests/test_pipeline.py", None), ("tests/test_comm.py", "not harness_kills_a_hang"),
-         ("tests/test_lessons_00.py", "not gradient_is_wrong"), ("tests/test_tensor_parallel.py", None)]
+# Of each host file, the cases that take the device code paths, once (the host run keeps every
+# size and rank count): comm at 3 ranks (every op x algorithm, f32/f64/int64, async, p2p: odd n)
+# and its errors at 2; every schedule at pp = 2; every TP layer and TensorParallel(GPT) at 2;
+# lesson 00's GPT run (Llama on the device: test_gpu_acceptance's step a).
+FILES = {"comm": ["tests/test_comm.py::test_collectives[3]", "tests/test_comm.py::test_bad_inputs_raise_on_every_rank[2]"],
+         "pipeline": ["tests/test_pipeline.py::test_pipeline_equals_single_process[2]"],
+         "lessons_00": ["tests/test_lessons_00.py::test_lesson_00_json_summary"],
+         "tensor_parallel": ["tests/test_tensor_parallel.py::test_layers[2]",
+                             "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts[2]"]}
 
 
-@pytest.mark.cores(4)          # a whole test file in a subprocess: its jobs of up to 4 ranks
-@pytest.mark.parametrize("path,select", FILES, ids=[f for f, _ in FILES])
-def test_file_passes_on_the_standin(path, select):
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", path] + (["-k", select] if select else [])
+@pytest.mark.cores(3)          # host test cases in a subprocess: their jobs of up to 3 ranks
+@pytest.mark.parametrize("ids", FILES.values(), ids=FILES.keys())
+def test_file_passes_on_the_standin(ids):
+    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", *ids]
     p = subprocess.run(cmd, cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stdout[-6000:] + p.stderr[-3000:]
-    assert " passed" in p.stdout
+    assert re.search(rf"^{len(ids)} passed", p.stdout, re.M), p.stdout[-3000:]      # none skipped
 
 
-@pytest.mark.parametrize("n,transport", [(2, "nccl"), (4, "nccl"), (2, "mpi-host")])
-def test_device_transport(n, transport):
-    env = dict(_env(transport), STRICT_CUPY_LAZY="1")          # lazy streams: the ordering is tested
-    out = mpirun(n, STANDIN / "workers" / "device_comm.py", transport, env=env, timeout=240)
-    assert all(f"OK rank {r} {transport}" in out for r in range(n)), out[-3000:]
+# Every collective x algorithm on device arrays and the pipelines with activations above the
+# rendezvous size: the "comm" case of test_device_defects_fixed_with_lazy_streams (4 ranks: the
+# world and pairs, both transports) and test_gpu_acceptance's steps b, c (2 ranks, both).
 
 
 def test_standin_is_strict():
@@ -111,13 +117,8 @@ def test_clip_grad_norm_on_device_arrays():
     assert p.stdout.strip() == "clipped", p.stdout + p.stderr[-3000:]
 
 
-@pytest.mark.parametrize("layout", ["--dp 2", "--dp 2 --zero 3", "--pp 2 --microbatches 4"])
-def test_layouts_on_device_equal_one_process(layout):
-    """DDP, ZeRO-3 and 1F1B at 2 ranks on device arrays equal single-process training
-    (tests/workers/layout_equiv.py; bench/gpu_acceptance.sh runs these on a GPU)."""
-    out = mpirun(2, ROOT / "tests" / "workers" / "layout_equiv.py", *layout.split(),
-                 env=dict(_env(), STRICT_CUPY_LAZY="1"), timeout=240)
-    assert out.count("[pdist report]") == 2, out[-3000:]
+# DDP, ZeRO-3 and 1F1B at 2 ranks on device arrays equal one process: test_gpu_acceptance's
+# step c, on both transports.
 
 
 def test_gpu_mfu_says_no_gpu_without_one():
@@ -182,17 +183,20 @@ def test_device_defects_fixed_with_lazy_streams(transport):
     """Issue 24's three wrong results, with lazy streams (tests/workers/gpu_standin_cases.py,
     4 ranks: the world and pairs): DDP with >= 8 buckets equals one process, fp16/bf16
     op="avg" gives the CPU path's bits, bf16 collectives move the bits, the user's send
-    matches an irecv; over NCCL the communicators are destroyed newest first at exit."""
-    env = _lazy_env(transport, STRICT_CUPY_LOG_DESTROY="1")
+    matches an irecv; every collective x algorithm and 1F1B/interleaved pipelines whose lone
+    sends block (activations above the 64 KiB rendezvous size set here); over NCCL the communicators are destroyed newest first at exit."""
+    env = _lazy_env(transport, STRICT_CUPY_LOG_DESTROY="1", STRICT_CUPY_RENDEZVOUS_BYTES="65536")
     out = mpirun(4, ROOT / "tests" / "workers" / "gpu_standin_cases.py", env=env, timeout=240)
     assert all(f"OK rank {r} {transport}" in out for r in range(4)), out[-3000:]
-    for case in ("ddp", "avg", "bf16", "p2p", "identity", "lazy"):
+    for case in ("ddp", "avg", "bf16", "comm", "p2p", "identity", "lazy"):
         assert f'"case": "{case}"' in out, (case, out[-3000:])
     if transport == "nccl":
-        for r in range(4):
-            order = [int(line.rsplit("#", 1)[1].rstrip(")")) for line in out.splitlines()
-                     if line.startswith(f"strict_cupy: rank {r} destroys")]
-            assert len(order) >= 2 and order == sorted(order, reverse=True), (r, order)
+        for r in range(4):      # a unique id is (its root, the root's count): newest first per root
+            lines = [ln for ln in out.splitlines() if ln.startswith(f"strict_cupy: rank {r} destroys")]
+            made = [(int(ln.split("[", 1)[1].split(",")[0].rstrip("]")), int(ln.rsplit("#", 1)[1].rstrip(")")))
+                    for ln in lines]
+            order = [c for root, c in made if root == 0]
+            assert len(order) >= 2 and order == sorted(order, reverse=True), (r, lines)
 
 
 def test_stuck_nccl_kernel_aborts_instead_of_hanging():

@@ -13,6 +13,11 @@ it (n = 2), over the transport the environment picks (PDIST_GPU_TRANSPORT=nccl|m
   order, ÷ n, rounded once;
 * bf16: all_gather, broadcast, all_to_all and isend/irecv of bfloat16 arrays move the bits;
 * p2p: the user's blocking send matches an irecv, and isend a blocking recv;
+* comm: all_reduce, reduce_scatter, all_gather (mpi, naive, ring) and broadcast (mpi, naive,
+  tree) of float64 device arrays at sizes 0, 1, 7, 1001 against NumPy; async avg; a NumPy
+  collective stays on the host; 1F1B and interleaved (v=2) pipelines on the world whose
+  activations (256 x 128 float32, 128 KiB) exceed the rendezvous size the test sets
+  (STRICT_CUPY_RENDEZVOUS_BYTES=65536: a lone send blocks until matched) finish, finite;
 * identity: the GPU is named by PCI bus id (CUDA_VISIBLE_DEVICES maps index 0 differently);
 * lazy: work was really queued, and no buffer was dropped while queued (poisoned); host
   staging copied through pinned buffers.
@@ -28,7 +33,7 @@ import numpy as np
 import cupy
 from pdist import comm, data
 from pdist.course import lesson
-from pdist.engine.backend import set_default_dtype, to_numpy
+from pdist.engine.backend import is_device_array, set_default_dtype, to_numpy
 from pdist.models import gpt
 from pdist.parallel import DataParallel, Local
 from pdist.testing import report
@@ -41,7 +46,7 @@ GROUPS = [pair, world]
 BF16 = np.dtype(ml_dtypes.bfloat16)
 K, B, SEED = 2, 8, 5
 transport = {"NCCLBackend": "nccl", "MPIHostBackend": "mpi-host"}[type(world._device_backend()).__name__]
-CASES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["ddp", "avg", "bf16", "p2p", "identity"]
+CASES = sys.argv[1].split(",") if len(sys.argv) > 1 else ["ddp", "avg", "bf16", "comm", "p2p", "identity"]
 
 
 def say(case, **kw):
@@ -135,6 +140,59 @@ for g in GROUPS if "bf16" in CASES else ():
         w.wait()
     same_bits(got, xs[(r - 1) % n], f"bf16 isend/irecv n={n}")
     say("bf16", n=n)
+
+# --- comm: every collective x algorithm on float64 device arrays, against NumPy
+def collectives(g):
+    n, r = g.size, g.rank
+    for size in (0, 1, 7, 1001):
+        ins = [np.random.default_rng([q, size]).standard_normal(size) for q in range(n)]
+        ref = np.sum(ins, axis=0) if size else np.zeros(0)
+        a, b = comm.chunk_bounds(size, n)[r]
+        for alg in ("mpi", "naive", "ring"):
+            x = cupy.asarray(ins[r])
+            g.all_reduce(x, algorithm=alg)
+            out = cupy.empty(b - a)
+            g.reduce_scatter(out, cupy.asarray(ins[r]), algorithm=alg)
+            full = cupy.zeros(size)
+            g.all_gather(full, cupy.asarray(ref[a:b]), algorithm=alg)
+            assert is_device_array(x) and is_device_array(full)
+            for got, want in ((x, ref), (out, ref[a:b]), (full, ref)):
+                np.testing.assert_allclose(to_numpy(got), want, rtol=1e-12, atol=1e-12,
+                                           err_msg=f"{alg} size {size} n={n}")
+        for alg in ("mpi", "naive", "tree"):
+            x = cupy.asarray(ins[r])
+            g.broadcast(x, src=n - 1, algorithm=alg)
+            np.testing.assert_array_equal(to_numpy(x), ins[n - 1], err_msg=f"broadcast {alg} n={n}")
+    avg = cupy.full(10, float(r + 1))
+    g.all_reduce(avg, op="avg", async_op=True).wait()
+    np.testing.assert_array_equal(to_numpy(avg), np.full(10, (n + 1) / 2))
+    h = np.arange(5.0) * (r + 1)                 # a NumPy collective stays on the host on a GPU backend
+    g.all_reduce(h, algorithm="ring")
+    assert isinstance(h, np.ndarray) and np.allclose(h, np.arange(5.0) * n * (n + 1) / 2)
+
+
+def pipelines(g, rows=256, H=128):
+    """rows x H float32 activations (128 KiB) above the rendezvous size: lone sends block."""
+    from pdist import nn
+    from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel
+    m = 2 * g.size
+    limit = int(os.environ.get("STRICT_CUPY_RENDEZVOUS_BYTES", 4 << 20))
+    assert rows * H * 4 > limit, f"activations of {rows * H * 4} bytes do not exceed the rendezvous size {limit}"
+    for schedule, v in (("1f1b", 1), ("interleaved", 2)):
+        layers = [nn.Linear(H, H, bias=False) for _ in range(g.size * v)]
+        pipe = PipelineParallel(nn.Sequential(*layers), g, schedule, m, v,
+                                act_shape=lambda k, rows_, x: (rows_, H), loss_fn=nn.mse_loss)
+        xb = np.random.default_rng(0).standard_normal((rows * m, H)).astype(np.float32)
+        loss = pipe.forward_backward(xb, np.zeros((rows * m, H), np.float32))
+        assert np.isfinite(loss), loss
+        assert not pipe._recvs and not pipe._stash
+
+
+if "comm" in CASES:
+    for g in GROUPS:
+        collectives(g)
+    pipelines(world)
+    say("comm", n=[g.size for g in GROUPS])
 
 # --- the user's blocking send/recv and isend/irecv share a communicator
 x = cupy.arange(5, dtype=cupy.float64) * (pair.rank + 1)
