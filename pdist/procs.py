@@ -28,6 +28,7 @@ import os
 import select
 import shutil
 import signal
+import subprocess
 import threading
 import time
 
@@ -54,6 +55,7 @@ class Capture:
         self.thread.start()
 
     def _run(self):
+        signals_to_main_thread()
         fd, poll = self.pipe.fileno(), select.poll()
         poll.register(fd, select.POLLIN | select.POLLHUP | select.POLLERR)
         while not self.stop:
@@ -223,6 +225,15 @@ _LIVE, _LOCK, _PREVIOUS = {}, threading.RLock(), {}
 CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
+def signals_to_main_thread():
+    """Called first in a helper thread: block the cleanup signals there. The kernel hands a
+    process-directed signal to any thread that does not block it, and Python runs the handler
+    only in the main thread, when it next runs bytecode: a SIGINT that lands in a reader thread
+    while the main thread sits in waitpid() or a lock would wait for that call to end."""
+    if hasattr(signal, "pthread_sigmask"):
+        signal.pthread_sigmask(signal.SIG_BLOCK, CLEANUP_SIGNALS)
+
+
 def track(proc, mark):
     with _LOCK:
         _LIVE[proc.pid] = (proc, mark)
@@ -231,6 +242,19 @@ def track(proc, mark):
 def untrack(proc):
     with _LOCK:
         _LIVE.pop(proc.pid, None)
+
+
+def wait_interruptibly(proc, timeout=None, step=0.2):
+    """``proc.wait(timeout)`` in slices of ``step`` s: a signal handler (Ctrl-C) runs within
+    ``step`` even when the signal landed in another thread (TimeoutExpired as proc.wait)."""
+    end = None if timeout is None else time.monotonic() + timeout
+    while True:
+        left = step if end is None else min(step, end - time.monotonic())
+        try:
+            return proc.wait(timeout=max(left, 0.001))
+        except subprocess.TimeoutExpired:
+            if end is not None and time.monotonic() >= end:
+                raise
 
 
 def kill_group(pid, sig=signal.SIGKILL):

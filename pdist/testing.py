@@ -123,7 +123,7 @@ def launch(n, script, *args, timeout=180, env=None, wrap=True, max_output=None):
         procs.track(proc, mark)
     cap = procs.Capture(proc.stdout, max_output)
     try:
-        rc = proc.wait(timeout=timeout)
+        rc = procs.wait_interruptibly(proc, timeout)
     except subprocess.TimeoutExpired:
         rc = None
     finally:

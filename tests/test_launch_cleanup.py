@@ -7,6 +7,7 @@ import resource
 import signal
 import subprocess
 import sys
+import threading
 import time
 import uuid
 
@@ -109,3 +110,23 @@ def test_ctrl_c_stops_class_mode_at_once(tmp_path):
         p.kill()
         for pid in procs_with(mark):
             os.kill(pid, signal.SIGKILL)
+
+
+def test_ctrl_c_that_lands_in_another_thread_is_handled_at_once():
+    """The kernel may hand a process-directed SIGINT to any thread; Python runs the handler in
+    the main thread only when it runs bytecode. launch's wait (procs.wait_interruptibly) wakes
+    every 0.2 s, so a SIGINT taken by another thread still interrupts it at once (a plain
+    blocking proc.wait() would sit in waitpid until the job ended)."""
+    from pdist import procs
+    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(8)"])
+    hit = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), signal.SIGINT)))
+    t0 = time.monotonic()
+    try:
+        hit.start()
+        with pytest.raises(KeyboardInterrupt):
+            procs.wait_interruptibly(sleeper)           # no timeout: launch's default
+        assert time.monotonic() - t0 < 5
+    finally:
+        sleeper.kill()
+        sleeper.wait()
+        hit.join()

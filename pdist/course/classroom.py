@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import traceback
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import ThreadPoolExecutor, wait
 from pathlib import Path
 
 from pdist import procs
@@ -129,9 +129,11 @@ def pooled(tasks, ranks_of, run, slots=None):
 def run_all(work, tasks, workers, stop):
     """``work(task)`` for every task on ``workers`` threads. Interrupted (Ctrl-C), it
     starts no new task, kills the running launches and re-raises."""
-    pool = ThreadPoolExecutor(max_workers=workers)
+    pool = ThreadPoolExecutor(max_workers=workers, initializer=procs.signals_to_main_thread)
     try:
         for f in [pool.submit(work, t) for t in tasks]:
+            while not f.done():                 # short waits: Ctrl-C is handled within 0.2 s
+                wait([f], timeout=0.2)
             f.result()
     except BaseException:
         stop.set()
