@@ -20,6 +20,8 @@ from pathlib import Path
 
 import pytest
 
+from test_launch_cleanup import like_a_terminal
+
 ROOT = Path(__file__).resolve().parent.parent
 
 pytest.importorskip("xdist")
@@ -64,7 +66,8 @@ def test_killing_the_xdist_suite_leaves_no_process(sig, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]))
     suite = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-n", "2",
                               str(tmp_path)], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                             stderr=subprocess.STDOUT, start_new_session=True)
+                             stderr=subprocess.STDOUT, start_new_session=True,
+                             preexec_fn=like_a_terminal)
     try:
         assert wait_for(lambda: len([ln for ln in left(token) if "sleeper.py" in ln]) >= 2, 90), \
             f"the job's ranks never came up: {left(token)}"

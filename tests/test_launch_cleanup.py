@@ -17,6 +17,15 @@ from pdist.course import grade
 from pdist.testing import launch
 
 
+def like_a_terminal():
+    """preexec_fn: the child starts as a terminal's command does, with SIGINT and SIGTERM at
+    their default action and unblocked (a test process may have inherited them ignored or
+    blocked, which a child would inherit too)."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_DFL)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, (signal.SIGINT, signal.SIGTERM))
+
+
 def procs_with(needle, where="environ"):
     """PIDs (not this one, not zombies) whose /proc/<pid>/<where> holds ``needle`` (bytes)."""
     found = []
@@ -68,7 +77,8 @@ def test_a_killed_caller_leaves_no_rank(tmp_path, sig, how):
     (tmp_path / "worker.py").write_text("import time\ntime.sleep(120)\n")
     tag = uuid.uuid4().hex
     mark = f"PDIST_TEST_TAG={tag}".encode()
-    p = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "worker.py"), tag, how])
+    p = subprocess.Popen([sys.executable, str(tmp_path / "parent.py"), str(tmp_path / "worker.py"), tag, how],
+                         preexec_fn=like_a_terminal)
     try:
         end = time.monotonic() + 60
         while len(set(procs_with(mark)) & set(procs_with(b"worker.py", "cmdline"))) < 5 and time.monotonic() < end:
@@ -94,7 +104,8 @@ def test_ctrl_c_stops_class_mode_at_once(tmp_path):
         (tmp_path / "class" / s / "ex08_one_f_one_b.py").write_text(
             "import time\n\n\ndef one_f_one_b(p, m):\n    time.sleep(1000)\n")
     p = subprocess.Popen([sys.executable, "-m", "pdist.grade", "--class", str(tmp_path / "class"), "08"],
-                         env=dict(os.environ, PDIST_TEST_TAG=tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+                         env=dict(os.environ, PDIST_TEST_TAG=tag), stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                         preexec_fn=like_a_terminal)
     mark = f"PDIST_TEST_TAG={tag}".encode()
     try:
         end = time.monotonic() + 60
@@ -112,21 +123,31 @@ def test_ctrl_c_stops_class_mode_at_once(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
-def test_ctrl_c_that_lands_in_another_thread_is_handled_at_once():
+ANOTHER_THREAD = """
+import signal, subprocess, sys, threading, time
+from pdist import procs
+sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(8)"])
+hit = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), signal.SIGINT)))
+t0 = time.monotonic()
+hit.start()
+try:
+    procs.wait_interruptibly(sleeper)          # no timeout: launch's default
+    print("not interrupted")
+except KeyboardInterrupt:
+    print(f"interrupted after {time.monotonic() - t0:.2f} s")
+finally:
+    sleeper.kill()
+    sleeper.wait()
+"""
+
+
+def test_ctrl_c_that_lands_in_another_thread_is_handled_at_once(tmp_path):
     """The kernel may hand a process-directed SIGINT to any thread; Python runs the handler in
     the main thread only when it runs bytecode. launch's wait (procs.wait_interruptibly) wakes
     every 0.2 s, so a SIGINT taken by another thread still interrupts it at once (a plain
-    blocking proc.wait() would sit in waitpid until the job ended)."""
-    from pdist import procs
-    sleeper = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(8)"])
-    hit = threading.Thread(target=lambda: (time.sleep(0.3), signal.pthread_kill(threading.get_ident(), signal.SIGINT)))
-    t0 = time.monotonic()
-    try:
-        hit.start()
-        with pytest.raises(KeyboardInterrupt):
-            procs.wait_interruptibly(sleeper)           # no timeout: launch's default
-        assert time.monotonic() - t0 < 5
-    finally:
-        sleeper.kill()
-        sleeper.wait()
-        hit.join()
+    blocking proc.wait() would sit in waitpid until the job ended, 8 s here)."""
+    (tmp_path / "t.py").write_text(ANOTHER_THREAD)
+    out = subprocess.run([sys.executable, str(tmp_path / "t.py")], capture_output=True, text=True, timeout=60,
+                         preexec_fn=like_a_terminal)
+    assert out.stdout.startswith("interrupted after"), out.stdout + out.stderr
+    assert float(out.stdout.split()[2]) < 5, out.stdout
