@@ -45,6 +45,15 @@ def _topo_order(root):
     return order, consumers
 
 
+def run_hooks(t, g):
+    """t's tensor hooks on its complete gradient g, in order; a hook's non-None result replaces g."""
+    for h in t._hooks or ():
+        r = h(g)
+        if r is not None:
+            g = r
+    return g
+
+
 def run_backward(root, grad):
     """Walk the graph from ``root`` back to its leaves with dL/d(root) = ``grad``: each
     Function's backward once, in reverse topological order; each tensor's hooks when its
@@ -58,11 +67,7 @@ def run_backward(root, grad):
             continue
         mine = id(g) in owned
         owned.discard(id(g))
-        if t._hooks:
-            for h in t._hooks:
-                r = h(g)
-                if r is not None:
-                    g = r
+        g = run_hooks(t, g)
         ctx = t._ctx
         if ctx is None:
             _accumulate_leaf(t, g, mine and not t._hooks)

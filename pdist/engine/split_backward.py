@@ -25,7 +25,7 @@ splits its inner backward the same way; its W joins the outer one at its place.
 It reuses the whole walk's pieces (pdist/engine/backprop.py); it imports nothing from
 autograd (no cycle).
 """
-from pdist.engine.backprop import _accumulate_leaf, _add_pending, _topo_order
+from pdist.engine.backprop import _accumulate_leaf, _add_pending, _topo_order, run_hooks
 
 _active = []   # the split backwards running now, innermost last (a checkpoint's inner one joins it)
 _NODE, _CALL, _HELD, _INNER = "node", "call", "held", "inner"
@@ -90,11 +90,7 @@ def _call(ctx, g, mask):
 def _step_input(t, g, mine, weight, consumers, pending, owned, tasks):
     """B at tensor t (not a weight), with its complete gradient g: the input-gradient edges
     now; the weight edges as a task for W (module docstring of split_backward's contract)."""
-    if t._hooks:
-        for h in t._hooks:
-            r = h(g)
-            if r is not None:
-                g = r
+    g = run_hooks(t, g)
     ctx = t._ctx
     if ctx is None:
         _accumulate_leaf(t, g, mine and not t._hooks)
@@ -179,10 +175,7 @@ class WeightGradients:
                 t, ctx = task[1], task[2]
                 g = pending.pop(id(t))
                 owned.discard(id(g))
-                for h in t._hooks or ():
-                    r = h(g)
-                    if r is not None:
-                        g = r
+                g = run_hooks(t, g)
                 _give(ctx.parents, ctx.needs_input_grad, _call(ctx, g, ctx.needs_input_grad), ctx.fresh_grads,
                       pending, owned, consumers)
         for task in self.tasks:
