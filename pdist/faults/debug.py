@@ -190,14 +190,16 @@ class _Steps:
 
 def _cause(t, slow_steps, threshold):
     """Why the slow rank is slow on ``slow_steps``: (cause, why), or (None, None) when
-    no signature fits. Uneven shard: slower where it holds more tokens; throttled device:
+    no signature fits. Uneven shard: slower where it holds more tokens (the median excess
+    on its heavy steps above the median on the others by ``threshold``); throttled device:
     slow on (almost) every step; intermittent: some steps, same tokens, little comm."""
     ex, k = t.excess[t.slow], t.k
     tok = [t.by[t.slow][t.steps[j]]["tokens"] for j in range(k)]
     mid = 0.5 * (min(tok) + max(tok))
     heavy = [j for j in range(k) if tok[j] > mid] if max(tok) > 1.05 * min(tok) else []
     light = [j for j in range(k) if j not in heavy]
-    ex_heavy, ex_light = _mean(ex[j] for j in heavy), _mean(ex[j] for j in light)
+    # medians: one step disturbed by the shared cores must not hide (or fake) the split
+    ex_heavy, ex_light = _median([ex[j] for j in heavy]), _median([ex[j] for j in light])
     if heavy and light and ex_heavy - ex_light > threshold:   # slow where it holds more tokens
         return "uneven shard", (
             f"slow on the {len(heavy)}/{k} steps where it holds {_mean(tok[j] for j in heavy) / _mean(tok[j] for j in light):.2f}x "
