@@ -150,13 +150,13 @@ def attention_op(world, mode, args):
     return sent, list(want), work, float(np.median(secs))
 
 
-def train_run(world, cls_name, mode, args, vocab, refs):
+def train_run(world, cls_name, mode, args, tok, tokens, refs):
     """--steps AdamW steps under context_parallel=mode (cp = the world) vs one process."""
     kv = {"n_kv_head": args.n_head // 2} if cls_name == "llama" else {}
-    cfg = lesson.gpt_config(vocab, dtype="float64", model=cls_name, block_size=args.block_size,
+    cfg = lesson.gpt_config(tok.vocab_size, dtype="float64", model=cls_name, block_size=args.block_size,
                             n_layer=args.n_layer, n_head=args.n_head, n_embd=args.n_embd, **kv)
     if cls_name not in refs:          # rank 0 trains the one process, every rank gets its result
-        ref = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, refs["tokens"]) \
+        ref = lesson.train_reference(cfg, args.seed, args.steps, args.batch_size, tokens) \
             if world.rank == 0 else None
         refs[cls_name] = world.broadcast_object(ref, src=0)
     ref_losses, ref_sd = refs[cls_name]
@@ -171,7 +171,7 @@ def train_run(world, cls_name, mode, args, vocab, refs):
         shapes.append(model.local_shape)
         times.append(time.perf_counter())
     t0 = time.perf_counter()
-    losses = train(model, opt, data.batch_fn(refs["tokens"], args.batch_size, args.block_size, args.seed),
+    losses = train(model, opt, data.batch_fn(tokens, args.batch_size, args.block_size, args.seed),
                    args.steps, on_step=on_step)
     hs, n_kv = args.n_embd // args.n_head, kv.get("n_kv_head", args.n_head)
     per_layer = ulysses_bytes(args.batch_size, args.block_size, world.size, args.n_head, n_kv, hs, 8) \
@@ -268,8 +268,8 @@ def main():
               "each sequence over 4 ranks)\n", flush=True)
     mem = world.broadcast_object(memory_rows(world, args, tok.vocab_size), src=0)
     ops = {m: world.all_gather_object(attention_op(world, m, args)) for m in MODES}
-    refs = {"tokens": tokens}
-    trains = [train_run(world, name, mode, args, tok.vocab_size, refs) for name in ("gpt2", "llama") for mode in MODES]
+    refs = {}                       # one process's (losses, state_dict) per model, trained once
+    trains = [train_run(world, name, mode, args, tok, tokens, refs) for name in ("gpt2", "llama") for mode in MODES]
     runs = sections(mem, ops, world, args) + trains
     if world.rank == 0:
         show(mem, ops, trains, world, args)
