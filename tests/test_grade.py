@@ -138,6 +138,14 @@ WRONG_ANSWERS = {
     "hang_sum_grads": ("10", "n = 2: the loss per step"),
     "hang_sum_loss": ("10", "got = 2 x expected"),
     "hang_every_other_step": ("10", "n = 2: the loss per step"),
+    "osm_no_rescale": ("11", "the larger scores second, blocks in the order A, B: y differs"),
+    "osm_lse_is_max": ("11", "one full block, blocks in the order A: the log-sum-exp lse differs"),
+    "osm_no_diag_mask": ("11", "the diagonal block alone (causal: key j hidden from query i when j > i), "
+                               "blocks in the order diagonal: y differs"),
+    "osm_mask_hides_self": ("11", "the diagonal block alone (causal: key j hidden from query i when j > i), "
+                                  "blocks in the order diagonal: y is not finite"),
+    "osm_new_block_max": ("11", "the block near 1000 first, blocks in the order A, B: y is not finite"),
+    "osm_no_max": ("11", "the block near 1000 last, blocks in the order B, A: y is not finite"),
     "zb_w_before_b": ("13", "runs before its B"),
     "zb_b_waits_on_w": ("13", "runs between a B and its SEND_GRAD"),
     "zb_warmup_too_few": ("13", "too few warm-up steps"),

@@ -1,4 +1,4 @@
-"""Exercise 03 (12 points): bucketed DDP with overlap.
+"""Exercise 03 (10 points): bucketed DDP with overlap.
 
 Task. PyTorch DDP's design in three functions; the grader's ``HandDDP`` (a pdist
 strategy) calls them:

@@ -1,4 +1,4 @@
-"""Exercise 05 (12 points): ZeRO-3 (FSDP) for one unit.
+"""Exercise 05 (10 points): ZeRO-3 (FSDP) for one unit.
 
 Task. A unit (a transformer block, ln_f, the root) keeps only its flat shard between
 uses. Write the three moves; pdist's ``ZeRO`` (stage 3) calls them from its hooks:

@@ -47,6 +47,8 @@ FORBIDDEN = {
            ("pdist.parallel.pipeline.schedules.interleaved_1f1b", "the library's interleaved 1F1B"),
            ("pdist.parallel.pipeline.schedules.make_schedule", "the library's schedules")],
     "09": [("pdist.checkpoint", "the checkpoint reader's own box overlap")],
+    "11": [("pdist.engine.ring_attention", "the library's ring attention and its merge"),
+           ("pdist.engine.attention", "the library's whole-sequence attention")],
     "13": [("pdist.parallel.pipeline.zero_bubble", "the library's zero-bubble schedules"),
            ("pdist.parallel.pipeline.schedules.make_schedule", "the library's schedules"),
            ("pdist.parallel.pipeline.schedules.zb", "the library's zero-bubble schedules")],

@@ -247,3 +247,19 @@ def zb_h1(p, m):
         order += [(BACKWARD_WEIGHT, i, 0) for i in range(done, m)]
         programs.append(_program(p, s, 1, order))
     return programs
+
+
+# ------------------------------------------------ 11: online-softmax merge (Milakov & Gimelshein 2018; Dao et al. 2022)
+def merge_block(m, l, o, s, v, diagonal):
+    from pdist.engine.backend import xp
+    from pdist.engine.functional import causal_mask
+    if diagonal:
+        s = s + causal_mask(s.shape[-2], s.shape[-1], s.dtype)
+    m_new = xp.maximum(m, s.max(axis=-1, keepdims=True))
+    alpha, p = xp.exp(m - m_new), xp.exp(s - m_new)         # the old sums rescaled to the new max
+    return m_new, alpha * l + p.sum(axis=-1, keepdims=True), alpha * o + p @ v
+
+
+def finish(m, l, o):
+    from pdist.engine.backend import xp
+    return o / l, m + xp.log(l)
