@@ -18,9 +18,13 @@ sum_dc L_dc, so dL/dw = (1/(dp cp)) sum_dc dL_dc/dw: the gradients are averaged 
 dp x cp ranks (``mesh.dp_cp_group``, where DataParallel or ZeRO sit, and ZeRO shards) and
 the loss too. A rank's own dL_dc/dw includes the dK/dV that other ranks' queries sent back.
 
-This wrapper is the outermost strategy: it cuts the batch and passes the rest through.
-Not composed yet (refused by ``check_context``): tensor parallelism, pipelines,
-low precision and dropout.
+Composition (docs/context_parallel.md). ``install`` runs after tensor parallelism cut the
+model, so the ring or the all-to-all runs on this tp rank's heads (Ulysses: n_head/tp and
+n_kv_head/tp must divide by cp). Under sequence parallelism CP cuts the sequence first, and
+SP cuts each cp shard into tp pieces (Megatron's nesting). A pipeline's stages each run
+their attention over the cp group of that stage (same pp, dp and tp). This wrapper sits
+outside DDP/ZeRO and inside ``MixedPrecision``: it cuts the batch and passes the rest
+through. Refused (``check_context``): dropout.
 """
 import numpy as np
 

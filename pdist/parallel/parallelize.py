@@ -14,7 +14,9 @@ builds, from the inside out (each strategy wraps the one before; base.py):
     ExpertParallel(.., mesh)                                 n_expert > 0, in DDP's place: E/ep experts per rank,
                                                              tokens over all_to_all_v (expert_parallel.py)
     ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
-                                                             DDP/ZeRO then span dp x cp (context_parallel.py)
+                                                             DDP/ZeRO then span dp x cp (context_parallel.py);
+                                                             attention on this tp rank's heads, in every stage
+    MixedPrecision(.., precision)                            bf16/fp16: fp32 masters, outermost
 
 Each layer is left out where its size is 1 (microbatches then go to the plain model
 as gradient accumulation). Per rank, Megatron's 3-D parallelism (Narayanan et al.,
