@@ -87,7 +87,8 @@ def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4():
     """One launch: cp2 x tp2 (ring, zigzag, Ulysses; with and without SP), cp2 x pp2 under every
     schedule (1f1b, gpipe, interleaved, zb-h1, zb-v, dualpipev), cp2 x dp2 ZeRO-1/2/3, GPT and
     Llama, equal to one process (float64, rtol 1e-9, every piece); bf16 and fp16 to the
-    rounding (the worker's docstring says which claim); the refusals on every rank."""
+    rounding (the worker's docstring says which claim); the refusals on every rank; a checkpoint
+    saved at cp2 x tp2 resumes at cp2 x dp2 ZeRO-3 and at one process, equal to the run."""
     out = mpirun(4, C, timeout=240)
     got = _layouts(out, 4)
     tp = {(m, mode, 1, 2, 2, 1, sp, 0, "1f1b", "fp32") for m, mode, sp in (
@@ -103,6 +104,8 @@ def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4():
     assert got == tp | pp | zero | low, got ^ (tp | pp | zero | low)
     msgs = [r["message"] for r in reports(out) if r["case"] == "refused"]
     assert len(msgs) == 2 * 4 and sum("per tp rank" in m for m in msgs) == 4, msgs
+    ckpt = [(r["layout"], r["step"]) for r in reports(out) if r["case"] == "checkpoint"]    # saved at cp2 x tp2
+    assert sorted(ckpt) == sorted([("cp2 x dp2, ulysses, zero 3", 2), ("one process", 2)] * 4), ckpt
 
 
 def test_cp_composes_at_8_ranks():

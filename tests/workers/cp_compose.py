@@ -18,10 +18,15 @@ low dtype before the fp32 sum over dp x cp, where one process rounds the whole m
 sum once. So the claim is the rounding's: the first step's synchronized gradient, every
 piece, within GRAD_TOL (a few low-dtype ulps of the tensor's largest element), every loss to
 rtol 1e-3, and fp16's scaler in the same state. (Masters are not compared: Adam turns an
-ulp in a near-zero gradient into a whole lr step.) The refusals raise on every rank."""
+ulp in a near-zero gradient into a whole lr step.) A checkpoint saved at cp2 x tp2 loads at
+cp2 x dp2 ZeRO-3 and at one process and continues equal to the uninterrupted run. The refusals raise on every rank."""
+import os
+import shutil
+import tempfile
+
 import numpy as np
 
-from pdist import comm, data
+from pdist import checkpoint, comm, data
 from pdist.course import lesson
 from pdist.engine import precision
 from pdist.engine.backend import set_default_dtype, to_numpy
@@ -35,6 +40,7 @@ from pdist.parallel import Local, MixedPrecision, parallelize
 from pdist.parallel.context_parallel import MODES, ContextParallel
 from pdist.parallel.layout import box_slices
 from pdist.testing import check_shards, report
+from pdist.training import train
 
 set_default_dtype("float64")
 world = comm.init()
@@ -175,6 +181,36 @@ def refused(fn, *needles):
     raise AssertionError(f"not refused: {needles}")
 
 
+def ckpt_case():
+    """A checkpoint saved at cp2 x tp2 (zigzag, SP) loads at cp2 x dp2 (Ulysses, ZeRO-3) and at
+    one process, and each continues equal to the uninterrupted run (float64, rtol 1e-9)."""
+    cfg = config("gpt2", 2)
+    whole = Local(GPT(cfg, SEED))
+    want = train(whole, make_opt(whole.parameters()), batch, STEPS + 1)       # uninterrupted
+    want_sd = whole.full_state_dict()
+    tmp = world.broadcast_object(tempfile.mkdtemp(prefix="pdist-cp-ckpt-") if world.rank == 0 else None)
+    path = os.path.join(tmp, "step")
+    try:
+        a = parallelize(GPT(cfg, SEED), mesh_of(1, 2, 2, 1), sequence_parallel=True, context_parallel="ring-zigzag")
+        opt = make_opt(a.parameters())
+        train(a, opt, batch, STEPS)
+        checkpoint.save(a, opt, path, STEPS)
+        for name, m in (("cp2 x dp2, ulysses, zero 3", parallelize(GPT(cfg, SEED), mesh_of(2, 2, 1, 1), zero_stage=3,
+                                                                   context_parallel="ulysses")),
+                        ("one process", Local(GPT(cfg, SEED)))):
+            opt = make_opt(m.parameters())
+            step, _ = checkpoint.load(m, opt, path)
+            losses = train(m, opt, batch, STEPS + 1 - step, start=step)
+            np.testing.assert_allclose(losses, want[step:], **TOL, err_msg=name)
+            full = m.full_state_dict()
+            assert step == STEPS and all(close(full[k], want_sd[k]) for k in want_sd), name
+            report(case="checkpoint", layout=name, rank=world.rank, step=step, losses=losses)
+    finally:
+        world.barrier()
+        if world.rank == 0:
+            shutil.rmtree(tmp)          # the directory this case made
+
+
 def cases_4():
     for name, mode, sp in (("gpt2", "ring", False), ("llama", "ring", True), ("gpt2", "ring-zigzag", True),
                            ("llama", "ring-zigzag", False), ("gpt2", "ulysses", True), ("llama", "ulysses", False)):
@@ -194,6 +230,7 @@ def cases_4():
     m = parallelize(GPT(config("gpt2", 1), SEED), mesh_of(1, 2, 2, 1), sequence_parallel=True,
                     context_parallel="ring")
     refused(lambda: m.local_batch(*data.batch_fn(tokens, B, 6, SEED, 96)(0)), "T/cp = 3", "multiple of 4")
+    ckpt_case()
 
 
 def cases_8():
