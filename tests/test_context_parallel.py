@@ -13,6 +13,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pdist.models.llama import LlamaConfig
 from pdist.engine.ring_attention import attention_work, block_pairs, positions, segments
 from pdist.parallel.context_parallel import check_context
 from pdist.testing import mpirun, reports
@@ -65,6 +66,59 @@ def test_cp4_and_cp2_dp2_and_zero_equal_one_process():
     assert work == {"contiguous": [16, 32, 48, 64], "zigzag": [36, 36, 36, 36]}, work
 
 
+C = "tests/workers/cp_compose.py"
+
+
+def _layouts(out, n):
+    """{(model, mode, dp, cp, tp, pp, sp, zero, schedule, precision)} reported by all n ranks,
+    each rank at its own mesh coordinates, with the bytes of the formula every step."""
+    train = [r for r in reports(out) if r["case"] == "train"]
+    got = {}
+    for r in train:
+        assert r["bytes"] == [r["want_bytes"]] * 2 and r["pieces"] > 0, r   # = ring_bytes / ulysses_bytes
+        key = (r["model"], r["mode"], r["dp"], r["cp"], r["tp"], r["pp"], r["sp"], r["zero"], r["schedule"],
+               r["precision"])
+        got.setdefault(key, set()).add(tuple(r["coords"]))
+    assert all(len(c) == n for c in got.values()), got
+    return set(got)
+
+
+def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4():
+    """One launch: cp2 x tp2 (ring, zigzag, Ulysses; with and without SP), cp2 x pp2 under every
+    schedule (1f1b, gpipe, interleaved, zb-h1, zb-v, dualpipev), cp2 x dp2 ZeRO-1/2/3, GPT and
+    Llama, equal to one process (float64, rtol 1e-9, every piece); bf16 and fp16 to the
+    rounding (the worker's docstring says which claim); the refusals on every rank; a checkpoint
+    saved at cp2 x tp2 resumes at cp2 x dp2 ZeRO-3 and at one process, equal to the run."""
+    out = mpirun(4, C, timeout=240)
+    got = _layouts(out, 4)
+    tp = {(m, mode, 1, 2, 2, 1, sp, 0, "1f1b", "fp32") for m, mode, sp in (
+        ("gpt2", "ring", False), ("llama", "ring", True), ("gpt2", "ring-zigzag", True),
+        ("llama", "ring-zigzag", False), ("gpt2", "ulysses", True), ("llama", "ulysses", False))}
+    pp = {(m, mode, 1, 2, 1, 2, False, 0, s, "fp32") for m, mode, s in (
+        ("gpt2", "ring", "1f1b"), ("llama", "ring-zigzag", "gpipe"), ("gpt2", "ulysses", "interleaved"),
+        ("llama", "ring", "zb-h1"), ("gpt2", "ring-zigzag", "zb-v"), ("llama", "ulysses", "dualpipev"))}
+    zero = {("llama", "ring-zigzag", 2, 2, 1, 1, False, 2, "1f1b", "fp32"),      # (ZeRO-1, ring ZeRO-3:
+            ("gpt2", "ulysses", 2, 2, 1, 1, False, 3, "1f1b", "fp32")}            # the test above)
+    low = {("gpt2", "ring-zigzag", 2, 2, 1, 1, False, 1, "1f1b", "bf16"), ("llama", "ring", 1, 2, 2, 1, True, 0,
+                                                                          "1f1b", "fp16")}
+    assert got == tp | pp | zero | low, got ^ (tp | pp | zero | low)
+    msgs = [r["message"] for r in reports(out) if r["case"] == "refused"]
+    assert len(msgs) == 2 * 4 and sum("per tp rank" in m for m in msgs) == 4, msgs
+    ckpt = [(r["layout"], r["step"]) for r in reports(out) if r["case"] == "checkpoint"]    # saved at cp2 x tp2
+    assert sorted(ckpt) == sorted([("cp2 x dp2, ulysses, zero 3", 2), ("one process", 2)] * 4), ckpt
+
+
+def test_cp_composes_at_8_ranks():
+    """cp2 x dp2 x tp2 (zigzag +SP ZeRO-1, GPT; Ulysses ZeRO-3, Llama), cp2 x tp2 x pp2 (ring +SP,
+    Llama), cp4 x tp2 (zigzag +SP, GPT): every rank's pieces equal one process's, the bytes the
+    formula's."""
+    got = _layouts(mpirun(8, C, timeout=240), 8)
+    assert got == {("gpt2", "ring-zigzag", 2, 2, 2, 1, True, 1, "1f1b", "fp32"),
+                   ("llama", "ulysses", 2, 2, 2, 1, False, 3, "1f1b", "fp32"),
+                   ("llama", "ring", 1, 2, 2, 2, True, 0, "1f1b", "fp32"),
+                   ("gpt2", "ring-zigzag", 1, 4, 2, 1, True, 0, "1f1b", "fp32")}, got
+
+
 def test_zigzag_balances_the_causal_work():
     """Per-rank attention work (score elements computed, the masked diagonal chunk counted
     whole): contiguous chunks of c = T/cp, rank r computes r + 1 chunk pairs, the last rank
@@ -89,12 +143,16 @@ def test_segments_positions_and_errors():
 @pytest.mark.parametrize("kw, needle", [
     (dict(mode=None, cp=2), "context_parallel='ring'"),
     (dict(mode="rings", cp=2), "must be one of"),
-    (dict(mode="ring", cp=2, pp=2), "does not compose"),
-    (dict(mode="ring", cp=2, precision_name="bf16"), "precision='fp32'"),
     (dict(mode="ring", cp=2, dropout=0.1), "dropout = 0"),
+    (dict(mode="ulysses", cp=2, tp=2, n_kv_head=2), "n_kv_head = 2 gives 1 heads per tp rank"),
+    (dict(mode="ulysses", cp=4, tp=1, n_kv_head=2), "not divisible by cp = 4"),
 ])
 def test_check_context_refuses_clearly(kw, needle):
-    mesh = SimpleNamespace(cp_world_size=kw.pop("cp"), tp_world_size=1, pp_world_size=kw.pop("pp", 1))
-    cfg = SimpleNamespace(dropout=kw.pop("dropout", 0.0))
+    """Refused before any collective: what cannot compose. (tp, pp, every schedule, ZeRO and
+    bf16/fp16 compose: tests/workers/cp_compose.py.)"""
+    mesh = SimpleNamespace(cp_world_size=kw.pop("cp"), tp_world_size=kw.pop("tp", 1), pp_world_size=1)
+    dropout = kw.pop("dropout", 0.0)
+    cfg = SimpleNamespace(dropout=dropout) if dropout else LlamaConfig(
+        vocab_size=96, block_size=16, n_head=8, n_kv_head=kw.pop("n_kv_head", 8), n_embd=32)
     with pytest.raises(ValueError, match=needle.replace("(", r"\(")):
         check_context(cfg, mesh, **kw)

@@ -27,6 +27,10 @@ diagonal one masked), so the last rank works cp times as much as the first. Zigz
 (``layout="zigzag"``, Megatron's and Llama 3's head-tail split): 2 cp chunks of T/2cp,
 rank r holds chunks r and 2 cp - 1 - r and computes (r + 1) + (2 cp - r) = 2 cp + 1 pairs
 of them, the same on every rank (``attention_work``).
+The statistics m, l and the output o accumulate in the inputs' dtype, the compute dtype
+(float32 or float64: under bf16/fp16 mixed precision, pdist/engine/precision.py keeps
+attention and its softmax out of the low dtype). Under tensor parallelism the inputs hold
+this tp rank's heads, and the bytes are ``ring_bytes`` with n_kv_head/tp.
 Heads as in pdist/engine/attention.py: grouped-query, g = n_head / n_kv_head query heads
 per kv head, q and k, v as (B, n_kv, g, T, hs) and (B, n_kv, 1, T, hs) views.
 """

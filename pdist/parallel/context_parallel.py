@@ -18,9 +18,13 @@ sum_dc L_dc, so dL/dw = (1/(dp cp)) sum_dc dL_dc/dw: the gradients are averaged 
 dp x cp ranks (``mesh.dp_cp_group``, where DataParallel or ZeRO sit, and ZeRO shards) and
 the loss too. A rank's own dL_dc/dw includes the dK/dV that other ranks' queries sent back.
 
-This wrapper is the outermost strategy: it cuts the batch and passes the rest through.
-Not composed yet (refused by ``check_context``): tensor parallelism, pipelines,
-low precision and dropout.
+Composition (docs/context_parallel.md). ``install`` runs after tensor parallelism cut the
+model, so the ring or the all-to-all runs on this tp rank's heads (Ulysses: n_head/tp and
+n_kv_head/tp must divide by cp). Under sequence parallelism CP cuts the sequence first, and
+SP cuts each cp shard into tp pieces (Megatron's nesting). A pipeline's stages each run
+their attention over the cp group of that stage (same pp, dp and tp). This wrapper sits
+outside DDP/ZeRO and inside ``MixedPrecision``: it cuts the batch and passes the rest
+through. Refused (``check_context``): dropout.
 """
 import numpy as np
 
@@ -32,13 +36,19 @@ from pdist.engine.ring_attention import ring_attention
 from pdist.engine.ulysses import check_heads, ulysses_attention
 from pdist import nn
 from pdist.models.plan import PositionShard, plan_of, put, select
+from pdist.comm import self_group
 from pdist.parallel.base import Local, ParallelModule
+from pdist.parallel.tensor.tensor_parallel import SequenceShardPositions
 
 MODES = {"ring": ("ring", "contiguous"), "ring-zigzag": ("ring", "zigzag"), "ulysses": ("ulysses", "contiguous")}
 
 
 def check_context(cfg, mesh, mode, precision_name="fp32", pipelined=False):
-    """Every error a context-parallel layout can have, the same on every rank."""
+    """Every error a context-parallel layout can have, the same on every rank, before any
+    collective. Composes with dp, tp (+SP), pp (every schedule), ZeRO 1-3 and bf16/fp16;
+    refused: dropout, and Ulysses when a tp rank's heads (n_head/tp, n_kv_head/tp) do not
+    divide by cp. (``precision_name`` and ``pipelined`` are accepted for the callers; every
+    precision and pipeline composes.)"""
     cp = getattr(mesh, "cp_world_size", 1)
     if mode is None:
         if cp > 1:
@@ -47,15 +57,17 @@ def check_context(cfg, mesh, mode, precision_name="fp32", pipelined=False):
         return
     if mode not in MODES:
         raise ValueError(f"context_parallel must be one of {sorted(MODES)} or None, got {mode!r}")
-    if mesh.tp_world_size > 1 or mesh.pp_world_size > 1 or pipelined:
-        raise ValueError(f"context parallelism does not compose with tensor or pipeline parallelism yet "
-                         f"(tp = {mesh.tp_world_size}, pp = {mesh.pp_world_size}); use tp = pp = 1 with cp > 1")
-    if precision_name != "fp32":
-        raise ValueError(f"context parallelism runs in the model's dtype only; got precision={precision_name!r}, "
-                         "use precision='fp32'")
     if cfg.dropout:
         raise ValueError("context parallelism needs dropout = 0 (the masks of a cut sequence would differ "
                          "from single-process training)")
+    tp = getattr(mesh, "tp_world_size", 1)
+    if MODES[mode][0] == "ulysses":
+        for what, n in plan_of(cfg).tp_sizes.items():
+            if "head" in what and (n % tp or (n // tp) % cp):
+                raise ValueError(f"Ulysses context parallelism over cp = {cp} with tp = {tp}: {what} = {n} "
+                                 f"gives {n / tp:g} heads per tp rank, not divisible by cp = {cp}. Ulysses cuts "
+                                 f"each tp rank's heads over cp: choose cp dividing {what}/tp, or use "
+                                 "context_parallel='ring' (it cuts tokens, not heads)")
 
 
 class ContextAttention:
@@ -77,20 +89,31 @@ class ContextAttention:
 
 
 class ContextPositions(nn.Module):
-    """A position embedding read at this rank's global positions -> (T/cp, C). Same Parameter."""
+    """A position embedding read at this rank's global positions -> (T/cp, C), or under
+    sequence parallelism over ``sp_group`` (t ranks) tp rank r's piece of them -> (T/(cp t), C):
+    CP cuts the sequence first, SP then cuts the cp shard in t contiguous pieces (Megatron's
+    nesting). Same Parameter."""
 
-    def __init__(self, old, context):
+    def __init__(self, old, context, sp_group=None):
         super().__init__()
-        self.weight, self.context = old.weight, context
+        self.weight, self.context, self.sp_group = old.weight, context, sp_group
 
     def forward(self, pos):
-        return precision.embedding(self.context.positions_array(), self.weight)  # (T/cp, C)
+        p = self.context.positions_array()                       # (T/cp,) this cp rank's global positions
+        if self.sp_group is not None:
+            n = len(p) // self.sp_group.size
+            p = p[self.sp_group.rank * n:(self.sp_group.rank + 1) * n]   # (T/(cp t),) this tp rank's
+        return precision.embedding(p, self.weight)  # (T/cp, C) or (T/(cp t), C)
 
 
 def install(model, group, mode):
     """Give the plan's attention modules a ContextAttention, its position modules this rank's
-    positions. Ulysses: every attention module's head counts must divide by cp (checked here,
-    the same on every rank, before any collective). Returns the ContextAttention."""
+    positions. Called after tensor parallelism cut the model: the attention modules then hold
+    this tp rank's heads (ring and Ulysses work on those), and a sequence-parallel position
+    module (``SequenceShardPositions``) keeps its tp group, so the positions nest (CP, then SP).
+    Ulysses: every attention module's local head counts must divide by cp (checked here too,
+    the same on every rank; ``check_context`` checks the config before any collective).
+    Returns the ContextAttention."""
     plan, ctx = plan_of(model), ContextAttention(group, mode)
     modules = list(model.named_modules())
     found = [(path, m, attrs) for pattern, attrs in plan.heads.items() for path, m in select(pattern, modules)]
@@ -105,7 +128,8 @@ def install(model, group, mode):
     for pattern, style in plan.sequence.items():
         if isinstance(style, PositionShard):
             for path, old in select(pattern, modules):
-                put(model, path, ContextPositions(old, ctx))
+                sp = old.group if isinstance(old, SequenceShardPositions) else None
+                put(model, path, ContextPositions(old, ctx, sp))
     return ctx
 
 
@@ -115,23 +139,27 @@ class ContextParallel(ParallelModule):
     DataParallel / ZeRO inside it, over dp x cp (see the module docstring)."""
 
     def __init__(self, inner, mesh, context):
-        super().__init__(inner, mesh.cp_group)
-        self._aux = None               # the loss is already averaged over dp x cp inside
+        super().__init__(inner, self_group())   # one rank: no private step group (nothing to reduce here)
+        self.group = mesh.cp_group
         self.mesh, self.context = mesh, context
         self.cp_rank, self.cp_world_size = mesh.cp_rank, mesh.cp_world_size
         self.local_shape = None        # (rows, tokens) of the last local batch
 
-    seq_shards = property(lambda self: self.cp_world_size)
+    seq_shards = property(lambda self: self.cp_world_size * self.inner.seq_shards)
 
     def local_batch(self, x, y):
         """Rows [d B/dp, (d+1) B/dp) of dp rank d, and this cp rank's tokens of each."""
-        m, cp = self.mesh, self.cp_world_size
+        m, cp, sp = self.mesh, self.cp_world_size, self.inner.seq_shards
         x, y = shard((x, y), m.dp_rank, m.dp_world_size)
         B, T = x.shape
         block = getattr(getattr(self.module, "config", None), "block_size", T)
         if T > block:
             raise ValueError(f"sequence length T = {T} exceeds the model's block_size {block}")
         pos = ring_positions(T, cp, self.cp_rank, self.context.layout)
+        if sp > 1 and (T // cp) % sp:
+            raise ValueError(f"context parallelism (cp = {cp}) with sequence parallelism (tp = {sp}) cuts "
+                             f"each cp shard of T/cp = {T // cp} tokens over {sp} tp ranks: choose T a "
+                             f"multiple of {cp * sp * (2 if self.context.layout == 'zigzag' else 1)}, got T = {T}")
         self.context.positions = pos
         xs, ys = x[:, pos], y[:, pos]
         assert xs.shape == (B, T // cp), (xs.shape, B, T, cp)

@@ -14,7 +14,9 @@ builds, from the inside out (each strategy wraps the one before; base.py):
     ExpertParallel(.., mesh)                                 n_expert > 0, in DDP's place: E/ep experts per rank,
                                                              tokens over all_to_all_v (expert_parallel.py)
     ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
-                                                             DDP/ZeRO then span dp x cp (context_parallel.py)
+                                                             DDP/ZeRO then span dp x cp (context_parallel.py);
+                                                             attention on this tp rank's heads, in every stage
+    MixedPrecision(.., precision)                            bf16/fp16: fp32 masters, outermost
 
 Each layer is left out where its size is 1 (microbatches then go to the plain model
 as gradient accumulation). Per rank, Megatron's 3-D parallelism (Narayanan et al.,
@@ -88,13 +90,13 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     chunks = default_chunks(schedule, chunks)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     check_context(model.config, mesh, context_parallel, precision, pipelined)
-    cp = context_parallel and install(model, mesh.cp_group, context_parallel)
-    dp_group = mesh.dp_cp_group if cp else mesh.dp_group
+    dp_group = mesh.dp_cp_group if context_parallel else mesh.dp_group
     s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision))
     if check_finite is not None:       # None: PDIST_CHECK_FINITE (default on)
         s.check_finite = bool(check_finite)
     if mesh.tp_world_size > 1:
         s = TensorParallel(s, mesh.tp_group, sequence_parallel=sequence_parallel)
+    cp = context_parallel and install(model, mesh.cp_group, context_parallel)   # on this tp rank's heads
     cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
@@ -107,10 +109,10 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     elif dp_group.size > 1:
         s = DataParallel(s, dp_group, bucket_cap_mb=bucket_cap_mb, first_bucket_cap_mb=first_bucket_cap_mb)
     s.materialize()                # a meta model (GPT(cfg, seed, device="meta")): this rank's pieces only
-    if low_dtype(precision) is not None:
-        s = MixedPrecision(s, precision, scaler)
     if cp:
         s = ContextParallel(s, mesh, cp)
+    if low_dtype(precision) is not None:    # outermost: its step (the scaler's skip) wraps everything
+        s = MixedPrecision(s, precision, scaler)
     s.mesh = mesh
     return s
 
