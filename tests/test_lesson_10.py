@@ -20,7 +20,7 @@ def test_lesson_10_at_4_ranks(tmp_path):
     assert (s["lesson"], s["world_size"], s["check"]) == ("10_experts", 4, "PASS")
     runs = {r["name"]: r for r in s["runs"]}
     assert list(runs) == ["ep 2", "ep 4", "capacity", "uniform routing"]
-    N, C, E, k, b = 2 * 8, 16, 4, 2, 8                      # tokens per rank per layer: B/dp x T
+    N, C, k, b = 2 * 8, 16, 2, 8                      # tokens per rank per layer: B/dp x T
     for ep in (2, 4):
         r = runs[f"ep {ep}"]
         assert r["layout"]["ep"] == ep and r["layout"]["dp"] == 4 and len(r["loss"]) == 2
