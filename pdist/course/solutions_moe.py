@@ -1,5 +1,5 @@
 """Exercise 12's reference answer (MoE dispatch and combine under expert parallelism; GShard,
-Lepikhin et al. 2020, sec. 3.2), re-exported by pdist/course/solutions.py and, like it,
+Lepikhin et al. 2020, sec. 2-3), re-exported by pdist/course/solutions.py and, like it,
 withheld from the student copy (pdist/course/handout.py)."""
 import numpy as np
 
