@@ -19,13 +19,11 @@ experts; each MoE layer sends a token's row to the rank of each chosen expert
     uniform routing: S = R = N k (ep-1)/ep: 4 N k C b (ep-1)/ep (twice forward, twice backward)
     expert parameters per rank = E/ep of the replicated E (and so their grads and Adam m, v)
 
-The lesson prints (rank 0, gathered from every rank):
-  routing        tokens per expert per step and layer (a text histogram; --plot PATH: a PNG)
-  capacity       drops at capacity factor None / 1.0 / 1.25 on the trained model beside the formula
-  all-to-all     each rank's all_to_all_v bytes per step beside 2 (S + R) C b (exact, from the
-                 counts) and the uniform formula; a planted uniform routing against the formula
-  memory         expert parameter bytes per rank beside E/ep x the formula, and replicated
-PASS means: for each ep, --steps AdamW steps (at most 10) equal one process on the same
+It prints (rank 0, from every rank): tokens per expert per step and layer (a text histogram;
+--plot PATH: a PNG); the drops at capacity None / 1.0 / 1.25 beside the formula; each rank's
+all_to_all_v bytes per step beside 2 (S + R) C b (exact, from the counts) and the uniform
+formula, and a planted uniform routing against it; expert bytes per rank beside E/ep, replicated.
+PASS means: for each ep, --steps AdamW steps equal one process on the same
 global batch (Local with dp micro-batches: the same shards, so the same routing, drops
 and aux loss) -- every loss and every parameter by its global name, the router and every
 expert, float64 rtol 1e-9 -- and every count above equals its formula exactly.
@@ -53,15 +51,13 @@ def parse():
     p.add_argument("--capacity-factor", type=float, default=None, help="None: dropless (the default)")
     p.add_argument("--router-aux-loss-coef", type=float, default=0.01)
     p.add_argument("--ep", type=int, action="append", default=None,
-                   help="expert-parallel sizes to run (repeatable; default: 2 and 4 that divide the world)")
+                   help="expert-parallel sizes to run (repeatable; default: 2 and 4, those dividing the world and E)")
     p.add_argument("--plot", metavar="PATH", default=None, help="also draw tokens per expert (matplotlib PNG)")
     args = lesson.validate(p, p.parse_args())
     if args.n_expert < 1 or not 1 <= args.expert_top_k <= args.n_expert:
         p.error(f"--n-expert must be >= 1 and --expert-top-k in 1..n_expert; got {args.n_expert}, {args.expert_top_k}")
     if args.capacity_factor is not None and not args.capacity_factor > 0:
         p.error(f"--capacity-factor must be > 0 (leave it out for dropless), got {args.capacity_factor}")
-    if args.steps > 10:
-        p.error(f"--steps {args.steps}: at most 10 (each step is checked against one process)")
     if args.plot and importlib.util.find_spec("matplotlib") is None:      # fail now, not after the run
         p.error("--plot needs matplotlib: .venv/bin/pip install 'pdist[plots]' (or leave out --plot)")
     return p, args
@@ -70,23 +66,13 @@ def parse():
 def check_layout(parser, args, n):
     """Every rank stops here with the same message on a bad layout (before any collective)."""
     if args.ep is None:
-        args.ep = [e for e in (2, 4) if n % e == 0 and e <= n]
+        args.ep = [e for e in (2, 4) if n % e == 0 and args.n_expert % e == 0]
     for ep in args.ep:
         if ep < 2 or n % ep or args.n_expert % ep:
             parser.error(f"--ep {ep}: must be >= 2, divide the world ({n} ranks: dp = {n}) and "
                          f"--n-expert {args.n_expert}; choose another --ep or --n-expert")
     if args.batch_size % n:
         parser.error(f"--batch-size {args.batch_size} must divide into dp = {n} ranks")
-
-
-def build_config(parser, args, vocab):
-    kw = {k: getattr(args, k) for k in lesson.MODEL_DEFAULTS}
-    try:
-        return lesson.gpt_config(vocab, dtype=args.dtype, model=args.model, n_expert=args.n_expert,
-                                 expert_top_k=args.expert_top_k, capacity_factor=args.capacity_factor,
-                                 router_aux_loss_coef=args.router_aux_loss_coef, **kw)
-    except ValueError as e:
-        parser.error(str(e))
 
 
 def reference(cfg, batch, args, dp):
@@ -107,7 +93,7 @@ def expert_run(world, cfg, batch, args, ep, ref_losses, ref_sd):
     steps, times = [], []
     mesh.ep_group.reset_stats()
 
-    def on_step(step, loss):
+    def on_step(step, loss):        # this step's all_to_all_v bytes, and every rank's tokens per expert
         sent = mesh.ep_group.stats.get("all_to_all_v", {}).get("bytes", 0)
         mesh.ep_group.reset_stats()
         steps.append((world.all_gather_object({n: s["tokens"] for n, s in moe_stats(model.module).items()}), sent))
@@ -198,8 +184,7 @@ def uniform_check(world, ep, N, args):
     x[np.arange(N), E + (np.arange(N) + 1) % E] = 5.0
     mesh.ep_group.reset_stats()
     layer(Tensor(x, requires_grad=True)).sum().backward()
-    b = np.dtype(args.dtype).itemsize
-    return mesh.ep_group.stats["all_to_all_v"]["bytes"], 4 * N * k * C * b * (ep - 1) // ep
+    return mesh.ep_group.stats["all_to_all_v"]["bytes"], 4 * N * k * C * np.dtype(args.dtype).itemsize * (ep - 1) // ep
 
 
 def main():
@@ -207,12 +192,12 @@ def main():
     world, tokens, tok = lesson.start(args)
     lesson.warn_shared_cores(world)
     check_layout(parser, args, world.size)
-    cfg = build_config(parser, args, tok.vocab_size)
+    cfg = lesson.gpt_config(tok.vocab_size, dtype=args.dtype, model=args.model, n_expert=args.n_expert,   # (flags
+                            expert_top_k=args.expert_top_k, capacity_factor=args.capacity_factor,      # checked
+                            router_aux_loss_coef=args.router_aux_loss_coef,                            # in parse)
+                            **{k: getattr(args, k) for k in lesson.MODEL_DEFAULTS})
     N = args.batch_size // world.size * cfg.block_size
-
-    def batch(step):
-        return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
-
+    batch = data.batch_fn(tokens, args.batch_size, cfg.block_size, args.seed)      # step -> the global (x, y)
     ref_losses, ref_sd, ref, ref_tokens = reference(cfg, batch, args, world.size)
     runs = [expert_run(world, cfg, batch, args, ep, ref_losses, ref_sd) for ep in args.ep]
     last = runs[-1]["model"].module if runs else ref.module
@@ -229,10 +214,9 @@ def main():
         per_step = summed(runs[-1]["tokens"]) if runs else ref_tokens      # the EP run's routing, all ranks
         report(args, cfg, runs, rows, drops, uniform, per_step, N, one)
     summary = [run_summary(args, cfg, world, r, ep, rows, ref_losses) for ep, r in zip(args.ep, runs)]
-    summary.append({"name": "capacity", "drops": [dict(capacity_factor=cf, dropped=a, formula=b, assignments=n)
-                                                 for cf, (a, b, n) in drops.items()]})
-    summary.append({"name": "uniform routing", "a2a_bytes": [dict(ep=ep, measured=g, formula=w)
-                                                            for ep, (g, w) in uniform.items()]})
+    summary += [{"name": "capacity", "drops": [dict(capacity_factor=cf, dropped=a, formula=b, assignments=n)
+                                              for cf, (a, b, n) in drops.items()]},
+                {"name": "uniform routing", "a2a_bytes": [dict(ep=e, measured=g, formula=w) for e, (g, w) in uniform.items()]}]
     lesson.finish("10_experts", bool(flag[0]), summary, args, rank=world.rank, world_size=world.size,
                   detail=f"(E = {cfg.n_expert}, top-{cfg.expert_top_k}, " + (
                       f"ep {', '.join(map(str, args.ep))}: every loss, the router and every expert equal one "
@@ -251,8 +235,7 @@ def run_summary(args, cfg, world, r, ep, rows, ref_losses):
             "comm_bytes_per_step": [float(np.median([s for s, _ in rk[i][0]])) for rk in rows],
             "a2a_bytes_per_step": [[dict(measured=s, exact=e) for s, e in rk[i][0]] for rk in rows],
             "a2a_bytes_per_layer": [rk[i][2] for rk in rows], "a2a_uniform_formula_per_step": r["uniform"],
-            "tokens_per_expert": summed(r["tokens"]),
-            "seconds_per_step": r["secs"]}
+            "tokens_per_expert": summed(r["tokens"]), "seconds_per_step": r["secs"]}
 
 
 def summed(tokens):
@@ -260,15 +243,12 @@ def summed(tokens):
     return [{n: np.sum([t[n] for t in toks], axis=0).tolist() for n in toks[0]} for toks in tokens]
 
 
-def histogram(per_step, E, width=12):
+def histogram(per_step, width=12):
     """Tokens per expert, one line per step and layer, bars scaled to the largest count."""
     top = max([max(v) for t in per_step for v in t.values()] + [1])
-    lines = []
-    for step, t in enumerate(per_step):
-        for name, v in t.items():
-            bars = "  ".join(f"e{e} {'#' * round(width * c / top):<{width}} {c:>4}" for e, c in enumerate(v))
-            lines.append(f"step {step} {name:<16} {bars}")
-    return "\n".join(lines)
+    return "\n".join(f"step {step} {name:<16} " + "  ".join(f"e{e} {'#' * round(width * c / top):<{width}} {c:>4}"
+                                                            for e, c in enumerate(v))
+                     for step, t in enumerate(per_step) for name, v in t.items())
 
 
 def plot(per_step, path):
@@ -283,7 +263,8 @@ def plot(per_step, path):
             ax.bar(np.arange(v.shape[1]) + s / (v.shape[0] + 1), v[s], width=1 / (v.shape[0] + 1), label=f"step {s}")
         ax.set(title=name, xlabel="expert", ylabel="tokens")
     axes[0][0].legend(fontsize=7)
-    fig.tight_layout(), fig.savefig(path)
+    fig.tight_layout()
+    fig.savefig(path)
 
 
 def report(args, cfg, runs, rows, drops, uniform, per_step, N, one):
@@ -291,7 +272,7 @@ def report(args, cfg, runs, rows, drops, uniform, per_step, N, one):
     print(f"{args.model} Ψ = {cfg.num_params():,} ({cfg.n_layer} MoE layers, E = {cfg.n_expert}, top-{cfg.expert_top_k}, "
           f"capacity {cfg.capacity_factor or 'dropless'}, n_embd {cfg.n_embd}, {args.dtype}); global batch "
           f"{args.batch_size} x {cfg.block_size}, N = {N} tokens per rank per layer, {args.steps} steps\n")
-    print("tokens per expert (after drops, all ranks):\n" + histogram(per_step, cfg.n_expert) + "\n")
+    print("tokens per expert (after drops, all ranks):\n" + histogram(per_step) + "\n")
     if args.plot:
         plot(per_step, args.plot)
         print(f"wrote {args.plot}\n")
@@ -304,11 +285,9 @@ def report(args, cfg, runs, rows, drops, uniform, per_step, N, one):
         print(f"\nep {ep} (dp {len(rows)}): {r['secs'] * 1e3:.1f} ms/step; all_to_all_v bytes per step over the "
               f"{cfg.n_layer} MoE layers (median), and expert memory, each rank; losses, router and every "
               f"expert = 1 process: {'yes' if r['ok'] else 'NO'}")
-        table = []
-        for q, rk in enumerate(rows):
-            a2a, mem = rk[i][:2]
-            table.append((q, fb(np.median([s for s, _ in a2a])), "yes" if all(s == e for s, e in a2a) else "NO",
-                          fb(r["uniform"]), fb(mem[0]), fb(mem[1]), fb(mem[2]), fb(mem[3])))
+        table = [(q, fb(np.median([s for s, _ in a2a])), "yes" if all(s == e for s, e in a2a) else "NO",
+                  fb(r["uniform"]), fb(mem[0]), fb(mem[1]), fb(mem[2]), fb(mem[3])) for q, (a2a, mem, _) in
+                 ((q, rk[i]) for q, rk in enumerate(rows))]
         print(lesson.table(table, ["rank", "sent/step", "= 2(S+R)Cb", "uniform formula", "expert params",
                                    "E/ep formula", "replicated", "dense params"]))
     for ep, (got, want) in uniform.items():
