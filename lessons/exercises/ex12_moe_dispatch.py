@@ -46,7 +46,8 @@ Hints.
 * ``group.all_to_all_v(out, inp, send_counts, recv_counts)``: send_counts[q] rows of inp go
   to rank q (in rank order); out gets recv_counts[q] rows from rank q.
 * A local expert e runs once on its rows: ``layer.experts[e](rows)``; ``concat`` the
-  outputs (skip an expert with no rows).
+  outputs (skip an expert with no rows; when none has any, ``xe * 0.0`` is the empty
+  output, and the all-to-alls still run: every rank of the group takes part in each).
 * Every gradient is an array when ``reduce_gradients`` runs; ``group.all_reduce(a,
   op="sum"|"avg")`` works in place on a flat contiguous array.
 
