@@ -279,11 +279,11 @@ def report(args, cfg, runs, rows, drops, uniform, per_step, N, one):
     print(lesson.table([(str(cf), a, b, "yes" if a == b else "NO", n, f"{a / max(n, 1):.1%}")
                         for cf, (a, b, n) in drops.items()],
                        ["capacity factor", "dropped", "formula", "=", "assignments", "dropped %"]))
-    print(f"\none process: expert params {fb(one[0])} (all E = {cfg.n_expert}: the formula {fb(one[1])}), "
-          f"dense params {fb(one[3])}")
+    print(f"\none process: expert params {fb(one[0])} (all E = {cfg.n_expert}: formula {fb(one[1])}), dense {fb(one[3])}")
     for i, (ep, r) in enumerate(zip(args.ep, runs)):
         print(f"\nep {ep} (dp {len(rows)}): {r['secs'] * 1e3:.1f} ms/step; all_to_all_v bytes per step over the "
-              f"{cfg.n_layer} MoE layers (median), and expert memory, each rank; losses, router and every "
+              f"{cfg.n_layer} MoE layers (median; uniform: {fb(r['uniform'] // cfg.n_layer)} a layer), and expert "
+              f"memory, each rank; losses, router and every "
               f"expert = 1 process: {'yes' if r['ok'] else 'NO'}")
         table = [(q, fb(np.median([s for s, _ in a2a])), "yes" if all(s == e for s, e in a2a) else "NO",
                   fb(r["uniform"]), fb(mem[0]), fb(mem[1]), fb(mem[2]), fb(mem[3])) for q, (a2a, mem, _) in
