@@ -152,6 +152,12 @@ WRONG_ANSWERS = {
     "zb_w_right_after_b": ("13", "simulated bubble 0.1429"),
     "zb_whole_backward": ("13", "runs a whole BACKWARD"),
     "zb_all_w_at_end": ("13", "peak stash per stage [4, 4]"),
+    "moe_drop_last_expert": ("12", "sort_by_expert: counts has shape (3,) for n_expert = 4"),
+    "moe_backward_same_counts": ("12", "AllToAllV's backward: CollectiveMismatchError"),
+    "moe_counts_not_exchanged": ("12", "the row count of each local expert (per_expert) differs"),
+    "moe_combine_wrong_order": ("12", "combine: row i of the result is the output for xs's row i differs"),
+    "moe_no_gate_weight": ("12", "moe_forward: the layer's output y differs"),
+    "moe_avg_over_ep": ("12", "expert parameter 0's gradient differs from pdist's (max relative error 1; got = 2 x"),
 }
 
 

@@ -36,12 +36,13 @@ def answers():
     """The functions of the reference answers and of every wrong-answer fixture, less the few
     that are line for line the library's own code (the library ships by design: e.g. Megatron's
     g forward is pdist's ReduceFromTensorParallel.forward). Returns (answers, shared with the library)."""
-    found = {k: f"solutions.py:{v}" for k, v in bodies(ast.parse(SOLUTIONS.read_text())).items()}
+    found = {k: f"{f.name}:{v}" for f in SOLUTIONS.parent.glob("solutions*.py")     # solutions_moe.py: ex 12
+             for k, v in bodies(ast.parse(f.read_text())).items()}
     for f in WRONG.glob("*/*.py"):
         found.update({k: f"{f.parent.name}/{f.name}:{v}" for k, v in bodies(ast.parse(f.read_text())).items()})
     library = {}
     for f in (ROOT / "pdist").rglob("*.py"):
-        if f != SOLUTIONS:
+        if f.parent != SOLUTIONS.parent or not f.name.startswith("solutions"):
             library.update(bodies(ast.parse(f.read_text())))
     shared = sorted(found.pop(k) for k in list(found) if k in library)
     return found, shared

@@ -1,4 +1,4 @@
-"""Exercise 01 (10 points): ring all-reduce over point-to-point messages.
+"""Exercise 01 (9 points): ring all-reduce over point-to-point messages.
 
 Task. Write ``ring_all_reduce(group, buf)``: afterwards every rank's ``buf`` holds
 sum_r buf_r (in place), using only ``group.isend`` / ``group.irecv`` (or

@@ -1,4 +1,4 @@
-"""Exercise 04 (10 points): ZeRO-1, optimizer state partitioning.
+"""Exercise 04 (9 points): ZeRO-1, optimizer state partitioning.
 
 Task. Write ``zero1_step(flat_params, flat_grads, shard, optimizer, group)``, called
 after each backward. ``flat_params`` (Psi,) holds every parameter (each model

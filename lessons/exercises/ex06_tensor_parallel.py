@@ -1,4 +1,4 @@
-"""Exercise 06 (12 points): Megatron's ColumnParallelLinear and RowParallelLinear.
+"""Exercise 06 (9 points): Megatron's ColumnParallelLinear and RowParallelLinear.
 
 Task. Write Megatron's two conjugate regions as autograd Functions, and the forward of
 the two layers with them. The grader builds pdist's ``ColumnParallelLinear`` (weight

@@ -1,4 +1,4 @@
-"""Exercise 07 (10 points): vocab-parallel cross-entropy.
+"""Exercise 07 (9 points): vocab-parallel cross-entropy.
 
 Task. The logits (N, V) are split by vocabulary: this rank holds columns
 [vocab_start, vocab_start + V/t). Compute each row's cross-entropy without any rank

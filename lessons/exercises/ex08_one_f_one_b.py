@@ -1,4 +1,4 @@
-"""Exercise 08 (10 points): the 1F1B pipeline schedule, as data.
+"""Exercise 08 (6 points): the 1F1B pipeline schedule, as data.
 
 Task. Write ``one_f_one_b(p, m)``: for each of the p stages, its program -- a list of
 ``Instr`` (pdist/parallel/pipeline/schedules.py) -- for one step of m micro-batches. pdist's

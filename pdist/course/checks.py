@@ -20,12 +20,14 @@ import traceback
 
 from pdist.course import checks_data as grade_checks_data, checks_model as grade_checks_model
 from pdist.course import checks_cp as grade_checks_cp, checks_sched as grade_checks_sched
+from pdist.course import checks_moe as grade_checks_moe
 from pdist.course.common import CheckFailed, load
 
 CHECKS = {f"{i:02d}": getattr(grade_checks_data if i <= 5 else grade_checks_model, f"checks_{i:02d}")
           for i in range(1, 11)}
 CHECKS["11"] = grade_checks_cp.checks_11
 CHECKS["13"] = grade_checks_sched.checks_13
+CHECKS["12"] = grade_checks_moe.checks_12
 
 
 def main(exercise, source):

@@ -24,7 +24,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 EXERCISES = Path("lessons") / "exercises"
 SOLUTIONS = Path("pdist") / "course" / "solutions.py"
-WITHHELD = (SOLUTIONS.as_posix(), "tests/fixtures/wrong/")
+WITHHELD = (SOLUTIONS.as_posix(), "tests/fixtures/wrong/", "pdist/course/solutions_moe.py")   # (12's answer)
 SKIP_DIRS = {".git", ".venv", "venv", "__pycache__", ".pytest_cache", "build", "dist", "out", ".ruff_cache"}
 TAG = "handout"
 
