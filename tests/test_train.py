@@ -69,7 +69,7 @@ def test_log_lines_and_progress(runs):
     assert [r["reason"] for r in recs if r.get("event") == "end"] == ["done", "done"]
     steps = [r for r in recs if "loss" in r]
     assert all(np.isfinite(r["loss"]) and r["lr"] == 3e-3 for r in steps)
-    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] for r in steps[1:])
+    assert all(r["tokens_per_s"] > 0 and 0 < r["mfu"] for r in steps if r["step"] in (2, 4))   # (1, 3: first)
     assert "[####################] 4/4  loss" in out and "tok/s  MFU" in out and "ETA" in out
 
 

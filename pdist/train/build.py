@@ -41,6 +41,7 @@ def config(args, vocab_size, model=None):
             raise ValueError(f"--from-pretrained {args.from_pretrained}: its vocabulary ({model.config.vocab_size}) "
                              f"is smaller than the data's ({vocab_size})")
         return model.config
+    vocab_size = -(-vocab_size // args.pad_vocab) * args.pad_vocab
     kw = {k: getattr(args, k) for k in FIELDS}
     if args.model == "llama":
         kw["n_kv_head"] = args.n_kv_head

@@ -34,6 +34,9 @@ def parser():
     g.add_argument("--token-dtype", choices=["uint16", "int32"], default="uint16", help="the ids of a .bin file")
     g.add_argument("--vocab-size", type=int, default=None,
                    help="a token file's vocabulary (default: its largest id + 1)")
+    g.add_argument("--pad-vocab", type=int, default=8,
+                   help="round the vocabulary up to a multiple of N, so that --tp divides it (Megatron's "
+                        "--make-vocab-size-divisible-by); the extra ids never occur")
     g.add_argument("--val-fraction", type=float, default=0.1, help="the held-out tail of the tokens")
     g.add_argument("--eval-every", type=int, default=50, help="eval loss every N steps (0: never)")
     g.add_argument("--eval-batches", type=int, default=2, help="held-out batches per eval")
@@ -146,7 +149,7 @@ def parse(argv=None, world=None):
 
 
 POSITIVE = ("steps", "batch_size", "n_layer", "n_head", "n_embd", "block_size", "n_kv_head", "vocab_size", "tp",
-            "pp", "cp", "ep", "dp", "microbatches", "eval_batches", "keep", "log_every")
+            "pp", "cp", "ep", "dp", "microbatches", "pad_vocab", "eval_batches", "keep", "log_every")
 NON_NEGATIVE = ("seed", "eval_every", "save_every", "warmup", "n_expert")
 
 
