@@ -9,14 +9,17 @@ MPI): each names its flag. One process runs the real command line with a JSON co
 """
 import json
 import os
+import signal
 import subprocess
 import sys
+import time
+import uuid
 
 import numpy as np
 import pytest
 
 from pdist import data
-from pdist.checkpoint.format import read_tensors
+from pdist.checkpoint.format import read_tensors, verify
 from pdist.testing import mpirun, reports
 from pdist.train import flags
 
@@ -52,10 +55,11 @@ def same(x, y):
 
 def test_resumed_at_dp4_equals_the_uninterrupted_dp4_run(runs):
     d, out = runs
-    assert [r["codes"] for r in reports(out)] == [{"A": 0, "B": 0, "C": 0}] * 4, out[-3000:]
+    assert [r["codes"] for r in reports(out)] == [{"A": 0, "B": 0, "C": 0, "D": 2}] * 4, out[-3000:]
     same(d / "A/ckpt/step-000002", d / "C/ckpt/step-000002")     # dp 2 x tp 2 == dp 4 at the saved step
     same(d / "A/ckpt/step-000004", d / "C/ckpt/step-000004")     # resumed at dp 4 == uninterrupted dp 4
     assert "resumed from" in out and "ckpt/step-000002 at step 2" in out
+    assert "cannot continue this run" in out and "n_embd: checkpoint 16 vs model 32" in out    # D
 
 
 def test_log_lines_and_progress(runs):
@@ -126,3 +130,41 @@ def test_layout_error_before_mpi_and_one_process_run(tmp_path):
     assert "llama" in ok.stdout and "[####################] 3/3" in ok.stdout and "\r" not in ok.stdout
     assert (tmp_path / "o/ckpt/step-000003/index.json").is_file()
     assert sum(1 for _ in open(tmp_path / "o/log.jsonl")) == 1 + 3 + 1 + 1 + 1    # start, steps, eval, save, end
+
+
+@pytest.mark.cores(2)
+def test_ctrl_c_stops_every_rank_after_one_step_and_leaves_whole_checkpoints(tmp_path):
+    """SIGINT to mpiexec (a terminal's Ctrl-C) while 2 ranks train and save every 2 steps: both stop
+    after the same step, exit 130 and clean, every checkpoint verifies, nothing else is left."""
+    from test_launch_cleanup import like_a_terminal, procs_with
+    from pdist.testing import mpiexec_path
+    tag = uuid.uuid4().hex
+    env = dict(os.environ, PYTHONPATH=ROOT, PDIST_TEST_TAG=tag)
+    cmd = [mpiexec_path(), "-n", "2", sys.executable, "-m", "pdist.train", "--steps", "100000", "--n-layer", "1",
+           "--n-embd", "16", "--n-head", "2", "--block-size", "8", "--batch-size", "4", "--eval-every", "0",
+           "--save-every", "2", "--log-every", "1000", "--out", str(tmp_path)]
+    p = subprocess.Popen(cmd, env=env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                         text=True, preexec_fn=like_a_terminal, cwd=str(tmp_path))
+    log, mark = tmp_path / "log.jsonl", f"PDIST_TEST_TAG={tag}".encode()
+    try:
+        end = time.monotonic() + 90
+        while time.monotonic() < end and not (log.exists() and log.read_text().count('"save"') >= 2):
+            time.sleep(0.1)
+        p.send_signal(signal.SIGINT)
+        out = p.communicate(timeout=60)[0]
+        assert p.returncode == 130, out[-3000:]
+        assert "SIGINT: every rank stopped after step" in out and "FAILED" not in out, out[-3000:]
+        last = json.loads(log.read_text().splitlines()[-1])
+        assert last["event"] == "end" and last["reason"] == "interrupted"
+        names = sorted(os.listdir(tmp_path / "ckpt"))
+        assert len(names) >= 2 and all(n.startswith("step-") for n in names), names     # no temporaries left
+        for n in names:
+            verify(str(tmp_path / "ckpt" / n))
+        end = time.monotonic() + 5
+        while procs_with(mark) and time.monotonic() < end:
+            time.sleep(0.1)
+        assert procs_with(mark) == []
+    finally:
+        p.kill()
+        for pid in procs_with(mark):
+            os.kill(pid, signal.SIGKILL)

@@ -15,6 +15,7 @@ import sys
 from dataclasses import asdict
 
 from pdist.train import build, corpus, flags, progress
+from pdist.train.stop import Stop, Stopper
 
 
 def prepare(args):
@@ -102,9 +103,10 @@ class Run:
         build.set_lr(self.opt, build.lr_at(start, a))
         self.done = start
         try:
-            train(self.model, self.opt, self.batch, a.steps - start, on_step=self.on_step, start=start)
-        except KeyboardInterrupt:
-            return self.interrupted(self.done)
+            with Stopper(self.world) as self.stopper:
+                train(self.model, self.opt, self.batch, a.steps - start, on_step=self.on_step, start=start)
+        except Stop as e:
+            return self.interrupted(self.done, e.name)
         self.log.write(event="end", step=a.steps, reason="done")
         self.log.close()
         if a.plot and self.rank0:
@@ -137,6 +139,7 @@ class Run:
         if a.save_every and done % a.save_every == 0 or done == a.steps:
             self.save(done)
         self.bar.resume_clock()
+        self.stopper.check()
 
     def evaluate(self):
         """The mean loss of the held-out batches, under the run's layout: the step's forward and
@@ -159,16 +162,15 @@ class Run:
         self.log.write(event="save", step=done, path=path)
         self.bar.say(f"step {done}: saved {path}")
 
-    def interrupted(self, done):
-        """Ctrl-C (SIGINT) or SIGTERM: pdist.comm raises KeyboardInterrupt on every rank (once the call
-        it came in is over); each one ends here and exits; the job then ends cleanly."""
+    def interrupted(self, done, name):
+        """Ctrl-C (SIGINT) or SIGTERM (stop.py): every rank stopped after step ``done``."""
         from pdist.checkpoint import latest
-        self.log.write(event="end", step=done, reason="interrupted")
+        self.log.write(event="end", step=done, reason="interrupted", signal=name)
         self.log.close()
         if self.rank0:
             newest = latest(self.ckpt_dir)
             where = f"the newest complete checkpoint is {newest}" if newest else "no checkpoint was written"
-            sys.stdout.write(f"\ninterrupted after step {done}: {where}; nothing is half-written. "
+            sys.stdout.write(f"\n{name}: every rank stopped after step {done}: {where}; nothing is half-written. "
                              f"Continue with the same command and --resume.\n")
             sys.stdout.flush()
         return 130

@@ -3,6 +3,7 @@
     A: dp 2 x tp 2, steps 0-2, saves at 2              (data: a .npy token file)
     B: --resume at dp 4 from A's step 2 to step 4      (flags from a config file; data: the same ids as .bin)
     C: dp 4, steps 0-4 uninterrupted, saves at 2 and 4
+    D: --resume of A's run with another model (--n-embd 32): refused with a message, exit status 2
 
 Each rank reports main's exit status; the test compares the checkpoints."""
 import os
@@ -23,4 +24,6 @@ codes["B"] = main(["--config", os.path.join(root, "b.toml"), "--steps", "4", "--
                    "--resume"])
 codes["C"] = main(common[2:] + ["--steps", "4", "--data", os.path.join(root, "ids.npy"), "--dp", "4",
                                 "--out", os.path.join(root, "C"), "--save-every", "2"])
+codes["D"] = main(common + ["--data", os.path.join(root, "ids.npy"), "--n-embd", "32", "--out",
+                            os.path.join(root, "A"), "--resume"])           # another model: refused (2)
 report(rank=comm.get_world().rank, codes=codes)
