@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from pdist import data
+from pdist.checkpoint import consolidate
 from pdist.checkpoint.format import read_tensors, verify
 from pdist.testing import mpirun, reports
 from pdist.train import flags
@@ -110,6 +111,9 @@ def test_config_file_errors_and_precedence(tmp_path, capsys):
     (tmp_path / "ok.json").write_text('{"tp": 2, "sp": true, "steps": 7}')
     args = flags.parse(["--config", str(tmp_path / "ok.json"), "--steps", "9"], world=4)
     assert (args.tp, args.dp, args.sp, args.steps) == (2, 2, True, 9)
+    (tmp_path / "config.json").write_text("{}")
+    assert "--from-pretrained takes the sizes from its config.json: drop --n-layer" in error(
+        ["--from-pretrained", str(tmp_path), "--n-layer", "3"], capsys)
 
 
 def test_layout_error_before_mpi_and_one_process_run(tmp_path):
@@ -130,6 +134,11 @@ def test_layout_error_before_mpi_and_one_process_run(tmp_path):
     assert "llama" in ok.stdout and "[####################] 3/3" in ok.stdout and "\r" not in ok.stdout
     assert (tmp_path / "o/ckpt/step-000003/index.json").is_file()
     assert sum(1 for _ in open(tmp_path / "o/log.jsonl")) == 1 + 3 + 1 + 1 + 1    # start, steps, eval, save, end
+    consolidate(str(tmp_path / "o/ckpt/step-000003"), str(tmp_path / "hf"))       # Hugging Face Llama dir
+    hf = subprocess.run(cmd + ["--from-pretrained", str(tmp_path / "hf"), "--steps", "1", "--batch-size", "4",
+                               "--out", str(tmp_path / "o2")], env=env, capture_output=True, text=True, timeout=120,
+                        cwd=str(tmp_path))
+    assert hf.returncode == 0 and "llama Ψ = " in hf.stdout and "L=1, h=2, C=16, T=8" in hf.stdout, hf.stdout + hf.stderr
 
 
 @pytest.mark.cores(2)
