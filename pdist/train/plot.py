@@ -1,5 +1,6 @@
-"""``--plot``: ``loss.png`` (training and eval loss per step, from log.jsonl) and ``waterfall.png``
-when pdist.measure.waterfall is there, in ``--out``. Each PNG is written to a temporary name in
+"""``--plot``: ``loss.png`` (training and eval loss per step, from log.jsonl) and, when
+pdist.measure.waterfall is there, ``waterfall.png`` (rank 0's mean step as its parts) in ``--out``,
+with the waterfall's table (every rank) printed. Each PNG is written to a temporary name in
 the same directory and renamed into place (a reader never sees half a file). Without matplotlib,
 a line says so and the run still succeeds."""
 import json
@@ -28,8 +29,8 @@ def _atomic_png(fig, path):
     os.replace(tmp, path)
 
 
-def write(out, log_path, say=print):
-    """The plots; ``say`` gets one line per file (or why there is none)."""
+def write(out, log_path, say=print, summary=None):
+    """The plots (``summary``: the waterfall's, or None); ``say`` gets one line per file (or why none)."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -51,20 +52,40 @@ def write(out, log_path, say=print):
     _atomic_png(fig, path)
     plt.close(fig)
     say(f"--plot: wrote {path}")
-    return [path] + waterfall(out, say)
+    return [path] + (waterfall(out, summary, say) if summary else [])
 
 
-def waterfall(out, say=print):
-    """waterfall.png from pdist.measure.waterfall's ``plot(path)``, when it is there."""
+def start_waterfall(model, say=print):
+    """pdist.measure.waterfall's ``Waterfall(model, auto=True)`` (every step's parts, per rank), or
+    None when this pdist has none yet (imported here, only with --plot)."""
     try:
-        from pdist.measure import waterfall as wf
+        from pdist.measure.waterfall import Waterfall
     except ImportError:
-        say("--plot: no waterfall yet (pdist.measure.waterfall is not in this pdist)")
-        return []
-    if not hasattr(wf, "plot"):
-        say("--plot: no waterfall yet (pdist.measure.waterfall has no plot())")
-        return []
+        say("--plot: no waterfall yet (pdist.measure.waterfall is not in this pdist): loss.png only")
+        return None
+    return Waterfall(model, auto=True)
+
+
+def waterfall(out, summary, say=print):
+    """waterfall.png: this rank's mean step (``Waterfall.summary()``) as a waterfall, one bar per
+    part (ms/step) starting where the one before ended, the measured step beside them."""
+    import matplotlib.pyplot as plt
+    label, run = next(iter(summary.items()))
+    parts = [(k, 1e3 * v) for k, v in run["parts"].items() if v > 0]
+    fig, ax = plt.subplots(figsize=(7, 0.45 * len(parts) + 1.5))
+    left = 0.0
+    for i, (name, ms) in enumerate(parts):
+        ax.barh(i, ms, left=left)
+        ax.text(left + ms, i, f" {ms:.2f}", va="center", fontsize=8)
+        left += ms
+    ax.barh(len(parts), 1e3 * run["step_s"], color="0.4")
+    ax.set_yticks(range(len(parts) + 1), [n for n, _ in parts] + ["measured step"])
+    ax.invert_yaxis()
+    ax.set_xlabel("ms per step (rank 0, mean over %d steps)" % run["steps"])
+    ax.set_title(label, fontsize=9)
+    fig.tight_layout()
     path = os.path.join(out, "waterfall.png")
-    wf.plot(path)
+    _atomic_png(fig, path)
+    plt.close(fig)
     say(f"--plot: wrote {path}")
     return [path]

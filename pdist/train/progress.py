@@ -28,12 +28,23 @@ from pdist.engine.backend import synchronize, xp
 
 
 def flops_per_token(cfg):
-    """6N + 12·L·C·T (PaLM's convention)."""
-    return 6 * cfg.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    """6N + 12·L·C·T (PaLM's convention): pdist.measure.flops's count when this pdist has it
+    (the waterfall's, so both print one MFU), else with N = every parameter."""
+    try:
+        from pdist.measure import flops
+    except ImportError:
+        return 6 * cfg.num_params() + 12 * cfg.n_layer * cfg.n_embd * cfg.block_size
+    return flops.per_token(cfg, "6N+12LhT")
 
 
 def measured_peak(dtype="float32", n=512, seconds=0.2):
-    """FLOP/s of an n x n x n matmul on this rank's device (2n³ FLOPs per product)."""
+    """FLOP/s of an n x n x n matmul on this rank's device (2n³ FLOPs per product);
+    pdist.measure.flops's cached rate when this pdist has it."""
+    try:
+        from pdist.measure import flops
+        return flops.gemm_rate(dtype)
+    except ImportError:
+        pass
     a = xp.asarray(np.random.default_rng(0).standard_normal((n, n)), dtype=dtype)
     a @ a
     synchronize()

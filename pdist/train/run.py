@@ -101,19 +101,35 @@ class Run:
         self.bar = progress.Progress(start, a.steps, tokens, progress.flops_per_token(self.cfg) * tokens, peak,
                                      self.world.size, a.log_every, on=self.rank0)
         build.set_lr(self.opt, build.lr_at(start, a))
-        self.done = start
+        self.done, self.wf = start, None
+        if a.plot:
+            from pdist.train import plot
+            self.wf = plot.start_waterfall(self.model, self.say)
         try:
             with Stopper(self.world) as self.stopper:
                 train(self.model, self.opt, self.batch, a.steps - start, on_step=self.on_step, start=start)
         except Stop as e:
+            if self.wf is not None:
+                self.wf.close()
             return self.interrupted(self.done, e.name)
         self.log.write(event="end", step=a.steps, reason="done")
         self.log.close()
-        if a.plot and self.rank0:
-            from pdist.train import plot
-            plot.write(a.out, self.log.path, self.say)
+        if a.plot:
+            self.plots()
         self.say(f"done: {a.steps} steps; checkpoint {self.newest}; log {self.log.path}")
         return 0
+
+    def plots(self):
+        """--plot at the end: the waterfall's table (collective) and summary, then the PNGs (rank 0)."""
+        from pdist.train import plot
+        summary = None
+        if self.wf is not None:
+            table = self.wf.table()
+            summary = self.wf.summary() if self.rank0 else None
+            self.wf.close()
+            self.say(table)
+        if self.rank0:
+            plot.write(self.args.out, self.log.path, self.say, summary)
 
     def start_lines(self, start):
         a = self.args
