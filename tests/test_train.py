@@ -128,11 +128,12 @@ def test_layout_error_before_mpi_and_one_process_run(tmp_path):
     (tmp_path / "run.json").write_text(json.dumps({"steps": 3, "n_layer": 1, "n_embd": 16, "n_head": 2,
                                                    "block_size": 8, "batch_size": 4, "log_every": 1,
                                                    "eval_every": 3, "warmup": 1, "out": str(tmp_path / "o")}))
-    ok = subprocess.run(cmd + ["--config", str(tmp_path / "run.json"), "--model", "llama"], env=env,
+    ok = subprocess.run(cmd + ["--config", str(tmp_path / "run.json"), "--model", "llama", "--plot"], env=env,
                         capture_output=True, text=True, timeout=120, cwd=str(tmp_path))
     assert ok.returncode == 0, ok.stdout + ok.stderr
     assert "llama" in ok.stdout and "[####################] 3/3" in ok.stdout and "\r" not in ok.stdout
-    assert (tmp_path / "o/ckpt/step-000003/index.json").is_file()
+    assert (tmp_path / "o/ckpt/step-000003/index.json").is_file() and (tmp_path / "o/loss.png").is_file()
+    assert (tmp_path / "o/waterfall.png").is_file() or "no waterfall yet" in ok.stdout
     assert sum(1 for _ in open(tmp_path / "o/log.jsonl")) == 1 + 3 + 1 + 1 + 1    # start, steps, eval, save, end
     consolidate(str(tmp_path / "o/ckpt/step-000003"), str(tmp_path / "hf"))       # Hugging Face Llama dir
     hf = subprocess.run(cmd + ["--from-pretrained", str(tmp_path / "hf"), "--steps", "1", "--batch-size", "4",

@@ -102,9 +102,8 @@ def read_config(p, path):
         p.error(f"--config {path}: no such file")
     try:
         if path.endswith(".toml"):
-            import tomllib
             with open(path, "rb") as f:
-                table = tomllib.load(f)
+                table = _toml().load(f)
         elif path.endswith(".json"):
             with open(path) as f:
                 table = json.load(f)
@@ -130,6 +129,18 @@ def read_config(p, path):
         else:
             argv += [flag, str(v)]
     return argv
+
+
+def _toml():
+    try:
+        import tomllib                     # Python 3.11+
+    except ImportError:
+        try:
+            import tomli as tomllib
+        except ImportError:
+            raise ValueError("reading TOML needs Python 3.11 or `pip install tomli`; or write the flags as "
+                             ".json") from None
+    return tomllib
 
 
 def world_size():

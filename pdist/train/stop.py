@@ -13,6 +13,7 @@ import signal
 import numpy as np
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
+_GROUPS = {}        # world -> its private copy, kept to the process's end (below)
 
 
 class Stop(Exception):
@@ -25,7 +26,7 @@ class Stop(Exception):
 
 class Stopper:
     def __init__(self, world):
-        self.group = world.split(0, name="train.stop") if world.size > 1 else None
+        self.group = _group(world)
         self.got, self.prev = None, {}
 
     def __enter__(self):
@@ -58,3 +59,14 @@ class Stopper:
             self.group.all_reduce(flag, op="max")
         if flag[0]:
             raise Stop(SIGNALS[int(flag[0]) - 1].name)
+
+
+def _group(world):
+    """The world's private copy for the stop flag, made once (collective) and kept: the run's last
+    collective is on it, and a rank's exit announcement names the last call on each group it still
+    holds (pdist/comm/watchdog.py), so a peer still finishing that call knows it was completed."""
+    if world.size == 1:
+        return None
+    if id(world) not in _GROUPS:
+        _GROUPS[id(world)] = world.split(0, name="train.stop")
+    return _GROUPS[id(world)]
