@@ -16,6 +16,7 @@ file opened for appending, so an interrupted run leaves whole lines only::
     {"event": "save", "step": 50, "path": "runs/train/ckpt/step-000050"}
     {"event": "end", "step": 300, "reason": "done"}        # or "interrupted"
 """
+import collections
 import json
 import math
 import os
@@ -86,11 +87,13 @@ class Progress:
         self.start, self.end, self.every, self.on = start, end, every, on
         self.tokens, self.flops, self.peak, self.world = tokens_per_step, flops_per_step, peak, world
         self.tty = on and self.stream.isatty()
-        self.last, self.busy, self.timed, self.window = None, 0.0, 0, [0.0, 0]
+        self.last, self.busy, self.timed = None, 0.0, 0
+        self.window = collections.deque(maxlen=every)      # the last steps' seconds: the shown rates
+        self.open = False                                   # a bar is on the line (a terminal)
 
     def step(self, step, loss, lr):
         """After step ``step`` (0-based): its record for the log (seconds, tokens/s, MFU). The shown
-        rates are the mean over the steps since the last line; the first step (warm-up) and the
+        rates are the mean over the last ``every`` steps; the first step (warm-up) and the
         time in eval and saves (``resume_clock``) are left out of them and of the ETA."""
         now = time.perf_counter()
         dt = now - self.last if self.last is not None else float("nan")
@@ -98,14 +101,12 @@ class Progress:
         if math.isfinite(dt):
             self.busy += dt
             self.timed += 1
-            self.window[0] += dt
-            self.window[1] += 1
+            self.window.append(dt)
         rec = dict(step=step + 1, loss=loss, lr=lr, seconds=dt, tokens_per_s=self.tokens / dt,
                    mfu=self.flops / dt / self.world / self.peak)
         done = step + 1
         if self.on and (self.tty or done % self.every == 0 or done == self.end):
-            mean = self.window[0] / self.window[1] if self.window[1] else float("nan")
-            self.window = [0.0, 0]
+            mean = sum(self.window) / len(self.window) if self.window else float("nan")
             self._show(done, loss, self.tokens / mean, self.flops / mean / self.world / self.peak)
         return rec
 
@@ -122,7 +123,8 @@ class Progress:
         line = (f"[{bar}] {done}/{self.end}  loss {loss:.4f}  {_num(tps)} tok/s  MFU {_pct(mfu)}  "
                 f"ETA {_eta(eta)}")
         if self.tty:
-            self.stream.write("\r" + line + ("\n" if done == self.end else ""))
+            self.open = done != self.end
+            self.stream.write("\r" + line + "\x1b[K" + ("" if self.open else "\n"))     # (clears the rest)
         else:
             self.stream.write(line + "\n")
         self.stream.flush()
@@ -130,7 +132,8 @@ class Progress:
     def say(self, text):
         """A line of its own (eval, save), not glued to the bar."""
         if self.on:
-            self.stream.write(("\n" if self.tty else "") + text + "\n")
+            self.stream.write(("\n" if self.open else "") + text + "\n")
+            self.open = False
             self.stream.flush()
 
 
