@@ -136,8 +136,12 @@ class Run:
         self.say(build.describe(self.cfg, a) + f"; {self.world.size} rank(s)")
         self.say(self.tokens.describe() + f"; batch {a.batch_size} x {self.cfg.block_size} tokens")
         if self.rank0:
+            from pdist.checkpoint import latest
             from pdist.course.lesson import warn_shared_cores
             warn_shared_cores(self.world)
+            if start == 0 and latest(self.ckpt_dir):
+                print(f"note: {self.ckpt_dir} holds checkpoints of an earlier run ({latest(self.ckpt_dir)}); this run "
+                      "saves beside them (replacing those of the same step) and --resume takes the newest", flush=True)
         self.log.write(event="start", step=start, world_size=self.world.size, layout=self.layout(),
                        model=dict(model_type=type(self.cfg).model_type, **asdict(self.cfg)),
                        params=self.cfg.num_params(), data=self.tokens.name, flags=vars(a))
