@@ -75,7 +75,7 @@ def test_lesson_06_memory_and_group_bytes_equal_the_plan(tmp_path, layout, lay):
 def test_zero_paper_7_5b_on_64_gpus(stage, gb):
     """Rajbhandari et al. 2020, Figure 1 / Table 1: Ψ = 7.5 B, N_d = 64, K = 12 (decimal GB)."""
     out = subprocess.run([sys.executable, "-m", "pdist.plan", "--params", "7.5e9", "--dp", "64", "--zero",
-                          str(stage), "--precision", "mixed", "--json"], capture_output=True, text=True,
+                          str(stage), "--precision", "mixed", "--accounting", "paper", "--json"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     j = json.loads(out)
     m = j["memory_per_gpu"]
@@ -114,20 +114,21 @@ def test_pipeline_stash():
     assert act(schedule="interleaved", v=2) == pytest.approx(L * A * (1 + (p - 1) / (p * 2)), rel=1e-9)
 
 
-def test_narayanan_table_1_within_13_percent():
+def test_narayanan_table_1_within_10_percent():
     """Every row of Table 1 (A100, mixed precision, V 51200, s 2048), planned as 1F1B with micro-batch 1,
-    full recompute, sequence-parallel pipeline sends (Narayanan's scatter/gather), efficiency 0.55:
-    the paper's Eq. 3 FLOPs over the predicted step time is within 13% of the reported TFLOP/s."""
+    full recompute, sequence-parallel pipeline sends (Narayanan's scatter/gather), the a100 preset's
+    GEMM profile (fitted to this table: a consistency check, not an independent one): the paper's
+    Eq. 3 FLOPs over the predicted step time is within 10% of the reported TFLOP/s."""
     for P, a, h, L, t, p, n, B, tflops, pct in NARAYANAN_TABLE1:
         cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=L, n_head=a, n_embd=h)
         assert abs(cfg.num_params() / 1e9 - P) <= 0.05 + 0.001 * P     # the table rounds Ψ
-        r = plan(cfg, "a100", dp=n // (t * p), tp=t, pp=p, sp=True, recompute="full", global_batch=B,
-                 efficiency=0.55)
+        r = plan(cfg, "a100", dp=n // (t * p), tp=t, pp=p, sp=True, recompute="full", global_batch=B)
         assert r["fits"]
         pred = narayanan_flops(B, 2048, L, h, 51200) / n / r["time_per_step"]["total"] / 1e12
-        assert abs(pred / tflops - 1) < 0.13, (P, pred, tflops)
+        assert abs(pred / tflops - 1) < 0.10, (P, pred, tflops)
+        assert sum(r["waterfall"].values()) == pytest.approx(r["time_per_step"]["total"], rel=1e-12)
         if P == 1008.0:
-            assert abs(pred / tflops - 1) < 0.12 and r["links"] == {"tp": "intra-node", "dp": "inter-node",
+            assert {k: r["links"][k] for k in ("tp", "dp", "pp")} == {"tp": "intra-node", "dp": "inter-node",
                                                                      "pp": "inter-node"}
 
 
@@ -145,7 +146,7 @@ def test_tp_across_nodes_swamps_compute():
 def test_search_ranks_layouts_that_fit(capsys):
     plans = search("gpt2-xl", "a100", gpus=16, global_batch=64)
     assert plans and all(p["fits"] and p["gpus"] == 16 and 8 % p["layout"]["tp"] == 0 for p in plans)
-    times = [p["time_per_step"]["total"] for p in plans]
+    times = [float(f'{p["time_per_step"]["total"]:.3g}') for p in plans]
     assert times == sorted(times)
     assert {p["layout"]["zero"] for p in plans} == {0, 1, 2, 3}
     assert not search("gpt3-175b", "a100", gpus=8, global_batch=8)      # 175 B does not fit on one node
