@@ -35,7 +35,7 @@ def _num(kind, low):
             v = kind(s)
         except ValueError:
             raise argparse.ArgumentTypeError(f"{s!r} is not a{'n integer' if kind is int else ' number'}")
-        if not v >= low if low == 0 else not v >= low:
+        if not v >= low:
             raise argparse.ArgumentTypeError(f"{s!r} must be >= {low}")
         return v
     return f
