@@ -50,15 +50,16 @@ def _stages(a, lay, cluster):
 def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_fraction=FIT_FRACTION):
     """The plan of one layout for a model config (GPTConfig, LlamaConfig, Arch): a dict."""
     a = arch_of(cfg)
-    lay.check(a)
     if not 0 < fit_fraction <= 1:
         raise ValueError(f"fit_fraction must be in (0, 1], got {fit_fraction}")
     if global_batch:
+        if not (isinstance(lay.dp, int) and isinstance(lay.micro_batch, int) and lay.dp >= 1 and lay.micro_batch >= 1):
+            lay.check()                                        # names the bad dp or micro_batch
         if global_batch % (lay.dp * lay.micro_batch):
             raise ValueError(f"global batch {global_batch} must divide into dp {lay.dp} x micro-batch "
                              f"{lay.micro_batch}")
         lay.m = global_batch // (lay.dp * lay.micro_batch)
-        lay.check(a)
+    lay.check(a)
     s = lay.seq_len or a.seq
     tokens = lay.dp * lay.m * lay.micro_batch * s
     stages = _stages(a, lay, cluster)
