@@ -67,6 +67,8 @@ def test_memory_as_pdist_deepspeed_and_megatron_hold_it():
     assert g[2, 1] < g[1, 1] and g[2, 4] > g[1, 4]          # pdist's ZeRO-2 keeps the full gradient at m > 1
     ds = plan(cfg, "this", dp=4, zero=2, m=4, precision="fp32", accounting="deepspeed")["memory_per_gpu"]["grads"]
     assert ds == g[1, 4]
+    with pytest.raises(ValueError, match="DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only"):
+        plan(cfg, "this", pp=2, m=2, zero=2, accounting="deepspeed")
     p = plan("gpt2", "a100", dp=8)
     assert p["memory_per_gpu"]["reserve"] > CLUSTERS["a100"].reserve and p["memory_per_gpu"]["logits"] == 2 * 4 * 1024 * 50257
     assert p["headroom"] == pytest.approx(0.9 * 80 * 2 ** 30 - p["memory_per_gpu"]["total"])
@@ -95,3 +97,14 @@ def test_cli_plans_moe_cp_and_a_users_cluster(capsys):
     out = capsys.readouterr().out
     assert "active per token" in out and "dp4 tp1 pp1 cp2 ep4 z0" in out and "24.00 GiB each" in out
     assert "peak 100 TFLOP/s" in out and "inter-node beta 10 GB/s" in out and "ep,dp" in out.replace("dp,ep", "ep,dp")
+
+
+def test_llama_activations_count_gqa_and_swiglu_tensors():
+    """Per layer, 2-byte units: 8sbh unsplit (no dropout masks) + Q 2 + K, V 4·a_kv/a + 2 + SwiGLU
+    3·2f/h, and 2as²b of scores (no dropout) unless selective recompute."""
+    cfg = LlamaConfig(vocab_size=96, block_size=16, n_layer=2, n_head=4, n_kv_head=2, n_embd=32)
+    sbh, f = 16 * 1 * 32, cfg.intermediate_size
+    per = sbh * (8 + 2 + 4 * 2 / 4 + 2 + 6 * f / 32)
+    act = {rc: plan(cfg, "this", recompute=rc)["memory_per_stage"][0]["activations"] for rc in ("selective", "none")}
+    assert act["selective"] == round(2 * per)
+    assert act["none"] == round(2 * (per + sbh * 2 * 4 * 16 / 32))

@@ -68,6 +68,9 @@ class Layout:
                              f"micro-batches (pp = {self.pp}), got m = {self.m}")
         if self.zero == 3 and self.pp > 1:
             raise ValueError(ZERO3_PIPELINE)
+        if self.accounting == "deepspeed" and self.zero >= 2 and self.pp > 1:
+            raise ValueError(f"DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: zero = {self.zero} with "
+                             f"pp = {self.pp}; use --zero 1 (or another --accounting)")
         if self.dp % self.ep:
             raise ValueError(f"ep = {self.ep} must divide dp = {self.dp} (expert parallelism is carved out of "
                              f"data parallelism)")
