@@ -81,6 +81,8 @@ def test_waterfall_parts_overlap_and_warnings():
     assert set(w) == {"ideal_compute", "inefficiency", "recompute", "bubble", "wait", "overhead"} | {
         f"comm:{g}" for g in ("tp", "cp", "ep", "pp", "dp")}
     assert sum(w.values()) == pytest.approx(p["time_per_step"]["total"], rel=1e-12)
+    from pdist.plan.timing import as_measured
+    assert as_measured(w)["pipeline bubble"] == w["bubble"] and as_measured(w)["comm tp"] == w["comm:tp"]
     assert any("crosses nodes" in x for x in p["warnings"]) and any("m = 4 < pp = 8" in x for x in p["warnings"])
     off = plan("gpt3-175b", "a100", dp=8, tp=16, pp=8, sp=True, m=4, recompute="selective", overlap=False)
     assert off["exposed"]["dp"] == off["time_per_step"]["comm_dp"] > p["exposed"]["dp"]
@@ -108,3 +110,6 @@ def test_llama_activations_count_gqa_and_swiglu_tensors():
     act = {rc: plan(cfg, "this", recompute=rc)["memory_per_stage"][0]["activations"] for rc in ("selective", "none")}
     assert act["selective"] == round(2 * per)
     assert act["none"] == round(2 * (per + sbh * 2 * 4 * 16 / 32))
+    flash = plan(cfg, "this", attention="flash")
+    assert flash["memory_per_stage"][0]["activations"] == act["selective"]       # FlashAttention keeps no scores
+    assert flash["time_per_step"]["total"] < plan(cfg, "this")["time_per_step"]["total"]   # and skips masked blocks

@@ -83,6 +83,8 @@ def _parser():
                           "under --accounting megatron")
     lay.add_argument("--accounting", default="pdist", choices=list(ACCOUNTING), help="how memory is held")
     lay.add_argument("--no-overlap", action="store_true", help="expose every collective (a bound)")
+    lay.add_argument("--attention", default="full", choices=["full", "flash"],
+                     help="full: s x s scores computed and kept; flash: causal blocks only, none kept")
     lay.add_argument("--flops", default="6N+12LhT", choices=list(FLOP_CONVENTIONS), help="the MFU's FLOPs")
     lay.add_argument("--global-batch", type=NONNEG, default=0, help="rows per step: sets m = B/(dp·micro-batch)")
     o = p.add_argument_group("output")
@@ -147,7 +149,8 @@ def _plans(args, p, model, cl, lay):
             p.error("--search needs --gpus N: the number of GPUs to lay out")
         if not isinstance(model, (GPTConfig, LlamaConfig)) and isinstance(model, float):
             p.error("--search needs a model (--model or --n-layer), not --params")
-        keep = {k: getattr(lay, k) for k in ("schedule", "cp_mode", "grad_dtype", "accounting", "overlap", "flops")}
+        keep = {k: getattr(lay, k) for k in ("schedule", "cp_mode", "grad_dtype", "accounting", "overlap", "flops",
+                                             "attention")}
         return search(model, cl, args.gpus, args.global_batch, args.precision, args.micro_batch, args.seq_len,
                       args.efficiency, fit_fraction=args.fit_fraction, cps=sorted({1, args.cp}), **keep)[:args.top]
     return [plan(model, cl, lay, args.global_batch, args.efficiency, args.fit_fraction)]
@@ -163,7 +166,7 @@ def main(argv=None):
                      schedule=args.schedule, m=args.m, v=args.v, recompute=args.recompute, precision=args.precision,
                      micro_batch=args.micro_batch, seq_len=args.seq_len, cp_mode=args.cp_mode,
                      grad_dtype=args.grad_dtype, accounting=args.accounting, overlap=not args.no_overlap,
-                     flops=args.flops)
+                     flops=args.flops, attention=args.attention)
         plans = _plans(args, p, model, cl, lay)
     except (ValueError, KeyError) as e:
         p.error(str(e))

@@ -54,7 +54,8 @@ def layer_time(a, lay, tokens, cluster, flat=None, moe_layer=False):
     b = max(1, tokens * lay.cp // s)
     heads = a.n_head // lay.tp
     sl = s // lay.cp
-    score = 2 * b * heads * gemm_time(sl, s if lay.cp > 1 else sl, a.head_dim, cluster, lay.precision, flat,
+    causal = 0.5 if lay.attention == "flash" else 1.0        # FlashAttention skips the masked blocks
+    score = causal * 2 * b * heads * gemm_time(sl, s if lay.cp > 1 else sl, a.head_dim, cluster, lay.precision, flat,
                                       itemsize)
     elem = ELEMENTWISE * tokens * a.h / (lay.tp if lay.sp else 1) * itemsize / cluster.mem_bw
     return gemm, score, elem

@@ -42,6 +42,7 @@ class Layout:
     accounting: str = "pdist"     # pdist | paper | deepspeed | megatron: how memory is held
     overlap: bool = True          # dp, ZeRO-3, pp, cp (ring) overlap compute as the docs say
     flops: str = "6N+12LhT"       # the model-FLOP convention of the MFU (pdist.plan.arch)
+    attention: str = "full"       # full: s x s scores computed and kept; flash: causal blocks only, none kept
 
     def __post_init__(self):
         if self.schedule in V_SHAPED and self.v == 1:
@@ -54,7 +55,7 @@ class Layout:
                 raise ValueError(f"{k} must be an integer >= 1, got {getattr(self, k)!r}")
         choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "recompute": ("none", "selective", "full"),
                    "precision": tuple(BYTES), "cp_mode": CP_MODES, "grad_dtype": ("auto", "param", "fp32"),
-                   "accounting": ACCOUNTING}
+                   "accounting": ACCOUNTING, "attention": ("full", "flash")}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, ok))}, got {getattr(self, k)!r}")

@@ -118,7 +118,7 @@ def arch_activations(a, lay, s, moe_layer=False):
         mlp = a.top_k * (a.capacity or 1.0) * (2 + per_f * a.expert_ffn) + a.n_shared * per_f * a.expert_ffn
     split = 2 + 4 * kvr + 2 + mlp
     unsplit = 8 + (2 if a.dropout_masks else 0)
-    scores = 0 if lay.recompute == "selective" else (5 if a.dropout_masks else 2) * a.n_head * s / h
+    scores = 0 if lay.recompute == "selective" or lay.attention == "flash" else (5 if a.dropout_masks else 2) * a.n_head * s / h
     return sbh * ((unsplit + split) / t + scores / t if sp else unsplit + split / t + scores / t)
 
 

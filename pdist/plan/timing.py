@@ -25,6 +25,16 @@ from pdist.plan.comm import GROUPS
 from pdist.plan.efficiency import head_time, layer_time
 from pdist.plan.layout import bubble_ratio
 
+# the measured waterfall's labels (pdist/measure/waterfall.py) for the planner's keys
+MEASURED_LABELS = {"ideal_compute": "ideal compute", "inefficiency": "kernel inefficiency",
+                   "recompute": "recompute", "bubble": "pipeline bubble", "wait": "waiting for slower rank",
+                   "overhead": "framework overhead", **{f"comm:{g}": f"comm {g}" for g in GROUPS}}
+
+
+def as_measured(parts):
+    """The planner's waterfall under the measured waterfall's labels, to set the two side by side."""
+    return {MEASURED_LABELS[k]: v for k, v in parts.items()}
+
 
 def stage_compute(a, lay, cluster, layers, last, flat):
     """(forward, recompute, attention) seconds of one micro-batch on one GPU of a stage."""
