@@ -60,7 +60,7 @@ def _parser():
     m.add_argument("--expert-top-k", type=POS, default=None, help="experts per token (default: the model's, 2)")
     m.add_argument("--capacity-factor", type=POSF, default=None, help="expert capacity c (default dropless)")
     c = p.add_argument_group("cluster (a preset, edited by the flags below)")
-    c.add_argument("--cluster", default="a100", choices=sorted(CLUSTERS))
+    c.add_argument("--cluster", default="a100", choices=sorted(CLUSTERS), help="a preset (pdist/plan/presets.py)")
     c.add_argument("--gpu-memory", type=POSF, default=None, help="GiB per GPU (default: the preset's)")
     c.add_argument("--gpus-per-node", type=POS, default=None, help="GPUs per node (default: the preset's)")
     c.add_argument("--intra-bw", type=POSF, default=None, help="GB/s per GPU per direction inside a node")
@@ -76,8 +76,10 @@ def _parser():
     lay.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
     lay.add_argument("--schedule", default="1f1b", choices=list(SCHEDULES), help="pipeline schedule")
     lay.add_argument("--cp-mode", default="ring", choices=list(CP_MODES), help="context parallelism's attention")
-    lay.add_argument("--recompute", default="none", choices=["none", "selective", "full"])
-    lay.add_argument("--precision", default="mixed", choices=sorted(BYTES))
+    lay.add_argument("--recompute", default="none", choices=["none", "selective", "full"],
+                     help="activation recomputation (Korthikanti et al. 2022)")
+    lay.add_argument("--precision", default="mixed", choices=sorted(BYTES),
+                     help="mixed: bf16 params/grads, fp32 masters and Adam; fp8: the same with FP8 matmuls")
     lay.add_argument("--grad-dtype", default="auto", choices=["auto", "param", "fp32"],
                      help="gradients' dtype: fp32 main grads/accumulation buffers, or the params'; auto: fp32 "
                           "under --accounting megatron")
