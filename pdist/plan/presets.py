@@ -1,10 +1,13 @@
 """Presets for the planner (pdist.plan): models, clusters, bytes per element, and the
 published numbers the planner is checked against.
 
-Models are GPTConfigs (pdist/models/gpt.py; Ψ = cfg.num_params(), lm_head tied to wte):
+Models are pdist configs or Arch (pdist/plan/arch.py): GPTConfigs (lm_head tied to wte) for
 GPT-2 124M/350M/774M/1.5B (Radford et al. 2019: V 50257, s 1024), GPT-3 175B (Brown
 et al. 2020: 96 layers, h 12288, 96 heads, s 2048) and the 1T model of Narayanan et
-al. 2021, Table 1 (128 layers, h 25600, 160 heads, V 51200, s 2048).
+al. 2021, Table 1 (128 layers, h 25600, 160 heads, V 51200, s 2048); LlamaConfigs (GQA,
+SwiGLU, untied) for Llama 2/3 and Mixtral; an Arch for DeepSeek-V3 (shared experts, dense
+first layers). Clusters: GPUs per node, memory, peak per precision, HBM bandwidth, the two
+links (α, β), the GEMM profile and the memory reserve.
 
 Bytes per element (the ZeRO paper's K; Rajbhandari et al. 2020, §3.1):
 
@@ -12,6 +15,7 @@ Bytes per element (the ZeRO paper's K; Rajbhandari et al. 2020, §3.1):
     fp32        4       4      8  (m, v)                   4
     fp64        8       8      16 (m, v)                   8
     mixed       2       2      12 (fp32 master, m, v)      2   -> 2 + 2 + 12 = 16 bytes/param
+    fp8         2       2      12                          2   (FP8 matmuls: the peak, not the bytes)
 
 pdist trains in one dtype, so its runs are planned as fp32 or fp64 (docs/zero.md).
 """
