@@ -75,7 +75,7 @@ def test_lesson_06_memory_and_group_bytes_equal_the_plan(tmp_path, layout, lay):
 def test_zero_paper_7_5b_on_64_gpus(stage, gb):
     """Rajbhandari et al. 2020, Figure 1 / Table 1: Ψ = 7.5 B, N_d = 64, K = 12 (decimal GB)."""
     out = subprocess.run([sys.executable, "-m", "pdist.plan", "--params", "7.5e9", "--dp", "64", "--zero",
-                          str(stage), "--precision", "mixed", "--json"], capture_output=True, text=True,
+                          str(stage), "--precision", "mixed", "--accounting", "paper", "--json"], capture_output=True, text=True,
                          check=True, cwd=ROOT).stdout
     j = json.loads(out)
     m = j["memory_per_gpu"]
@@ -114,20 +114,21 @@ def test_pipeline_stash():
     assert act(schedule="interleaved", v=2) == pytest.approx(L * A * (1 + (p - 1) / (p * 2)), rel=1e-9)
 
 
-def test_narayanan_table_1_within_13_percent():
+def test_narayanan_table_1_within_10_percent():
     """Every row of Table 1 (A100, mixed precision, V 51200, s 2048), planned as 1F1B with micro-batch 1,
-    full recompute, sequence-parallel pipeline sends (Narayanan's scatter/gather), efficiency 0.55:
-    the paper's Eq. 3 FLOPs over the predicted step time is within 13% of the reported TFLOP/s."""
+    full recompute, sequence-parallel pipeline sends (Narayanan's scatter/gather), the a100 preset's
+    GEMM profile (fitted to this table: a consistency check, not an independent one): the paper's
+    Eq. 3 FLOPs over the predicted step time is within 10% of the reported TFLOP/s."""
     for P, a, h, L, t, p, n, B, tflops, pct in NARAYANAN_TABLE1:
         cfg = GPTConfig(vocab_size=51200, block_size=2048, n_layer=L, n_head=a, n_embd=h)
         assert abs(cfg.num_params() / 1e9 - P) <= 0.05 + 0.001 * P     # the table rounds Ψ
-        r = plan(cfg, "a100", dp=n // (t * p), tp=t, pp=p, sp=True, recompute="full", global_batch=B,
-                 efficiency=0.55)
+        r = plan(cfg, "a100", dp=n // (t * p), tp=t, pp=p, sp=True, recompute="full", global_batch=B)
         assert r["fits"]
         pred = narayanan_flops(B, 2048, L, h, 51200) / n / r["time_per_step"]["total"] / 1e12
-        assert abs(pred / tflops - 1) < 0.13, (P, pred, tflops)
+        assert abs(pred / tflops - 1) < 0.10, (P, pred, tflops)
+        assert sum(r["waterfall"].values()) == pytest.approx(r["time_per_step"]["total"], rel=1e-12)
         if P == 1008.0:
-            assert abs(pred / tflops - 1) < 0.12 and r["links"] == {"tp": "intra-node", "dp": "inter-node",
+            assert {k: r["links"][k] for k in ("tp", "dp", "pp")} == {"tp": "intra-node", "dp": "inter-node",
                                                                      "pp": "inter-node"}
 
 
@@ -142,18 +143,67 @@ def test_tp_across_nodes_swamps_compute():
     assert across["time_per_step"]["comm_tp"] > across["time_per_step"]["compute"]
 
 
-def test_search_ranks_layouts_that_fit(capsys):
+def test_search_ranks_collapses_and_no_longer_prefers_zero2_with_a_pipeline(capsys):
     plans = search("gpt2-xl", "a100", gpus=16, global_batch=64)
     assert plans and all(p["fits"] and p["gpus"] == 16 and 8 % p["layout"]["tp"] == 0 for p in plans)
-    times = [p["time_per_step"]["total"] for p in plans]
-    assert times == sorted(times)
-    assert {p["layout"]["zero"] for p in plans} == {0, 1, 2, 3}
+    keys = [(float(f"{p['time_per_step']['total']:.3g}"), -p["headroom"]) for p in plans]
+    assert keys == sorted(keys)                                         # time, then headroom
+    shapes = [tuple(p["layout"][k] for k in ("dp", "tp", "pp", "recompute")) + (keys[i][0],)
+              for i, p in enumerate(plans)]
+    assert len(shapes) == len(set(shapes)) and any(p["ties"] for p in plans)    # ZeRO ties collapsed
+    # pdist's ZeRO-2 keeps the full gradient across micro-batches: with a pipeline it saves nothing
+    assert not any(p["layout"]["zero"] == 2 and p["layout"]["pp"] > 1 for p in plans)
+    paper = search("gpt2-xl", "a100", gpus=16, global_batch=64, accounting="paper")
+    assert any(p["layout"]["zero"] == 2 and p["layout"]["pp"] > 1 for p in paper)   # the old mis-ranking
     assert not search("gpt3-175b", "a100", gpus=8, global_batch=8)      # 175 B does not fit on one node
     main(["--model", "gpt2", "--cluster", "this", "--gpus", "2", "--precision", "fp32", "--global-batch", "16",
           "--search", "--top", "3"])
-    out = capsys.readouterr().out.splitlines()
-    assert out[3].startswith("dp2 tp1 pp1 z2 ") and "P params" in out[-1], out   # ZeRO-2: least memory of the tied
-    assert not any(" z1" in line for line in out if line.startswith("dp1 "))      # no ZeRO without dp
+    out = capsys.readouterr().out
+    for said in ("peak", "alpha", "beta", "efficiency:", "overlap:", "bytes: ring accounting", "memory: pdist",
+                 "fits = under 90%"):
+        assert said in out, said
+    rows = [line for line in out.splitlines() if line.startswith("dp")]
+    assert not any(" z1" in r for r in rows if r.startswith("dp1 "))          # no ZeRO without dp
+
+
+def test_cli_errors_are_argparse_errors(capsys):
+    """Every bad input ends as an argparse error (exit 2, a message naming the flag), never a traceback."""
+    bad = [(["--search"], "--search needs --gpus"),
+           (["--n-layer", "4", "--n-embd", "64"], "needs --n-head"),
+           (["--dp", "0"], "--dp: '0' must be >= 1"),
+           (["--dp", "4", "--ep", "3", "--n-expert", "6"], "ep = 3 must divide dp = 4"),
+           (["--ep", "2", "--dp", "2"], "needs a mixture-of-experts model"),
+           (["--pp", "2", "--zero", "3", "--m", "2"], "ZeRO-3 does not compose with pipeline"),
+           (["--tp", "5"], "tp = 5 must divide"),
+           (["--n-layer", "2", "--n-head", "3", "--n-embd", "64"], "divisible"),
+           (["--cp", "3"], "must divide by cp = 3"),
+           (["--fit-fraction", "1.5"], "fit_fraction")]
+    for argv, msg in bad:
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        err = capsys.readouterr().err
+        assert e.value.code == 2 and msg in err, (argv, err)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    helps = capsys.readouterr().out
+    from pdist.plan.cli import _parser
+    assert all(a.help for a in _parser()._actions), "every flag has help"   # and so its default, printed
+    for flag in ("--cp", "--ep", "--n-expert", "--expert-top-k", "--gpu-memory", "--gpus-per-node", "--intra-bw",
+                 "--inter-bw", "--peak-tflops", "--grad-dtype", "--fit-fraction"):
+        assert flag + " " in helps, flag
+
+
+def test_zero3_with_a_pipeline_is_refused_with_pdists_own_words():
+    from types import SimpleNamespace
+
+    from pdist.parallel.parallelize import check_layout
+    from pdist.plan.layout import ZERO3_PIPELINE
+    mesh = SimpleNamespace(dp_world_size=1, tp_world_size=1, pp_world_size=2, cp_world_size=1, ep_world_size=1)
+    with pytest.raises(ValueError) as pdist_says:
+        check_layout(GPTConfig(n_layer=2), mesh, zero_stage=3, microbatches=2)
+    with pytest.raises(ValueError) as plan_says:
+        plan("gpt2", pp=2, zero=3, m=2)
+    assert str(pdist_says.value) == str(plan_says.value) == ZERO3_PIPELINE
 
 
 def test_text_chart_and_bad_layouts():

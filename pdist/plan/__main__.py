@@ -1,6 +1,6 @@
-"""``python -m pdist.plan``: the planner's command line (pdist/plan/planner.py)."""
+"""``python -m pdist.plan``: the planner's command line (pdist/plan/cli.py)."""
 import sys
 
-from pdist.plan.planner import main
+from pdist.plan.cli import main
 
 sys.exit(main())

@@ -1,10 +1,13 @@
 """Presets for the planner (pdist.plan): models, clusters, bytes per element, and the
 published numbers the planner is checked against.
 
-Models are GPTConfigs (pdist/models/gpt.py; Ψ = cfg.num_params(), lm_head tied to wte):
+Models are pdist configs or Arch (pdist/plan/arch.py): GPTConfigs (lm_head tied to wte) for
 GPT-2 124M/350M/774M/1.5B (Radford et al. 2019: V 50257, s 1024), GPT-3 175B (Brown
 et al. 2020: 96 layers, h 12288, 96 heads, s 2048) and the 1T model of Narayanan et
-al. 2021, Table 1 (128 layers, h 25600, 160 heads, V 51200, s 2048).
+al. 2021, Table 1 (128 layers, h 25600, 160 heads, V 51200, s 2048); LlamaConfigs (GQA,
+SwiGLU, untied) for Llama 2/3 and Mixtral; an Arch for DeepSeek-V3 (shared experts, dense
+first layers). Clusters: GPUs per node, memory, peak per precision, HBM bandwidth, the two
+links (α, β), the GEMM profile and the memory reserve.
 
 Bytes per element (the ZeRO paper's K; Rajbhandari et al. 2020, §3.1):
 
@@ -12,23 +15,32 @@ Bytes per element (the ZeRO paper's K; Rajbhandari et al. 2020, §3.1):
     fp32        4       4      8  (m, v)                   4
     fp64        8       8      16 (m, v)                   8
     mixed       2       2      12 (fp32 master, m, v)      2   -> 2 + 2 + 12 = 16 bytes/param
+    fp8         2       2      12                          2   (FP8 matmuls: the peak, not the bytes)
 
 pdist trains in one dtype, so its runs are planned as fp32 or fp64 (docs/zero.md).
 """
 from dataclasses import dataclass, field
 
 from pdist.models.gpt import GPTConfig
+from pdist.models.llama import LlamaConfig
+from pdist.plan.arch import Arch
 
 BYTES = {  # precision -> (params, grads, optimizer, activations) bytes per element
     "fp32": (4, 4, 8, 4),
     "fp64": (8, 8, 16, 8),
     "mixed": (2, 2, 12, 2),
+    "fp8": (2, 2, 12, 2),     # FP8 matmuls (DeepSeek-V3, Transformer Engine): bf16 weights kept, fp32 masters
 }
 
 
 def _gpt(V, s, L, a, h):
     # dtype only matters to pdist's own training; the planner uses the precision's bytes
     return GPTConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_embd=h)
+
+
+def _llama(V, s, L, a, kv, h, f, **kw):
+    return LlamaConfig(vocab_size=V, block_size=s, n_layer=L, n_head=a, n_kv_head=kv, n_embd=h,
+                       intermediate_size=f, **kw)
 
 
 MODELS = {
@@ -38,6 +50,20 @@ MODELS = {
     "gpt2-xl": _gpt(50257, 1024, 48, 25, 1600),       # 1.5 B
     "gpt3-175b": _gpt(50257, 2048, 96, 96, 12288),    # 175 B
     "megatron-1t": _gpt(51200, 2048, 128, 160, 25600),  # 1.0 T (Narayanan et al. 2021, Table 1)
+    # Touvron et al. 2023 (Llama 2), Table 1 and the released configs; Grattafiori et al. 2024
+    # (The Llama 3 Herd of Models), Table 3: layers, width, FFN, heads, kv heads, vocabulary
+    "llama2-7b": _llama(32000, 4096, 32, 32, 32, 4096, 11008),
+    "llama3-8b": _llama(128256, 8192, 32, 32, 8, 4096, 14336),
+    "llama3-70b": _llama(128256, 8192, 80, 64, 8, 8192, 28672),
+    "llama3-405b": _llama(128256, 8192, 126, 128, 8, 16384, 53248),
+    # Jiang et al. 2024 (Mixtral of Experts): 32 layers, h 4096, FFN 14336, 8 experts, top-2
+    "mixtral-8x7b": _llama(32000, 4096, 32, 32, 8, 4096, 14336, n_expert=8, expert_top_k=2),
+    # DeepSeek-AI 2024 (DeepSeek-V3 Technical Report), §4.2: 61 layers, h 7168, 128 heads, the
+    # first 3 dense (FFN 18432), then 1 shared + 256 routed experts of width 2048, top-8, V 129280.
+    # MLA is planned as multi-head attention of the same width (its parameters differ by ~10%).
+    "deepseek-v3": Arch("deepseek-v3", 129280, 4096, 61, 7168, 128, ffn=18432, gated=True, tied=False,
+                        learned_pos=False, bias=False, dropout_masks=False, n_expert=256, top_k=8,
+                        expert_ffn=2048, n_shared=1, n_dense=3),
 }
 
 
@@ -57,8 +83,12 @@ class Cluster:
     peak: dict                    # precision -> FLOP/s per GPU
     intra: Link                   # inside a node
     inter: Link                   # between nodes
-    efficiency: float = 0.5       # achieved / peak FLOP/s of the compute (an assumption)
+    efficiency: float = 0.0       # > 0: one flat GEMM efficiency; 0: the shape profile below
     source: str = ""
+    mem_bw: float = 2.0e12        # device memory bandwidth, bytes/s (the roofline's slope)
+    profile: tuple = (0.72, 192)  # GEMM efficiency e_max·Π g(d), g(d) = d/(d + d_half) (pdist.plan.efficiency)
+    reserve: float = 1.5 * 2 ** 30   # bytes the CUDA context, NCCL buffers and the allocator's cache keep
+    overhead: float = 0.0         # seconds of framework overhead per step (the waterfall's "overhead")
     nodes: int = 0                # 0: as many as the layout needs
     extra: dict = field(default_factory=dict)
 
@@ -92,28 +122,34 @@ _CPU_PEAK = model_flops_per_token(_FLOOR_CFG) * 8 * 256 / _FLOOR_S
 CLUSTERS = {
     "a100": Cluster(
         "8 x A100-80GB (NVLink 600 GB/s, 8 x 200 Gb/s InfiniBand)", 8, 80 * GiB,
-        {"mixed": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
-        intra=Link(300e9, 5e-6), inter=Link(25e9, 10e-6),
-        source="NVIDIA A100 datasheet: bf16/fp16 dense 312 TFLOP/s, fp32 19.5, fp64 tensor 19.5; "
+        {"mixed": 312e12, "fp8": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(25e9, 10e-6), mem_bw=2.0e12,
+        source="NVIDIA A100 datasheet: bf16/fp16 dense 312 TFLOP/s, fp32 19.5, fp64 tensor 19.5, HBM 2.0 TB/s; "
                "NVLink 600 GB/s both ways = 300 GB/s each way; 200 Gb/s = 25 GB/s per GPU; "
                "α 5 µs / 10 µs assumed"),
     "a100-eth": Cluster(
         "8 x A100-80GB (NVLink 600 GB/s), nodes joined by one 100 Gb/s Ethernet port", 8, 80 * GiB,
-        {"mixed": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
-        intra=Link(300e9, 5e-6), inter=Link(12.5e9 / 8, 30e-6),
+        {"mixed": 312e12, "fp8": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(12.5e9 / 8, 30e-6), mem_bw=2.0e12,
         source="as a100, but 100 Gb/s = 12.5 GB/s per node shared by its 8 GPUs (1.56 GB/s each); "
                "α 30 µs assumed"),
     "h100": Cluster(
         "8 x H100-80GB SXM (NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
-        {"mixed": 989e12, "fp32": 67e12, "fp64": 67e12},
-        intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6),
-        source="NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, fp32 67, fp64 tensor 67; "
-               "NVLink 900 GB/s both ways = 450 GB/s each way; 400 Gb/s = 50 GB/s per GPU; "
+        {"mixed": 989e12, "fp8": 1979e12, "fp32": 67e12, "fp64": 67e12},
+        intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=3.35e12,
+        source="NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, fp8 1979, fp32 67, fp64 tensor 67, "
+               "HBM3 3.35 TB/s; NVLink 900 GB/s both ways = 450 GB/s each way; 400 Gb/s = 50 GB/s per GPU; "
                "α 5 µs / 10 µs assumed"),
+    "h800": Cluster(
+        "8 x H800-80GB (NVLink 400 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
+        {"mixed": 989e12, "fp8": 1979e12, "fp32": 67e12, "fp64": 67e12},
+        intra=Link(200e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=3.35e12,
+        source="as h100 with NVLink 400 GB/s both ways (the DeepSeek-V3 report, §3.1); α assumed"),
     "this": Cluster(
         "this machine: 2 CPU cores, one rank per core", 2, 23 * GiB / 2,
         {"fp32": _CPU_PEAK, "fp64": _CPU_PEAK / 2, "mixed": _CPU_PEAK},
         intra=Link(5.37e9, 16.7e-6), inter=Link(5.37e9, 16.7e-6), efficiency=_FLOOR_S / _PDIST_S,
+        mem_bw=10e9, reserve=0.0,
         source="README 'Measured' (Intel Xeon, 2 cores, 2026-11-30): bench/step_time.py large GPT, "
                "BLAS floor 1198.10 ms vs pdist 1427.92 ms -> peak fp32 %.0f GFLOP/s per core, "
                "efficiency 0.84; bench/collectives.py n = 2: busbw 5.37 GB/s (16 MiB), 16.7 µs "

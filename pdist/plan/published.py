@@ -1,0 +1,104 @@
+"""The published training runs the planner is held to (pdist/plan/cases.json, docs/planning.md).
+
+Each case names its source in words (paper, year, table or section), the quantity reported, the
+layout the source gives (what it leaves out is in ``assumed``), and a tolerance fixed before any
+prediction was read: 2% for a quantity a published formula gives (parameter counts, model-state
+memory), 15% for a measured one (TFLOP/s, MFU, tokens/s). ``fitted``: the case was used to set a
+preset's constant (the GEMM profile), so it is not an independent check.
+
+    python -m pdist.plan.published            # the table docs/planning.md holds, recomputed
+    python -m pdist.plan.published --check    # exit 1 when the stored verdicts are stale
+
+Quantities: ``params_b``/``active_params_b`` (10⁹), ``states_gb`` (params + grads + fp32 grad sum +
+optimizer + ZeRO-3 buffers per GPU, 10⁹ bytes), ``tflops_eq3`` (Narayanan et al. 2021, Eq. 3
+FLOPs over the predicted step), ``tflops`` (the planner's hardware FLOP/s per GPU), ``mfu``,
+``tokens_per_gpu_s``.
+"""
+import json
+import os
+import sys
+
+from pdist.plan.arch import Arch, arch_of
+from pdist.plan.planner import plan
+from pdist.plan.presets import MODELS, narayanan_flops
+
+PATH = os.path.join(os.path.dirname(os.path.abspath(__file__)), "cases.json")
+
+
+def load(path=PATH):
+    with open(path) as f:
+        return json.load(f)["cases"]
+
+
+def _model(c):
+    m = c.get("model")
+    return MODELS[m] if isinstance(m, str) else Arch(**m) if isinstance(m, dict) else None
+
+
+def predict(c):
+    """The planner's value of the case's quantity."""
+    q, model = c["quantity"], _model(c)
+    if q in ("params_b", "active_params_b"):
+        return arch_of(model).num_params(active=q == "active_params_b") / 1e9
+    p = plan(c["params"] if model is None else model, c.get("cluster", "a100"), global_batch=c.get("global_batch", 0),
+             **c.get("layout", {}))
+    if q == "states_gb":
+        m = p["memory_per_gpu"]
+        return sum(m[k] or 0 for k in ("params", "grads", "grad_sum", "optimizer", "buffers")) / 1e9
+    if q == "tflops_eq3":
+        a = arch_of(model)
+        return narayanan_flops(p["global_batch"], p["seq_len"], a.n_layer, a.h, a.vocab) / p["gpus"] / \
+            p["time_per_step"]["total"] / 1e12
+    if q == "tflops":
+        return p["tflops_per_gpu"]
+    if q == "mfu":
+        return p["mfu"]
+    if q == "tokens_per_gpu_s":
+        return p["tokens_per_s"] / p["gpus"]
+    raise ValueError(f"case {c['id']}: unknown quantity {q!r}")
+
+
+def verdicts(cases=None):
+    """[(case, predicted, relative error, within tolerance)] for every case."""
+    out = []
+    for c in cases or load():
+        v = predict(c)
+        err = v / c["reported"] - 1
+        out.append((c, v, err, abs(err) <= c["tolerance"]))
+    return out
+
+
+def markdown(rows):
+    head = "| # | source | quantity | reported | planned | error | tol. | verdict |\n|---|---|---|---|---|---|---|---|"
+    lines = [head]
+    for c, v, err, ok in rows:
+        tag = " (fitted)" if c.get("fitted") else ""
+        lines.append(f"| {c['id']} | {c['source']} | {c['quantity']} | {c['reported']:.4g} | {v:.4g} | "
+                     f"{err:+.1%} | {c['tolerance']:.0%} | {'hit' if ok else 'miss'}{tag} |")
+    n, hit = len(rows), sum(ok for *_, ok in rows)
+    ind = [r for r in rows if not r[0].get("fitted")]
+    lines.append(f"\nWithin tolerance: {hit} of {n}; of the {len(ind)} not used to fit anything, "
+                 f"{sum(ok for *_, ok in ind)}.")
+    return "\n".join(lines)
+
+
+def stale(rows):
+    """Cases whose stored ``planned``/``verdict`` differ from what the planner computes now."""
+    return [c["id"] for c, v, _, ok in rows
+            if c.get("verdict") != ("hit" if ok else "miss") or abs(c.get("planned", 0) - float(f"{v:.4g}")) >
+            1e-9 * max(1, abs(v))]
+
+
+def main(argv=None):
+    argv = sys.argv[1:] if argv is None else argv
+    rows = verdicts()
+    if "--check" in argv:
+        bad = stale(rows)
+        print("stale: " + ", ".join(bad) if bad else "cases.json is up to date")
+        return 1 if bad else 0
+    print(markdown(rows))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
