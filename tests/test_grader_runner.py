@@ -167,6 +167,20 @@ def test_a_failed_collectives_reason_reaches_the_one_line():
                                                             "'world' was never waited on")
 
 
+def test_the_rank_that_failed_is_named_not_the_ranks_it_stopped():
+    """A check fails on rank 2 only; ranks 0 and 1 then stop in a collective because rank 2
+    is gone: the verdict shows rank 2's reason, whatever the rank numbers."""
+    from types import SimpleNamespace
+    from pdist.course.verdict import verdict
+    reps = [dict(rank=r, index=1, check="c", ok=False, kind="timeout", reason="dead",
+                 msg="rank 2 is dead (pid 1 is gone)", where="x") for r in (0, 1)]
+    reps.append(dict(rank=2, index=1, check="c", ok=False, msg="got = 0.5 x expected"))
+    reps += [dict(rank=r, index=0, check="b", ok=True) for r in range(3)]
+    run = SimpleNamespace(out="", rc=3, timed_out=False)
+    v = verdict(reps, 0, run, 3, 10)
+    assert v["status"] == "failing" and v["msg"] == "c: got = 0.5 x expected (rank 2)", v
+
+
 SIZE_MISMATCH = """
 import numpy as np
 from pdist import comm, nn

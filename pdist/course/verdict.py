@@ -3,7 +3,8 @@
 ``verdict(reports, forged, run, ranks, cap)`` returns ``{"status", "msg", "detail",
 "checks"}``: status ``passed`` only when every rank reported every check passed, then
 ``done``, and the job exited 0 within its cap. Otherwise ``failing`` with ``msg`` (one
-line: the first failing check, lowest check index then lowest rank) and ``detail`` (the
+line: the first failing check: lowest check index, then a rank's own failure before one it
+stopped (a peer failed, died or exited), then lowest rank) and ``detail`` (the
 whole error: the watchdog's roll-call, the student's traceback, expected vs got). The
 output (stdout) is only quoted for crashes; report lines printed there count for nothing.
 ``checks`` lists each check once: name, ok (on every rank that reported it), seconds (the
@@ -24,7 +25,7 @@ def verdict(reports, forged, run, ranks, cap, watchdog_s=5):
     if not fails and done == set(range(ranks)) and run.rc == 0:
         return dict(status="passed", msg="", detail="", checks=checks)
     if fails:
-        first = min(fails, key=lambda r: (r.get("index", 0), r["rank"]))
+        first = min(fails, key=lambda r: (r.get("index", 0), _consequence(r), r["rank"]))
         msg, detail = _failed_check(first, [r for r in fails if r.get("index") == first.get("index")],
                                     ranks, watchdog_s)
     elif run.timed_out:
@@ -37,6 +38,12 @@ def verdict(reports, forged, run, ranks, cap, watchdog_s=5):
     else:
         msg, detail = _crash(run), tail(run.out)
     return dict(status="failing", msg=msg + note, detail=detail, checks=checks)
+
+
+def _consequence(r):
+    """A rank stopped because another failed, died or exited (the watchdog's reasons):
+    that other rank's own report is the cause to show, whatever its rank number."""
+    return r.get("kind") == "timeout" and r.get("reason") in ("failed", "dead", "exited")
 
 
 def _failed_check(first, same, ranks, watchdog_s):
