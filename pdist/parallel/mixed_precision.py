@@ -71,6 +71,7 @@ class MixedPrecision(Strategy):
     seq_shards = property(lambda self: self.inner.seq_shards)
     stamps_step = property(lambda self: self.inner.stamps_step)
     last_wait_seconds = property(lambda self: self.inner.last_wait_seconds)
+    deterministic = property(lambda self: self.inner.deterministic)
 
     @property
     def check_finite(self):
