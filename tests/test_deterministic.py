@@ -73,7 +73,7 @@ def test_blas_bits_at_a_fixed_shape():
     print(f"a row's bits independent of the rows around it (1024x256 @ 256x1024): {rows_free}")
 
 
-def run_local(m, det, prec="fp32", steps=6, B=16):
+def run_local(m, det, prec="fp32", steps=4, B=16):
     mod = GPT(CFG, SEED) if prec == "fp32" else precision.cast_module(GPT(CFG, SEED), prec)
     s = Local(mod, m, deterministic=det)
     s = s if prec == "fp32" else MixedPrecision(s, prec)
@@ -114,7 +114,7 @@ def test_refusals_name_the_reason():
 
 def test_layouts_same_bits_under_mpiexec():
     """One launch of 4 ranks: every dp / ZeRO case equal to one process, float32 and bf16."""
-    out = mpirun(4, "tests/workers/deterministic.py", "--steps", "6", timeout=300)
+    out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
     rows = reports(out)
     cases = {r["case"] for r in rows}
     want = {f"{p}.dp{n}.{c}" for p in ("fp32", "bf16") for n in (2, 4)
