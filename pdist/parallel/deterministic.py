@@ -56,22 +56,78 @@ def join(det, group):
     trace.record("det.join", "dp", t0, trace.now(), bytes=int(buf.nbytes) * int(np.log2(n)))
 
 
+class PipelineTree:
+    """A pipeline stage's keeper in the mode (the ``pipeline_grads`` interface of
+    pdist/engine/grad_rounding.py). Under a pipeline a micro-batch is one granule (dp * m = G).
+    ``after_backward(k, mb)`` (after virtual stage k's BACKWARD, or W, of micro-batch mb) adds
+    every ``.grad`` of this rank into granule mb's flat fp32 leaf and zeroes it: the other
+    chunks' gradients are zero then, and v + 0 = v, so each slot holds its own stage's value.
+    ``finish()``: a tied embedding's two parts of each granule, e_j + h_j, are summed over the
+    first and last stage (two terms: one order) and rounded to the weight's dtype, as one
+    process sums the two uses in its ``.grad``; then the m leaves form the tree (``det.root``),
+    for the data-parallel join. Memory: m leaves of Ψ_stage fp32 until the step's end."""
+
+    def __init__(self, pipe):
+        self.det, self.params, m = pipe.deterministic, pipe.inner.parameters(), pipe.num_microbatches
+        self.leaves = [xp.zeros(sum(self.det.sizes), dtype=np.float32) for _ in range(m)]   # m x (Ψ_stage,)
+        offs = np.cumsum([0] + self.det.sizes)
+        where = {id(q): (int(offs[i]), int(offs[i + 1])) for i, q in enumerate(self.params)}
+        tied = list(pipe.tied) + list(pipe.local_tied)
+        self.tied = [(q, where[id(q)]) for q in tied]
+        self.group = pipe.embedding_group
+
+    def backward_scale(self, loss_scale):
+        return loss_scale                       # each granule's own mean loss; 1/G at the root
+
+    def after_backward(self, k, mb=None):
+        leaf, off = self.leaves[mb], 0
+        for q, n in zip(self.params, self.det.sizes):
+            if q.grad is not None:
+                leaf[off:off + n] += q.grad.reshape(-1).astype(np.float32)
+                q.grad[...] = 0
+            off += n
+
+    def finish(self):
+        if self.group is not None and self.tied:                 # e_j on the first stage, h_j on the last
+            parts = xp.stack([xp.concatenate([v[a:b] for _, (a, b) in self.tied]) for v in self.leaves])
+            self.group.all_reduce(parts, op="sum")               # (m, Σ tied)
+            for v, row in zip(self.leaves, parts):
+                o = 0
+                for _, (a, b) in self.tied:
+                    v[a:b], o = row[o:o + b - a], o + b - a
+        for q, (a, b) in self.tied:                              # one rounding of e_j + h_j, as one process
+            for v in self.leaves:
+                v[a:b] = v[a:b].astype(q.dtype).astype(np.float32)
+        tree = GranuleTree()
+        for j, v in enumerate(self.leaves):
+            tree.add(j, v)
+        self.det.root, self.leaves = tree.root(), []
+
+    def sync_tied(self, group):
+        pass                                                     # done in finish(), before the dp join
+
+
 def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32"):
     """Every layout the deterministic mode refuses, with the reason (docs/deterministic.md)."""
-    split = {"tp": tp, "pp": pp, "cp": cp, "ep": ep, "chunks": chunks}
+    split = {"tp": tp, "cp": cp, "ep": ep}
     other = {k: v for k, v in split.items() if v > 1}
     if other or getattr(cfg, "n_expert", 0):
-        raise ValueError(f"deterministic mode covers data parallelism and ZeRO 0-3 so far; got "
-                         f"{other or {'n_expert': cfg.n_expert}}: the row-parallel K-sums (tp), the pipeline's "
-                         f"micro-batch gradients (pp), the token-shard sums (cp) and the expert routing (ep) "
-                         f"are not granule trees yet. Use tp = pp = cp = ep = 1, or deterministic=False")
+        raise ValueError(f"deterministic mode covers data parallelism, ZeRO 0-3 and pipelines so far; got "
+                         f"{other or {'n_expert': cfg.n_expert}}: the row-parallel K-sums (tp), the token-shard "
+                         f"sums (cp) and the expert routing (ep) are not granule trees yet. Use tp = cp = ep = 1, "
+                         f"or deterministic=False")
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"deterministic mode covers precision 'fp32' and 'bf16', got {precision!r} (fp16's "
                          f"dynamic loss scale skips steps on overflow; its bits are not part of the contract)")
+    if (pp > 1 or chunks > 1) and dp * microbatches != det.granules:
+        raise ValueError(f"deterministic mode under a pipeline: each micro-batch is one granule, so dp * "
+                         f"microbatches must equal granules = {det.granules} (got dp={dp}, microbatches="
+                         f"{microbatches}); use microbatches={max(det.granules // dp, 1)} or "
+                         f"deterministic={dp * microbatches}")
     if getattr(cfg, "dropout", 0):
         raise ValueError(f"deterministic mode needs dropout = 0 (got {cfg.dropout}): a mask drawn per granule "
                          f"differs from one drawn per batch")
     det.check(dp, microbatches)
 
 
-__all__ = ["join", "check_layout"]
+__all__ = ["join", "check_layout", "deterministic_compute", "PipelineTree"]
