@@ -5,7 +5,8 @@ gives one row's bits whatever the thread count at a fixed shape (what the mode r
 Local(deterministic=True) at microbatches 1, 2, 4 equal bit for bit, where the default mode
 does not; every layout the mode refuses names its reason. Under mpiexec (one launch of 4
 ranks, tests/workers/deterministic.py): dp 2 and 4 with m in {1, 2, 4}, ZeRO 1-3 at dp 2 and
-4, float32 and bf16, against one process, and the default mode's control."""
+4, pp 2 under every schedule, dp 2 x pp 2, float32 and bf16, against one process, and the
+default mode's control."""
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
@@ -100,7 +101,7 @@ def test_local_microbatches_same_bits(prec):
 
 def test_refusals_name_the_reason():
     det = Deterministic()
-    for kw, match in [(dict(tp=2), "tp"), (dict(pp=2), "pp"), (dict(cp=2), "cp"),
+    for kw, match in [(dict(tp=2), "tp"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
                       (dict(precision="fp16"), "fp16"), (dict(dp=3), "power of two"),
                       (dict(microbatches=3), "power of two"), (dict(dp=4, microbatches=8), "does not divide")]:
         kw = {"dp": 1, **kw}
@@ -113,12 +114,17 @@ def test_refusals_name_the_reason():
 
 
 def test_layouts_same_bits_under_mpiexec():
-    """One launch of 4 ranks: every dp / ZeRO case equal to one process, float32 and bf16."""
+    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp case equal to one process, float32
+    and bf16. 4 steps, not 20: the 20-step grid costs about 50 CPU-seconds (the suite's budget);
+    a step's bits are a function of the state's bits and the batch, so equality at every step
+    is an induction (``mpiexec -n 4 python tests/workers/deterministic.py --steps 20`` runs it)."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
     rows = reports(out)
     cases = {r["case"] for r in rows}
-    want = {f"{p}.dp{n}.{c}" for p in ("fp32", "bf16") for n in (2, 4)
-            for c in ("m1", "m2", "m4", "zero1", "zero2", "zero3")}
+    precs = ("fp32", "bf16")
+    want = {f"{p}.dp{n}.{c}" for p in precs for n in (2, 4) for c in ("m1", "m2", "m4", "zero1", "zero2", "zero3")}
+    want |= {f"{p}.pp2.{s}" for p in precs for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")}
+    want |= {f"{p}.dp2xpp2.{c}" for p in precs for c in ("1f1b", "zero1.interleaved")}
     assert want <= cases, sorted(want - cases)
     bad = [r for r in rows if r["case"] in want and not r["equal"]]
     assert not bad, bad

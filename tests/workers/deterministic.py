@@ -2,13 +2,17 @@
 
     mpiexec -n 4 python tests/workers/deterministic.py [--steps 20]
 
-Rank 0 trains the float32 reference and rank 1 the bf16 one (fp32 masters), each
-``Local(GPT, deterministic=True)`` on the same global batches, and send them to every rank.
+Ranks 0 and 1 train the float32 and bf16 (fp32 masters) references of the dp cases, ranks 2
+and 3 those of the pipeline cases, each ``Local(GPT, deterministic=G)`` on the same global
+batches, and send them to every rank.
 Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one loop:
 
 * dp 4 (``parallelize(..., deterministic=True)``): microbatches m in {1, 2, 4}, ZeRO 1-3;
 * dp 2, on the two halves of the world at once (``DataParallel``/``ZeRO`` over a sub-group;
-  half 0 float32, half 1 bf16): m in {1, 2, 4}, ZeRO 1-3.
+  half 0 float32, half 1 bf16): m in {1, 2, 4}, ZeRO 1-3;
+* pp 2 on the halves (``PipelineParallel`` over a sub-group), every schedule, and dp 2 x pp 2
+  (``parallelize``, 1f1b and ZeRO-1 + interleaved), on a 4-layer GPT with G = 8 granules
+  (under a pipeline a micro-batch is one granule: dp * m = G).
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
 reports one line per case. The control: the DEFAULT mode at dp 4, m 2 against the default
@@ -21,7 +25,7 @@ from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine import precision
 from pdist.models.gpt import GPT
-from pdist.parallel import DataParallel, Local, MixedPrecision, ZeRO, parallelize
+from pdist.parallel import DataParallel, Local, MixedPrecision, PipelineParallel, ZeRO, parallelize
 from pdist.testing import check_shards, report
 from pdist.training import train
 
@@ -37,13 +41,16 @@ batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 PRECS = ("fp32", "bf16")
 
 
-def model_of(prec):
-    return GPT(cfg, SEED) if prec == "fp32" else precision.cast_module(GPT(cfg, SEED), prec)
+CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 8   # the pipeline cases
 
 
-def reference(prec, det, m=1):
+def model_of(prec, c=cfg):
+    return GPT(c, SEED) if prec == "fp32" else precision.cast_module(GPT(c, SEED), prec)
+
+
+def reference(prec, det, m=1, c=cfg):
     """One process: params and Adam m, v by piece name, as full arrays."""
-    s = Local(model_of(prec), m, deterministic=det)
+    s = Local(model_of(prec, c), m, deterministic=det)
     s = s if prec == "fp32" else MixedPrecision(s, prec)
     opt = lesson.make_adamw(s.parameters())
     train(s, opt, batch, args.steps)
@@ -75,9 +82,17 @@ def wrapped(prec, group, zero, m):
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
+def piped(prec, group, schedule):
+    """pp over ``group`` built by hand: PipelineParallel over Local(deterministic=G4), m = G4."""
+    local = Local(model_of(prec, CFG4), 1, deterministic=G4)
+    s = PipelineParallel(local, group, schedule, G4, 2 if schedule == "interleaved" else 1)
+    return s if prec == "fp32" else MixedPrecision(s, prec)
+
+
 LAYOUTS = [(f"m{m}", 0, m) for m in (1, 2, 4)] + [(f"zero{z}", z, 1) for z in (1, 2, 3)]
-mine = reference(PRECS[world.rank], G) if world.rank < 2 else None
-refs = [world.broadcast_object(mine, src=r) for r in (0, 1)]
+# the four references at once: ranks 0, 1 the dp cases' (fp32, bf16), ranks 2, 3 the pipeline cases'
+mine = reference(PRECS[world.rank % 2], *((G,) if world.rank < 2 else (G4, 1, CFG4)))
+refs, refs4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
     for name, zero, m in LAYOUTS:
@@ -88,5 +103,14 @@ half = world.split(world.rank // 2, name="half")
 prec = PRECS[world.rank // 2]
 for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
+SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
+for sched in SCHEDULES:
+    compare(f"{prec}.pp2.{sched}", refs4[world.rank // 2], piped(prec, half, sched))
+mesh2 = comm.DeviceMesh(dp=2, pp=2)
+for prec, ref in zip(PRECS, refs4):
+    for name, zero, sched in (("1f1b", 0, "1f1b"), ("zero1.interleaved", 1, "interleaved")):
+        model = parallelize(GPT(CFG4, SEED), mesh2, zero_stage=zero, schedule=sched, microbatches=G4 // 2,
+                            chunks=2 if sched == "interleaved" else 1, precision=prec, deterministic=G4)
+        compare(f"{prec}.dp2xpp2.{name}", ref, model)
 ctrl = world.broadcast_object(reference("fp32", False) if world.rank == 0 else None)
 compare("control.default.dp4.m2", ctrl, parallelize(GPT(cfg, SEED), mesh, microbatches=2))
