@@ -15,6 +15,7 @@ from pdist import data
 from pdist.course import lesson
 from pdist.engine import precision
 from pdist.engine.deterministic import Deterministic, GranuleTree
+from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import Local, MixedPrecision
 from pdist.parallel.deterministic import check_layout
@@ -74,8 +75,9 @@ def test_blas_bits_at_a_fixed_shape():
     print(f"a row's bits independent of the rows around it (1024x256 @ 256x1024): {rows_free}")
 
 
-def run_local(m, det, prec="fp32", steps=4, B=16):
-    mod = GPT(CFG, SEED) if prec == "fp32" else precision.cast_module(GPT(CFG, SEED), prec)
+def run_local(m, det, prec="fp32", steps=4, B=16, cfg=CFG):
+    mod = registry.build(cfg, SEED)
+    mod = mod if prec == "fp32" else precision.cast_module(mod, prec)
     s = Local(mod, m, deterministic=det)
     s = s if prec == "fp32" else MixedPrecision(s, prec)
     opt = lesson.make_adamw(s.parameters())
@@ -99,6 +101,13 @@ def test_local_microbatches_same_bits(prec):
     assert not same(run_local(1, False, prec), run_local(4, False, prec))
 
 
+@pytest.mark.parametrize("prec", ["fp32", "bf16"])
+def test_llama_microbatches_same_bits(prec):
+    """Llama (RMSNorm, RoPE, SwiGLU, grouped-query attention): m = 1 and 4 give the same bits."""
+    cfg = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)
+    assert same(run_local(4, True, prec, cfg=cfg), run_local(1, True, prec, cfg=cfg))
+
+
 def test_refusals_name_the_reason():
     det = Deterministic()
     for kw, match in [(dict(tp=2), "tp"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
@@ -111,6 +120,8 @@ def test_refusals_name_the_reason():
         Deterministic(12)
     with pytest.raises(ValueError, match="divisible by 16"):
         run_local(1, True, B=24, steps=1)
+    with pytest.raises(ValueError, match="not 'fp16'"):         # built by hand, past parallelize's check
+        MixedPrecision(Local(precision.cast_module(GPT(CFG, SEED), "fp16"), deterministic=True), "fp16")
 
 
 def test_layouts_same_bits_under_mpiexec():

@@ -95,9 +95,10 @@ class Deterministic:
             return cls()
         return cls(arg)
 
-    def check(self, dp, microbatches):
+    def check(self, dp, microbatches, pipeline=False):
         """dp and microbatches must be powers of two with dp * m dividing G: then every rank's
-        micro-batch holds an aligned block of granules, a whole subtree."""
+        micro-batch holds an aligned block of granules, a whole subtree. Under a pipeline a
+        micro-batch is one granule: dp * m = G."""
         for name, v in (("the data-parallel size", dp), ("microbatches", microbatches)):
             if not _pow2(v):
                 raise ValueError(f"deterministic mode needs {name} to be a power of two (got {v}): the "
@@ -106,9 +107,15 @@ class Deterministic:
             raise ValueError(f"deterministic mode: dp * microbatches = {dp * microbatches} does not divide "
                              f"granules = {self.granules}; pass deterministic=<a power of two >= "
                              f"{dp * microbatches}> (the granule count)")
+        if pipeline and dp * microbatches != self.granules:
+            raise ValueError(f"deterministic mode under a pipeline: each micro-batch is one granule, so dp * "
+                             f"microbatches must equal granules = {self.granules} (got dp={dp}, microbatches="
+                             f"{microbatches}); use microbatches={max(self.granules // dp, 1)} or "
+                             f"deterministic={dp * microbatches}")
 
-    def shard_over(self, n, microbatches):
-        self.check(n, microbatches)
+    def shard_over(self, n, microbatches, pipeline=False):
+        """The data-parallel wrapper's ``n`` ranks (``check``)."""
+        self.check(n, microbatches, pipeline)
         self.shards = n
 
     def local_granules(self, rows):
@@ -144,7 +151,8 @@ class Deterministic:
         level, _, root = self.root
         if (1 << level) != self.granules:
             raise RuntimeError(f"deterministic mode: the step's tree holds {1 << level} of {self.granules} "
-                               "granules; a data-parallel wrapper must join the ranks' subtrees")
+                               "granules; a data-parallel wrapper must join the ranks' subtrees, and a pipeline "
+                               "alone needs microbatches = granules (each micro-batch one granule)")
         root *= np.float32(1.0 / self.granules)
         off = 0
         for p, n, shape in zip(params, self.sizes, self.shapes):

@@ -66,7 +66,7 @@ class _DataParallelBase(ParallelModule):
         self.inner.materialize()            # a meta model: every replica holds it whole
         self._param_list = self.parameters()
         if self.deterministic is not None:        # the batch's granules are cut over these ranks
-            self.deterministic.shard_over(self.dp_world_size, self.microbatches)
+            self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         self._check_same_model()
         if init_sync == "broadcast":
             for p in self._param_list:      # rank 0's weights everywhere (PyTorch DDP does the same)

@@ -119,15 +119,10 @@ def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1,
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"deterministic mode covers precision 'fp32' and 'bf16', got {precision!r} (fp16's "
                          f"dynamic loss scale skips steps on overflow; its bits are not part of the contract)")
-    if (pp > 1 or chunks > 1) and dp * microbatches != det.granules:
-        raise ValueError(f"deterministic mode under a pipeline: each micro-batch is one granule, so dp * "
-                         f"microbatches must equal granules = {det.granules} (got dp={dp}, microbatches="
-                         f"{microbatches}); use microbatches={max(det.granules // dp, 1)} or "
-                         f"deterministic={dp * microbatches}")
     if getattr(cfg, "dropout", 0):
         raise ValueError(f"deterministic mode needs dropout = 0 (got {cfg.dropout}): a mask drawn per granule "
                          f"differs from one drawn per batch")
-    det.check(dp, microbatches)
+    det.check(dp, microbatches, pp > 1 or chunks > 1)
 
 
 __all__ = ["join", "check_layout", "deterministic_compute", "PipelineTree"]

@@ -94,7 +94,7 @@ class ZeRO(ParallelModule):
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
         if self.deterministic is not None:        # the batch's granules are cut over these ranks
-            self.deterministic.shard_over(self.dp_world_size, self.microbatches)
+            self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
         self.root, self.units = build_units(self.inner, self.module, unit_modules, self.group, stage)
