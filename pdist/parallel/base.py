@@ -35,6 +35,8 @@ from pdist.measure import hooks
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
+from pdist.engine.deterministic import Deterministic
+from pdist.parallel.deterministic import deterministic_compute
 from pdist.engine.precision import policy_of
 from pdist.parallel.layout import whole
 from pdist.parallel.batch_check import BatchCheck, _pending, batch_default
@@ -53,6 +55,7 @@ class Strategy(StateDicts, NonFiniteCheck, BatchCheck):
     pipeline = False          # True when a pipeline runs the micro-batches (it replaces compute)
     stamps_step = True        # forward_backward stamps the training step into every collective's check
     seq_shards = 1            # activations between blocks hold T / seq_shards tokens (sequence parallel)
+    deterministic = None      # the deterministic mode's policy (pdist/engine/deterministic.py), or None
 
     def parameters(self):
         """What this rank's optimizer updates (``named_parameters()``, without the names)."""
@@ -130,10 +133,14 @@ class Local(Strategy):
 
     stamps_step = False
 
-    def __init__(self, module, microbatches=1, policy=None, check_finite=None):
+    def __init__(self, module, microbatches=1, policy=None, check_finite=None, deterministic=False):
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.module, self.microbatches, self.inner = module, microbatches, None
+        self.deterministic = Deterministic.of(deterministic)    # True / G / a policy: the same bits on any layout
+        if self.deterministic is not None:
+            self.deterministic.check(1, microbatches)
+            self.deterministic.bind(self.parameters())
         self.check_finite = finite_default() if check_finite is None else bool(check_finite)
         self.check_batch = batch_default()
         self.policy = policy_of(self.parameters()) if policy is None else policy
@@ -163,9 +170,11 @@ class Local(Strategy):
     @property
     def has_late_grads(self):
         """Mixed precision with micro-batches: the rounded sum is written after the last one."""
-        return self.policy.late_grads(self.microbatches)
+        return self.deterministic is not None or self.policy.late_grads(self.microbatches)
 
     def compute(self, x, y, loss_scale=1.0):
+        if self.deterministic is not None:        # one forward/backward per granule, a fixed tree
+            return deterministic_compute(self, x, y, loss_scale)
         k = self.microbatches
         if len(x) % k:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
@@ -184,7 +193,8 @@ class Local(Strategy):
         return sum(float(v) / k for v in to_numpy(xp.stack(losses)))
 
     def finish_grad_sync(self):
-        pass
+        if self.deterministic is not None:        # the tree's root (joined over dp), / G, rounded once
+            self.deterministic.write(self.parameters())
 
     def reduce_stats(self, v):
         return v
@@ -226,6 +236,7 @@ class ParallelModule(Strategy):
     pipeline = property(lambda self: self.inner.pipeline)
     seq_shards = property(lambda self: self.inner.seq_shards)
     policy = property(lambda self: self.inner.policy)
+    deterministic = property(lambda self: self.inner.deterministic)
 
     def set_policy(self, policy):
         self.inner.set_policy(policy)

@@ -48,6 +48,7 @@ from pdist.measure import trace
 from pdist.engine.backend import to_numpy, xp
 from pdist.data import shard
 from pdist.parallel.base import ParallelModule
+from pdist.parallel.deterministic import join
 
 MB = 1024 * 1024
 
@@ -64,6 +65,8 @@ class _DataParallelBase(ParallelModule):
         self.loss_weight = 1.0 / self.dp_world_size
         self.inner.materialize()            # a meta model: every replica holds it whole
         self._param_list = self.parameters()
+        if self.deterministic is not None:        # the batch's granules are cut over these ranks
+            self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         self._check_same_model()
         if init_sync == "broadcast":
             for p in self._param_list:      # rank 0's weights everywhere (PyTorch DDP does the same)
@@ -94,6 +97,12 @@ class _DataParallelBase(ParallelModule):
                              f"{bad[:5]}{' ...' if len(bad) > 5 else ''}. Seed the model identically on "
                              f"every rank, or use init_sync='broadcast' to copy rank 0's weights.")
 
+    def _finish_deterministic(self):
+        """The deterministic mode: join the ranks' granule subtrees in the tree's order (recursive
+        doubling, pdist/parallel/deterministic.py); ``Local`` then writes the mean into p.grad."""
+        join(self.deterministic, self.group)
+        self.inner.finish_grad_sync()
+
     def local_batch(self, x, y):
         """This rank's rows of the global batch: [r B/n, (r+1) B/n). Raises the same clear
         error on every rank when B does not divide by n."""
@@ -106,6 +115,8 @@ class DataParallelNaive(_DataParallelBase):
 
     def finish_grad_sync(self):
         """All-reduce (average) each parameter's gradient, one after the other."""
+        if self.deterministic is not None:
+            return self._finish_deterministic()
         self.inner.finish_grad_sync()
         t0 = trace.now()
         for p in self._param_list:
@@ -208,6 +219,14 @@ class DataParallel(_DataParallelBase):
     def finish_grad_sync(self):
         """Issue the buckets backward did not complete (parameters that got no gradient on
         this rank contribute zeros), wait for all."""
+        if self.deterministic is not None:
+            for p in self._param_list:
+                self._into_bucket(p)
+            self._finish_deterministic()
+            for b in self.buckets:
+                b.ready.clear()
+            self._next = 0
+            return
         self.inner.finish_grad_sync()
         for b in self.buckets[self._next:]:
             for p in b.params:

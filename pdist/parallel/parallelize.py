@@ -36,6 +36,8 @@ from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
 from pdist.engine.precision import cast_module, low_dtype, policy_for
+from pdist.engine.deterministic import Deterministic
+from pdist.parallel.deterministic import check_layout as check_deterministic
 
 
 def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
@@ -75,7 +77,7 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
                 chunks=1, data_parallel="bucketed", bucket_cap_mb=25, first_bucket_cap_mb=1,
-                check_finite=None, precision="fp32", scaler=None, context_parallel=None):
+                check_finite=None, precision="fp32", scaler=None, context_parallel=None, deterministic=False):
     """The GPT ``model`` on this rank of ``mesh`` (a DeviceMesh), as one strategy of the one
     shape. ``data_parallel``: "bucketed" (DataParallel) or "naive" (DataParallelNaive),
     used when zero_stage = 0; ZeRO stages 1-3 replace it. ``precision``: "fp32" (the model's
@@ -84,14 +86,21 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     (pdist/engine/precision.py) goes to ``Local`` at once: the model is cast only after
     tensor parallelism has cut its fp32 shards, and DDP/ZeRO read ``has_late_grads`` when built.
     ``context_parallel``: "ring", "ring-zigzag" or "ulysses" with ``DeviceMesh(cp=)``
-    (pdist/parallel/context_parallel.py): DDP/ZeRO then span the dp x cp ranks."""
+    (pdist/parallel/context_parallel.py): DDP/ZeRO then span the dp x cp ranks.
+    ``deterministic``: True (or a power-of-two granule count, or a ``Deterministic``): the same
+    bits as one process on every layout it accepts (pdist/engine/deterministic.py)."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
                  data_parallel, precision)
     chunks = default_chunks(schedule, chunks)
+    det = Deterministic.of(deterministic)
+    if det is not None:                    # what the mode refuses, on every rank, before any collective
+        check_deterministic(det, model.config, mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size,
+                            getattr(mesh, "cp_world_size", 1), getattr(mesh, "ep_world_size", 1), chunks,
+                            microbatches, precision)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     check_context(model.config, mesh, context_parallel, precision, pipelined)
     dp_group = mesh.dp_cp_group if context_parallel else mesh.dp_group
-    s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision))
+    s = Local(model, 1 if pipelined else microbatches, policy=policy_for(precision), deterministic=det)
     if check_finite is not None:       # None: PDIST_CHECK_FINITE (default on)
         s.check_finite = bool(check_finite)
     if mesh.tp_world_size > 1:

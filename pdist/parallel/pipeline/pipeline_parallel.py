@@ -46,6 +46,7 @@ from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.plan import get, plan_of
 from pdist.parallel.base import ParallelModule
+from pdist.parallel.deterministic import PipelineTree
 from pdist.parallel.pipeline.stages import partition_layers, stage_chunks
 from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, OPTIMIZER_STEP,
                                                RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, make_schedule,
@@ -116,6 +117,8 @@ class PipelineParallel(ParallelModule):
             e = g.split(0 if ends else 1, name="embedding")
             self.embedding_group = e if ends and self.tied else None
         self.loss_weight = 1.0 if self.pp_is_last_stage else 0.0
+        if self.deterministic is not None:               # this stage's parameters: a granule tree per micro-batch
+            self.deterministic.bind(self.inner.parameters())
         self.record_timeline, self.timeline, self.peak_stash = False, [], 0
         self.peak_held_w = self.peak_held_w_bytes = 0
         self._dispatch = {FORWARD: self._forward, BACKWARD: self._backward, SEND_ACT: self._send_act,
@@ -148,8 +151,8 @@ class PipelineParallel(ParallelModule):
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
         self.losses, self.timeline, self.peak_stash, self._held_w = [], [], 0, {}
         self.peak_held_w = self.peak_held_w_bytes = 0
-        self._keeper = self.policy.pipeline_grads(self.inner.parameters(), self.tied,
-                                                  (0, self.num_virtual_stages - 1), m, self.local_tied)
+        self._keeper = PipelineTree(self) if self.deterministic is not None else self.policy.pipeline_grads(
+            self.inner.parameters(), self.tied, (0, self.num_virtual_stages - 1), m, self.local_tied)
         self._scale = self._keeper.backward_scale(loss_scale)   # fp32: S/m; bf16/fp16: S (fp32 sums)
         if self.record_timeline:
             self.group.barrier()

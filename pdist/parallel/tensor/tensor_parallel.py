@@ -151,6 +151,10 @@ class TensorParallel(ParallelModule):
 
     def __init__(self, module, group=None, sequence_parallel=False, check_finite=None):
         super().__init__(module, group, check_finite)
+        if self.deterministic is not None and self.group.size > 1:
+            raise ValueError("deterministic mode does not cover tensor parallelism yet (its row-parallel and "
+                             "vocab-parallel K-sums are not granule trees; docs/deterministic.md): use "
+                             "tp = 1, or deterministic=False")
         g, t = self.group, self.group.size
         self.tp_rank, self.tp_world_size, self.sequence_parallel = g.rank, t, bool(sequence_parallel)
         self.loss_weight = 1.0 / t

@@ -68,6 +68,7 @@ from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
+from pdist.parallel.deterministic import join
 from pdist.parallel.zero.units import build_units, check_same_on_all_ranks, default_units, shard_pieces
 
 STAGES = (0, 1, 2, 3)
@@ -92,6 +93,8 @@ class ZeRO(ParallelModule):
         self.stage, self.prefetch = stage, bool(prefetch)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
+        if self.deterministic is not None:        # the batch's granules are cut over these ranks
+            self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
         self.root, self.units = build_units(self.inner, self.module, unit_modules, self.group, stage)
@@ -153,16 +156,35 @@ class ZeRO(ParallelModule):
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
-        rank reduce zeros), and wait: each shard's .grad is the global-batch mean."""
-        self.inner.finish_grad_sync()
-        for u in self.units:
-            if id(u) not in self._reduced:
-                u.ensure_grad_views()
-                self._reduce(u)
-        self._finish_reduction()
+        rank reduce zeros), and wait: each shard's .grad is the global-batch mean. The
+        deterministic mode joins the granule trees instead (every rank gets the whole mean)
+        and keeps its shard."""
+        if self.deterministic is not None:
+            self._finish_deterministic()
+        else:
+            self.inner.finish_grad_sync()
+            for u in self.units:
+                if id(u) not in self._reduced:
+                    u.ensure_grad_views()
+                    self._reduce(u)
+            self._finish_reduction()
         for u in self.units:
             u.ready = 0
         self._stale = self.stage in (1, 2)      # the optimizer step is next
+
+    def _finish_deterministic(self):
+        join(self.deterministic, self.group)
+        for u in self.units:
+            u.ensure_grad_views()
+        self.inner.finish_grad_sync()             # Local writes the mean into the flat views
+        for u in self.units:
+            if self.stage == 0:
+                u.shard.grad = u.grad_flat
+            elif self.stage == 1:
+                u.shard.grad = u.grad_flat[u.lo:u.hi]
+            else:
+                u.shard.grad = u.grad_flat[u.lo:u.hi].copy()
+                u.drop_grads()
 
     def after_load(self):
         self.inner.after_load()

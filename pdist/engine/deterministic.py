@@ -1,0 +1,171 @@
+"""The deterministic mode: the same bits on every layout (``Local(model, deterministic=True)``,
+``parallelize(..., deterministic=True)``; docs/deterministic.md).
+
+Contract. After any number of steps, every parameter and every Adam m, v of a run in
+this mode equal, bit for bit (``np.array_equal``), those of one process in this mode on
+the same global batches, in float32 and in bf16 (fp32 masters), for every layout the
+mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0-3.
+
+Why bits differ otherwise. IEEE addition is commutative (a + b == b + a, bit for bit) but
+not associative: (a + b) + c != a + (b + c) in general. So a sum's bits depend only on the
+shape of its tree, and every layout that splits a batch sum (over ranks, over
+micro-batches) changes the tree. The mode fixes it:
+
+* Granules. The global batch of B rows is cut into G granules of g = B / G rows (G, a
+  power of two, does not depend on the layout; default 16). Each granule runs its own
+  forward and backward, so every op (every BLAS call, every row sum inside LayerNorm's
+  gain gradient, every scatter-add of the embedding) sees the same shapes and the same
+  data in every layout: granule j's gradient d_j = dL_j/dw (L_j: the mean loss over its
+  g T tokens) has the same bits everywhere.
+* A fixed tree. The step's gradient is g = (1/G) S(0, G), S(lo, hi) the balanced binary
+  tree: S(j, j+1) = d_j, S(lo, hi) = S(lo, mid) + S(mid, hi), mid = (lo + hi) / 2. Its
+  partial sums are kept keyed by their node (level, index) (``GranuleTree``): a node is
+  summed when its sibling arrives, so any order of arrival gives the same tree. A rank
+  holding the aligned block of granules [r G/dp, (r+1) G/dp) holds the whole subtree of
+  that block; recursive doubling with partners r XOR 2^s (pdist/parallel/deterministic.py)
+  joins the subtrees level by level in the tree's own order. MPI's Allreduce promises no
+  order; this exchange is the hand-built one. The sums run in float32 (bf16 granule
+  gradients are upcast exactly) and are rounded to the parameters' dtype once, at the end.
+* Scaling: L = (1/G) sum_j L_j (the granules hold equal token counts), applied once to the
+  root, the same in every layout.
+
+The default mode is untouched: a strategy without this policy runs today's code.
+Cost: G forwards and backwards of g rows instead of m of B/(dp m), and one flat fp32 copy
+of the gradients per granule (bench/deterministic.py measures the ratio).
+"""
+import numpy as np
+
+from pdist.engine.backend import xp
+
+DEFAULT_GRANULES = 16       # the largest dp * microbatches the default mode accepts
+
+
+def _pow2(n):
+    return isinstance(n, (int, np.integer)) and n >= 1 and (n & (n - 1)) == 0
+
+
+class GranuleTree:
+    """Partial sums of a balanced binary tree over granules, keyed by node (level, index):
+    leaf j is (0, j); node (l, i) = (l-1, 2i) + (l-1, 2i+1), left first. ``add(j, v)``
+    inserts leaf j and sums every node whose sibling is present, so the result does not
+    depend on the order of the leaves. ``root()``: the single node left (the block must be
+    an aligned power of two, else ValueError naming the nodes)."""
+
+    def __init__(self):
+        self.nodes = {}
+
+    def add(self, index, value):
+        level = 0
+        while (level, index ^ 1) in self.nodes:
+            sib = self.nodes.pop((level, index ^ 1))
+            left, right = (sib, value) if index & 1 else (value, sib)
+            value = xp.add(left, right, out=left)
+            level, index = level + 1, index >> 1
+        self.nodes[(level, index)] = value
+
+    def root(self):
+        if len(self.nodes) != 1:
+            raise ValueError(f"the granules do not form one aligned subtree: nodes {sorted(self.nodes)}; "
+                             "a block of granules must be a power of two, aligned to its size")
+        (level, index), value = next(iter(self.nodes.items()))
+        return level, index, value
+
+
+class Deterministic:
+    """The policy a ``Local`` holds in deterministic mode (module docstring): ``granules``
+    G, a power of two; ``shards``: the data-parallel ranks the batch is cut over (set by
+    DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
+    step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
+    data-parallel wrapper."""
+
+    def __init__(self, granules=DEFAULT_GRANULES):
+        if not _pow2(granules):
+            raise ValueError(f"deterministic mode: granules must be a power of two, got {granules!r}")
+        self.granules, self.shards, self.root = int(granules), 1, None
+
+    @classmethod
+    def of(cls, arg):
+        """``True`` -> the default policy; an int -> that many granules; a policy -> itself;
+        ``False``/``None`` -> None (the default mode)."""
+        if arg is None or arg is False:
+            return None
+        if isinstance(arg, Deterministic):
+            return arg
+        if arg is True:
+            return cls()
+        return cls(arg)
+
+    def check(self, dp, microbatches, pipeline=False):
+        """dp and microbatches must be powers of two with dp * m dividing G: then every rank's
+        micro-batch holds an aligned block of granules, a whole subtree. Under a pipeline a
+        micro-batch is one granule: dp * m = G."""
+        for name, v in (("the data-parallel size", dp), ("microbatches", microbatches)):
+            if not _pow2(v):
+                raise ValueError(f"deterministic mode needs {name} to be a power of two (got {v}): the "
+                                 f"granule tree is binary, and only power-of-two blocks are whole subtrees")
+        if self.granules % (dp * microbatches):
+            raise ValueError(f"deterministic mode: dp * microbatches = {dp * microbatches} does not divide "
+                             f"granules = {self.granules}; pass deterministic=<a power of two >= "
+                             f"{dp * microbatches}> (the granule count)")
+        if pipeline and dp * microbatches != self.granules:
+            raise ValueError(f"deterministic mode under a pipeline: each micro-batch is one granule, so dp * "
+                             f"microbatches must equal granules = {self.granules} (got dp={dp}, microbatches="
+                             f"{microbatches}); use microbatches={max(self.granules // dp, 1)} or "
+                             f"deterministic={dp * microbatches}")
+
+    def shard_over(self, n, microbatches, pipeline=False):
+        """The data-parallel wrapper's ``n`` ranks (``check``)."""
+        self.check(n, microbatches, pipeline)
+        self.shards = n
+
+    def local_granules(self, rows):
+        """(count, g): this rank's granules and their rows, from its ``rows`` of the batch."""
+        count = self.granules // self.shards
+        if rows % count:
+            B = rows * self.shards
+            raise ValueError(f"deterministic mode: the global batch of {B} rows does not split into "
+                             f"{self.granules} granules; use a batch size divisible by {self.granules} "
+                             f"(or fewer granules: deterministic=<power of two>)")
+        return count, rows // count
+
+    def bind(self, params):
+        """Record the parameters' shapes (ZeRO-3 later frees their data between uses)."""
+        self.shapes = [tuple(p.shape) for p in params]
+        self.sizes = [int(np.prod(s)) for s in self.shapes]
+
+    def leaf(self, params):
+        """Granule gradient as one flat fp32 vector (exact upcast; -0 becomes +0), and every
+        ``p.grad`` zeroed in place for the next granule."""
+        out = xp.zeros(sum(self.sizes), dtype=np.float32)                              # (Ψ,)
+        off = 0
+        for p, n in zip(params, self.sizes):
+            if p.grad is not None:
+                out[off:off + n] += p.grad.reshape(-1).astype(np.float32)
+                p.grad[...] = 0
+            off += n
+        return out
+
+    def write(self, params):
+        """g = (1/G) S(0, G) into every ``p.grad`` (in place where it exists: DDP's bucket views,
+        ZeRO's flat views), rounded once to the parameter's dtype."""
+        level, _, root = self.root
+        if (1 << level) != self.granules:
+            raise RuntimeError(f"deterministic mode: the step's tree holds {1 << level} of {self.granules} "
+                               "granules; a data-parallel wrapper must join the ranks' subtrees, and a pipeline "
+                               "alone needs microbatches = granules (each micro-batch one granule)")
+        root *= np.float32(1.0 / self.granules)
+        off = 0
+        for p, n, shape in zip(params, self.sizes, self.shapes):
+            g = root[off:off + n].reshape(shape)
+            if p.grad is None:
+                p.grad = g.astype(p.dtype)
+            else:
+                p.grad[...] = g
+            off += n
+        self.root = None
+
+    def __repr__(self):
+        return f"Deterministic(granules={self.granules})"
+
+
+__all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES"]

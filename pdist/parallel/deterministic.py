@@ -1,0 +1,128 @@
+"""The deterministic mode across ranks (pdist/engine/deterministic.py holds the contract).
+
+``join(det, group)``: rank r of a power-of-two group holds the subtree sum of the aligned
+granule block r (level l, index r). Recursive doubling: at step s = 0, 1, ..., partner
+q = r XOR 2^s; both hold sibling subtrees of level l + s, exchange them (sendrecv) and
+form their parent, lower block on the left: S = S_lower + S_upper. After log2(n) steps
+every rank holds the root of the whole tree, the same bits as one process summing its
+G granules as the tree (Thakur, Rabenseifner & Gropp, 2005, recursive doubling; here
+chosen for its fixed order, not its latency). It sends log2(n) Ψ fp32 words per rank
+(an all-reduce in a ring sends 2(n-1)/n Ψ): the price of a canonical order. ZeRO joins
+the same way and keeps its shard.
+
+``check_layout(...)``: what the mode refuses, raised the same on every rank before any
+collective, each with its reason.
+"""
+import numpy as np
+
+from pdist.engine.backend import to_numpy, xp
+from pdist.engine.deterministic import GranuleTree
+from pdist.measure import hooks, trace
+
+
+def deterministic_compute(local, x, y, loss_scale=1.0):
+    """``Local.compute`` in the mode: one forward and backward per granule of this rank's rows
+    (the micro-batches are blocks of them), each granule's gradient a leaf of the tree
+    (``GranuleTree``, keyed by the granule's index); this rank's subtree goes to ``det.root``.
+    Returns the mean of the granules' losses. ``loss_scale`` S multiplies each granule's loss."""
+    det, params, k = local.deterministic, local.parameters(), local.microbatches
+    count, g = det.local_granules(len(x))
+    tree, losses, per_mb = GranuleTree(), [], count // k
+    for j in range(count):
+        rows = slice(j * g, (j + 1) * g)
+        with hooks.span("forward", mb=j // per_mb):
+            _, loss = local.module(x[rows], y[rows])
+        with hooks.span("backward", mb=j // per_mb):
+            (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
+        tree.add(j, det.leaf(params))
+        losses.append(loss.data)
+    det.root = tree.root()
+    return sum(float(v) for v in to_numpy(xp.stack(losses))) / count
+
+
+def join(det, group):
+    """Join this rank's subtree ``det.root`` with the group's (module docstring)."""
+    n, r = group.size, group.rank
+    level, index, buf = det.root
+    other = xp.empty_like(buf)
+    s = 1
+    t0 = trace.now()
+    while s < n:
+        q = r ^ s
+        group.sendrecv(buf, q, other, q, tag=0)
+        buf = xp.add(buf, other, out=buf) if r < q else xp.add(other, buf, out=buf)
+        level, index, s = level + 1, index >> 1, s << 1
+    det.root = (level, index, buf)
+    trace.record("det.join", "dp", t0, trace.now(), bytes=int(buf.nbytes) * int(np.log2(n)))
+
+
+class PipelineTree:
+    """A pipeline stage's keeper in the mode (the ``pipeline_grads`` interface of
+    pdist/engine/grad_rounding.py). Under a pipeline a micro-batch is one granule (dp * m = G).
+    ``after_backward(k, mb)`` (after virtual stage k's BACKWARD, or W, of micro-batch mb) adds
+    every ``.grad`` of this rank into granule mb's flat fp32 leaf and zeroes it: the other
+    chunks' gradients are zero then, and v + 0 = v, so each slot holds its own stage's value.
+    ``finish()``: a tied embedding's two parts of each granule, e_j + h_j, are summed over the
+    first and last stage (two terms: one order) and rounded to the weight's dtype, as one
+    process sums the two uses in its ``.grad``; then the m leaves form the tree (``det.root``),
+    for the data-parallel join. Memory: m leaves of Ψ_stage fp32 until the step's end."""
+
+    def __init__(self, pipe):
+        self.det, self.params, m = pipe.deterministic, pipe.inner.parameters(), pipe.num_microbatches
+        self.leaves = [xp.zeros(sum(self.det.sizes), dtype=np.float32) for _ in range(m)]   # m x (Ψ_stage,)
+        offs = np.cumsum([0] + self.det.sizes)
+        where = {id(q): (int(offs[i]), int(offs[i + 1])) for i, q in enumerate(self.params)}
+        tied = list(pipe.tied) + list(pipe.local_tied)
+        self.tied = [(q, where[id(q)]) for q in tied]
+        self.group = pipe.embedding_group
+
+    def backward_scale(self, loss_scale):
+        return loss_scale                       # each granule's own mean loss; 1/G at the root
+
+    def after_backward(self, k, mb=None):
+        leaf, off = self.leaves[mb], 0
+        for q, n in zip(self.params, self.det.sizes):
+            if q.grad is not None:
+                leaf[off:off + n] += q.grad.reshape(-1).astype(np.float32)
+                q.grad[...] = 0
+            off += n
+
+    def finish(self):
+        if self.group is not None and self.tied:                 # e_j on the first stage, h_j on the last
+            parts = xp.stack([xp.concatenate([v[a:b] for _, (a, b) in self.tied]) for v in self.leaves])
+            self.group.all_reduce(parts, op="sum")               # (m, Σ tied)
+            for v, row in zip(self.leaves, parts):
+                o = 0
+                for _, (a, b) in self.tied:
+                    v[a:b], o = row[o:o + b - a], o + b - a
+        for q, (a, b) in self.tied:                              # one rounding of e_j + h_j, as one process
+            for v in self.leaves:
+                v[a:b] = v[a:b].astype(q.dtype).astype(np.float32)
+        tree = GranuleTree()
+        for j, v in enumerate(self.leaves):
+            tree.add(j, v)
+        self.det.root, self.leaves = tree.root(), []
+
+    def sync_tied(self, group):
+        pass                                                     # done in finish(), before the dp join
+
+
+def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32"):
+    """Every layout the deterministic mode refuses, with the reason (docs/deterministic.md)."""
+    split = {"tp": tp, "cp": cp, "ep": ep}
+    other = {k: v for k, v in split.items() if v > 1}
+    if other or getattr(cfg, "n_expert", 0):
+        raise ValueError(f"deterministic mode covers data parallelism, ZeRO 0-3 and pipelines so far; got "
+                         f"{other or {'n_expert': cfg.n_expert}}: the row-parallel K-sums (tp), the token-shard "
+                         f"sums (cp) and the expert routing (ep) are not granule trees yet. Use tp = cp = ep = 1, "
+                         f"or deterministic=False")
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"deterministic mode covers precision 'fp32' and 'bf16', got {precision!r} (fp16's "
+                         f"dynamic loss scale skips steps on overflow; its bits are not part of the contract)")
+    if getattr(cfg, "dropout", 0):
+        raise ValueError(f"deterministic mode needs dropout = 0 (got {cfg.dropout}): a mask drawn per granule "
+                         f"differs from one drawn per batch")
+    det.check(dp, microbatches, pp > 1 or chunks > 1)
+
+
+__all__ = ["join", "check_layout", "deterministic_compute", "PipelineTree"]
