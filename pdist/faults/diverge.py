@@ -18,8 +18,9 @@ fingerprints differ is the divergence:
             rtol by default 1e-9 in float64 (the project's equivalence), 1e-5 in float32 and
             1e-2 in bf16/fp16 (a few ulps after a reduction in another order grow with steps).
 
-``rank``: with the two runs on the same number of ranks, the first rank whose own
-fingerprint of that tensor differs; otherwise None (``ranks_b``: the ranks of B holding it).
+``rank``: with the two runs on the same layout (the same strategies, group sizes and ranks),
+the first rank whose own fingerprint of that tensor differs; otherwise None (``ranks_b``: the
+ranks of B holding it).
 """
 import json
 import math
@@ -176,16 +177,34 @@ def diverge(run_a, run_b, rtol=None):
             fb, held = join(rb, step, key)
             out.tensors_compared += 1
             if _differs(fa, fb, rtol):
-                return _found(out, step, key, fa, fb, held, ra, rb, rtol)
+                same = ma.get("layout") == mb.get("layout") and len(ra) == len(rb)
+                return _found(out, step, key, fa, fb, held, ra, rb, rtol, same)
         out.steps_compared += 1
         out.only_in_b += len(kb - set(_keys_in_order(oa, step)))
     return out
 
 
-def _found(out, step, key, fa, fb, held, ra, rb, rtol):
+def drift(run_a, run_b):
+    """Per common step: (step, tensors with identical bits, tensors compared, the largest
+    rel_diff, the (phase, op, tensor) where it is): how two runs drift apart step by step."""
+    ma, ra, oa = load(run_a)
+    mb, rb, ob = load(run_b)
+    rows = []
+    for step in sorted(set(ra[0]) & set(rb[0])):
+        kb, same, n, worst = set(_keys_in_order(ob, step)), 0, 0, (0.0, None)
+        for key in _keys_in_order(oa, step):
+            if key in kb:
+                fa, fb = join(ra, step, key)[0], join(rb, step, key)[0]
+                n, same = n + 1, same + (not _differs(fa, fb, 0))
+                worst = max(worst, (rel_diff(fa, fb), key), key=lambda w: w[0])
+        rows.append((step, same, n, *worst))
+    return rows
+
+
+def _found(out, step, key, fa, fb, held, ra, rb, rtol, same_layout):
     out.step, (out.phase, out.op, out.tensor) = step, key
     out.a, out.b, out.ranks_b, out.rel_diff = fa, fb, held, rel_diff(fa, fb)
-    if len(ra) == len(rb):
+    if same_layout:
         for r in sorted(rb):
             pa, pb = ra[r].get(step, {}).get(key), rb[r].get(step, {}).get(key)
             if pa is not None and pb is not None and _differs(pa, pb, rtol):
@@ -194,4 +213,4 @@ def _found(out, step, key, fa, fb, held, ra, rb, rtol):
     return out
 
 
-__all__ = ["diverge", "Divergence", "RunDirError", "load", "join", "rel_diff", "RTOL"]
+__all__ = ["diverge", "drift", "Divergence", "RunDirError", "load", "join", "rel_diff", "RTOL"]

@@ -6,7 +6,7 @@ notes, each training step, one fingerprint per tensor:
 
     ("fwd",  op, "out")     the op's output activation, in forward order
     ("bwd",  op, "grad")    dL/d(output), in the order backward reaches it; on a data-parallel
-                            rank divided by dp (its loss is the mean over its own rows; exact
+                            rank (default mode) divided by dp (its loss is the mean over its own rows; exact
                             for a power-of-two dp), so that it is the global loss's
     ("grad", param, "grad") each parameter's gradient after the step's gradient sync
 
@@ -75,8 +75,11 @@ def _write_atomic(path, text):
 
 
 def _layout(model):
-    """A short description of the strategy chain, e.g. 'DataParallel > TensorParallel > Local'."""
-    return " > ".join(type(s).__name__ for s in model.chain()) if hasattr(model, "chain") else type(model).__name__
+    """The strategy chain with its group sizes, e.g. 'DataParallel(2) > TensorParallel(2) > Local(m=1)'."""
+    if not hasattr(model, "chain"):
+        return type(model).__name__
+    return " > ".join(f"{type(c).__name__}({c.group.size})" if getattr(c, "group", None) is not None
+                      else f"{type(c).__name__}(m={c.microbatches})" for c in model.chain())
 
 
 class Recorder(hooks.StepHook):
@@ -87,9 +90,7 @@ class Recorder(hooks.StepHook):
 
     def __init__(self, model, run_dir, rank=0, world_size=1, deterministic=None):
         from pdist.parallel.base import Local
-        if not os.path.isdir(run_dir):
-            raise FileNotFoundError(f"fingerprint.record: run directory {run_dir!r} does not exist; "
-                                    "create it first (every rank writes rank-<r>.jsonl into it)")
+        os.makedirs(run_dir, exist_ok=True)      # every rank; a file in the way raises FileExistsError
         self.model, self.dir, self.rank = model, run_dir, rank
         local = model.find(Local) if hasattr(model, "find") else None
         self.module = local.module if local is not None else model
@@ -99,7 +100,9 @@ class Recorder(hooks.StepHook):
         self.steps, self.cur, self.acc, self._handles, self.rows = {}, None, {}, [], None
         dp = next((c.dp_world_size for c in model.chain() if hasattr(c, "dp_world_size")), 1) \
             if hasattr(model, "chain") else 1
-        self.gscale = 1.0 / dp      # a dp rank's loss is its rows' mean: its dL/d(out) is dp x the global one
+        # a dp rank's loss is its rows' mean: its dL/d(out) is dp x the global one. The deterministic
+        # mode backpropagates each granule's mean on every layout alike: nothing to undo there.
+        self.gscale = 1.0 if self.deterministic else 1.0 / dp
         self.meta = {"format": FORMAT, "world_size": world_size, "layout": _layout(model),
                      "deterministic": self.deterministic, "dtype": None}
         self.path = os.path.join(run_dir, f"rank-{rank}.jsonl")
