@@ -13,6 +13,7 @@ from pdist.testing import mpirun, reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "diverge_cases.py")
+BUILT = {}
 PLANT = ("fwd", "transformer.h.1.mlp.c_proj", "out")
 
 
@@ -22,6 +23,7 @@ def runs(tmp_path_factory):
     out = mpirun(2, WORKER, str(d), timeout=120)
     changed = {r["rank"]: r["changed"] for r in reports(out)}
     assert changed[1] and all(c > 0 for c in changed[1]), out    # the split-K plant changed some bits
+    BUILT["deterministic"] = reports(out)[0]["deterministic"]
     return d
 
 
@@ -57,6 +59,14 @@ def test_exact_compare_names_the_first_split_reduction(runs):
     assert where(d) == (0, ("fwd", "transformer.h.0.attn.c_proj", "out")), str(d)
     d = diverge(runs / "local", runs / "dp2", rtol=0)
     assert d.step == 0 and d.phase == "grad", str(d)
+
+
+def test_deterministic_runs_compare_exactly(runs):
+    """Recorded in the deterministic mode (where built), the default comparison demands identical bits."""
+    if not BUILT["deterministic"]:
+        pytest.skip("the deterministic mode (parallelize(..., deterministic=True)) is not built in this tree")
+    d = diverge(runs / "det_local", runs / "det_dp2")
+    assert d.exact and d.rtol == 0 and not d.found and d.tensors_compared > 250, str(d)
 
 
 def test_cli(runs, capsys):

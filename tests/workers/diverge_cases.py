@@ -10,9 +10,11 @@ C 16, T 8, 4 AdamW steps, one global batch of 4 rows per step):
     OUT/dp2_splitk   dp2, op PLANT's K-sum computed in two halves on rank 1 at step 2 (a planted
                      reduction-order change: the same math, other bits)
     OUT/local_splitk one process, the K-sum in two halves at step 2 (a planted change on one rank)
+    OUT/det_local, det_dp2   one process and dp2 in the deterministic mode (where it is built)
 
 Reports (pdist.testing.report) whether the planted split-K output really changed some bits.
 """
+import inspect
 import os
 import sys
 
@@ -59,7 +61,7 @@ def plant(strategy, how, rank):
     mod.register_forward_hook(hook)
 
 
-def run(name, layout, how=None, rank=PLANT_RANK):
+def run(name, layout, how=None, rank=PLANT_RANK, det=False):
     d = os.path.join(OUT, name)
     if world.rank == 0:
         os.makedirs(d, exist_ok=True)
@@ -68,10 +70,10 @@ def run(name, layout, how=None, rank=PLANT_RANK):
     if layout == "local":
         if world.rank != 0:
             return
-        s = Local(model)
+        s = Local(model, **({"deterministic": det} if det else {}))
     else:
         mesh = DeviceMesh(**{layout: 2})
-        s = parallelize(model, mesh, sequence_parallel=layout == "tp")
+        s = parallelize(model, mesh, sequence_parallel=layout == "tp", **({"deterministic": det} if det else {}))
     if how:
         plant(s, how, rank)
     batch = data.batch_fn(tokens, B, cfg.block_size, 0, vocab_size=96)
@@ -87,5 +89,9 @@ run("dp2b", "dp")
 run("tp2", "tp")
 run("dp2_scaled", "dp", "scale")
 run("dp2_splitk", "dp", "splitk")
+DETERMINISTIC = "deterministic" in inspect.signature(Local.__init__).parameters
+if DETERMINISTIC:                 # the mode of docs/deterministic.md, where built: B = 4 granules of 1 row
+    run("det_local", "local", det=4)
+    run("det_dp2", "dp", det=4)
 world.barrier()
-report(rank=world.rank, changed=changed)
+report(deterministic=DETERMINISTIC, rank=world.rank, changed=changed)
