@@ -19,6 +19,8 @@ tp ranks -- is added in another order, and (a + b) + c is not a + (b + c).
    sums every splittable reduction as one fixed tree over fixed granules, so both layouts give
    identical bits: the bisector finds nothing, the parameters are ``np.array_equal``. Its cost
    is the step-time ratio to the default mode, measured here on layout A (conditions printed).
+   Where the mode refuses layout B (tensor parallelism, so far), the act prints the reason and
+   compares A with dp n, 2 micro-batches and ZeRO-1 instead.
    Where the mode is not built yet the act says so and the lesson PASSes act 1.
 """
 import os

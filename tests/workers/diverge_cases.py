@@ -18,8 +18,6 @@ import inspect
 import os
 import sys
 
-import numpy as np
-
 from pdist import comm, data
 from pdist.comm import DeviceMesh
 from pdist.course import lesson
