@@ -67,6 +67,8 @@ def test_deterministic_runs_compare_exactly(runs):
         pytest.skip("the deterministic mode (parallelize(..., deterministic=True)) is not built in this tree")
     d = diverge(runs / "det_local", runs / "det_dp2")
     assert d.exact and d.rtol == 0 and not d.found and d.tensors_compared > 250, str(d)
+    d = diverge(runs / "det_local", runs / "det_dp2_splitk")     # across layouts, a reduction-order change
+    assert where(d) == (2, PLANT) and d.exact and d.rank is None, str(d)
 
 
 def test_cli(runs, capsys):
@@ -91,6 +93,14 @@ def test_bad_run_dirs(runs, tmp_path, capsys):
     (part / "rank-1.jsonl").write_text("{not json\n")
     with pytest.raises(RunDirError, match="rank-1.jsonl line 1 is not a fingerprint record"):
         diverge(runs / "local", part)
+    other = tmp_path / "other"
+    shutil.copytree(runs / "local", other)
+    lines = [json.loads(line) for line in (other / "rank-0.jsonl").read_text().splitlines()]
+    for rec in lines:                                   # another model: no op name in common
+        rec["records"] = [[p, "other." + op, *rest] for p, op, *rest in rec["records"]]
+    (other / "rank-0.jsonl").write_text("".join(json.dumps(rec) + "\n" for rec in lines))
+    with pytest.raises(RunDirError, match="share no tensor name"):
+        diverge(runs / "local", other)
     with pytest.raises(ValueError, match="rtol must be >= 0"):
         diverge(runs / "local", runs / "dp2", rtol=-1)
     assert debug_main(["diverge", str(tmp_path / "nope"), str(runs / "dp2")]) == 2

@@ -181,6 +181,9 @@ def diverge(run_a, run_b, rtol=None):
                 return _found(out, step, key, fa, fb, held, ra, rb, rtol, same)
         out.steps_compared += 1
         out.only_in_b += len(kb - set(_keys_in_order(oa, step)))
+    if not out.tensors_compared:
+        raise RunDirError(f"diverge: {run_a!r} and {run_b!r} share no tensor name in {len(steps)} common steps: "
+                          "runs of different models? (names are single-process module paths)")
     return out
 
 

@@ -11,6 +11,7 @@ C 16, T 8, 4 AdamW steps, one global batch of 4 rows per step):
                      reduction-order change: the same math, other bits)
     OUT/local_splitk one process, the K-sum in two halves at step 2 (a planted change on one rank)
     OUT/det_local, det_dp2   one process and dp2 in the deterministic mode (where it is built)
+    OUT/det_dp2_splitk       dp2 in the deterministic mode, the split-K plant on rank 1 at step 2
 
 Reports (pdist.testing.report) whether the planted split-K output really changed some bits.
 """
@@ -91,5 +92,6 @@ DETERMINISTIC = "deterministic" in inspect.signature(Local.__init__).parameters
 if DETERMINISTIC:                 # the mode of docs/deterministic.md, where built: B = 4 granules of 1 row
     run("det_local", "local", det=4)
     run("det_dp2", "dp", det=4)
+    run("det_dp2_splitk", "dp", "splitk", det=4)
 world.barrier()
 report(deterministic=DETERMINISTIC, rank=world.rank, changed=changed)
