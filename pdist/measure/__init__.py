@@ -4,4 +4,5 @@
     memory.py             bytes of params, grads and optimizer state; RSS and its peak
     memory_timeline.py    the memory of every rank over a step, marked by collectives
     activation_memory.py  activation bytes per layer: the formula and the measurement
+    fingerprint.py        per-step, per-op fingerprints of activations and gradients (docs/divergence.md)
 """
