@@ -21,7 +21,7 @@ dropped without ``wait()``.
 """
 import numpy as np
 
-from pdist.measure import trace
+from pdist.measure import blocked, trace
 
 from pdist.engine.backend import is_device_array, is_gpu
 from pdist.comm import flight_recorder, topology, watchdog
@@ -129,6 +129,8 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
                 algorithm = "mpi"                      # 2-byte floats: MPI's path (low_precision.py) only
         if algorithm not in ALGORITHMS[op]:
             raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
+        rec = blocked.ON[0]                        # host time blocked here (the waterfall, the detector)
+        t_in = blocked.enter() if rec else 0.0
         if self._pending:
             error = self._settle(error, block=not (async_op and algorithm == "mpi"))
         self._seq += 1
@@ -174,11 +176,16 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
             work._pending = p = Pending(pending_check, complete_fn(work), keep, ent, self)
             self._pending.append(p)
             _cur[0] = None
+            if rec:
+                work._wf = ("w", self, ent.seq)
+                blocked.leave("c", self, t_in, ent.seq)
             return work
         if then is not None:
             then()
         trace.record(op, "comm", t0, trace.now(), **args)
         ent.state, self._last, _cur[0] = "done", ent, None
+        if rec:
+            blocked.leave("c", self, t_in, ent.seq)
         return Work.completed() if async_op else None
 
     # ------------------------------------- argument checks of the collectives

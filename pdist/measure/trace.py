@@ -210,7 +210,7 @@ def events():
 
 
 _subscribe()
-TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4, "device": 5}
+TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4, "device": 5, "waterfall": 6}
 
 
 def chrome_events(evs, pid, t0):
