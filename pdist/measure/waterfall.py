@@ -65,7 +65,21 @@ def _split_degree(model):
 
 
 def _run_label(model):
-    return " > ".join(type(s).__name__ for s in model.chain()) if hasattr(model, "chain") else "model"
+    """The chain's class names, ZeRO with its stage: "ZeRO-3 > Local"."""
+    if not hasattr(model, "chain"):
+        return type(model).__name__
+    return " > ".join(type(s).__name__ + (f"-{s.stage}" if type(s).__name__ == "ZeRO" else "") for s in model.chain())
+
+
+def _model_info(model, flops_per_token=None):
+    """What a step of ``model`` needs later (no reference to the model is kept): its label,
+    FLOPs per token under each convention, tp x pp, and whether it is a pipeline."""
+    cfg = _config_of(model)
+    per = {c: (flops_per_token if flops_per_token is not None else flops.per_token(cfg, c) if cfg else 0.0)
+           for c in flops.CONVENTIONS}
+    chain = model.chain() if hasattr(model, "chain") else []
+    return {"label": _run_label(model), "per_token": per, "split": _split_degree(model),
+            "pipeline": any(getattr(s, "pipeline", False) for s in chain)}
 
 
 class _Pass:
@@ -103,6 +117,7 @@ class Waterfall(hooks.StepHook):
         self.flops_per_token = flops_per_token
         self.records = collections.deque(maxlen=keep)    # one dict per step (raw, then resolved)
         self.parts, self._open, self._closed = {}, None, False
+        self._last_info, self._labels = (None, None), {}
         hooks.subscribe(self)
         blocked.use(+1)
 
@@ -118,7 +133,18 @@ class Waterfall(hooks.StepHook):
         if self.auto:
             self.start()
         if self._open is not None:
-            self._open.update(model=s.model, tokens=s.tokens)
+            self._open.update(info=self._info(s.model), tokens=s.tokens)
+
+    def _info(self, model):
+        key = id(model)
+        if self._last_info[0] != key:
+            self._last_info = (key, _model_info(model, self.flops_per_token))
+            seen = self._labels.setdefault(self._last_info[1]["label"], [])
+            if key not in seen:
+                seen.append(key)
+            if len(seen) > 1:     # another model of the same chain (lesson 02's two runs): numbered
+                self._last_info[1]["label"] += f" #{seen.index(key) + 1}"
+        return self._last_info[1]
 
     def end(self, s):
         if self.auto:
@@ -132,7 +158,8 @@ class Waterfall(hooks.StepHook):
         """The step starts now (before its data, its forward_backward, its optimizer step)."""
         blocked.reset()
         self._open = {"t0": now(), "mark": blocked.COUNT[0], "compute": 0.0, "recompute": 0.0,
-                      "model": self.model, "tokens": 0, "resolved": False}
+                      "info": self._info(self.model) if self.model is not None else None, "tokens": 0,
+                      "resolved": False}
 
     def stop(self, resolve=True):
         """The step ends now; ``resolve``: split the waiting out at once (collective: every
@@ -145,17 +172,11 @@ class Waterfall(hooks.StepHook):
         self.records.append(r)
         return self.resolve()[-1] if resolve else None
 
-    def _flops(self, r, convention):
+    @staticmethod
+    def _flops(r, convention):
         """This rank's model FLOPs of step ``r`` under ``convention``."""
-        model = r["model"]
-        cfg = _config_of(model) if model is not None else None
-        if self.flops_per_token is not None:
-            per = self.flops_per_token
-        elif cfg is None:
-            return 0.0
-        else:
-            per = flops.per_token(cfg, convention)
-        return per * r["tokens"] / (_split_degree(model) if model is not None else 1)
+        info = r["info"]
+        return info["per_token"][convention] * r["tokens"] / info["split"] if info else 0.0
 
     def resolve(self):
         """Split waiting from wire time in every unresolved step (collective over the group:
@@ -173,7 +194,7 @@ class Waterfall(hooks.StepHook):
 
     def _parts(self, r, latest, rate):
         """Fill ``r["parts"]`` (seconds, PARTS + comm per group + WAIT + OVERHEAD), r["mfu"], r["step_s"]."""
-        pipeline = r["model"] is not None and any(getattr(s, "pipeline", False) for s in r["model"].chain())
+        pipeline = bool(r["info"] and r["info"]["pipeline"])
         comm, bubble, wait, held = collections.defaultdict(float), 0.0, 0.0, 0.0
         for kind, key, name, _, t0, t1 in r["rows"]:
             d = t1 - t0
@@ -190,7 +211,7 @@ class Waterfall(hooks.StepHook):
         parts = {"ideal compute": ideal, "kernel inefficiency": model_s - ideal, "recompute": r["recompute"],
                  "pipeline bubble": bubble, **dict(sorted(comm.items())), WAIT: wait,
                  OVERHEAD: max(0.0, step - r["compute"] - held)}
-        r.update(parts=parts, step_s=step, resolved=True, label=_run_label(r["model"]) if r["model"] else "model",
+        r.update(parts=parts, step_s=step, resolved=True, label=r["info"]["label"] if r["info"] else "model",
                  mfu={c: self._flops(r, c) / max(step * rate, 1e-30) for c in flops.CONVENTIONS}, rate=rate)
 
     def table(self, skip=1):
