@@ -6,12 +6,15 @@ inside communication code is recorded once, outermost call only:
 
     kind "c"  a collective's call (``ProcessGroup._run``, the object collectives): from
               entering the call (before its fingerprint exchange) to returning; for an
-              async op that is its issue; ``t_entry`` = the entry time, ``key`` =
+              async op that is its issue; ``key`` =
               (group name, world ranks, sequence number): the same collective on every member
     kind "w"  ``Work.wait()`` of an async collective (the same ``key``)
     kind "p"  a point-to-point call that blocks (send, recv) or the wait of an isend/irecv
 
-as ``(kind, key, group name, t_entry, t0, t1)`` (perf_counter seconds), newest ``KEEP``
+as ``(kind, key, group name, t_ready, t0, t1)`` (perf_counter seconds; ``t_ready`` = t0 for
+kinds "c" and "w": when this rank entered the collective, or began waiting on it; MPI
+progresses a non-blocking collective only inside MPI calls, so a rank that issued one and
+went on computing holds it up until it waits; a member's arrival is its latest), newest ``KEEP``
 kept; ``COUNT[0]`` numbers them (a consumer marks where its step starts), ``TOTAL[0]`` sums
 their seconds (a consumer reads it around a phase: no list walk). What overlap hid (an async
 op's transfer while the host computed) is in no interval: what is recorded is exposed.
@@ -56,7 +59,7 @@ def leave(kind, group, t0, seq=None):
     _depth[0] = 0
     t1 = now()
     key = None if seq is None else (group.name, tuple(group.ranks), seq)
-    ROWS.append((kind, key, group.name, t0 if kind == "c" else None, t0, t1))
+    ROWS.append((kind, key, group.name, t0 if key is not None else None, t0, t1))
     COUNT[0] += 1
     TOTAL[0] += t1 - t0
 

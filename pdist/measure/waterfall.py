@@ -25,8 +25,10 @@ communication, outermost call only, and the passes are the step hooks' spans):
     comm <group>          blocked in that group's collectives, less the waiting below: the
                           exposed communication (what overlap hid is in no interval)
     waiting for slower rank  per collective, the part of this rank's blocked time before the
-                          last member entered it: min(t1, max_q entry_q) - t0, clipped to
-                          [0, t1 - t0] (entries on one clock: aligned at a barrier's exit)
+                          last member arrived: min(t1, max_q arrival_q) - t0, clipped to
+                          [0, t1 - t0]; a member arrives when it enters the collective or,
+                          async, begins to wait on it (MPI progresses it only inside MPI calls);
+                          the clocks aligned at a barrier's exit
     framework overhead    the remainder, S - compute - every blocked interval, never negative:
                           the optimizer, zero_grad, data, Python between the passes
 
@@ -244,7 +246,12 @@ def _last_entries(group, todo):
     """{collective key: the last member's entry time} on this rank's clock: every rank's
     entries, shifted by its clock at a barrier's exit (as trace.write_chrome_trace aligns)."""
     g = _world(group)
-    mine = [(key, te) for r in todo for kind, key, _, te, _, _ in r["rows"] if kind == "c"]
+    arrive = {}
+    for r in todo:                         # a member arrives when it enters or begins to wait (blocked.py)
+        for _, key, _, te, _, _ in r["rows"]:
+            if key is not None and te > arrive.get(key, float("-inf")):
+                arrive[key] = te
+    mine = list(arrive.items())
     if g is None or g.size == 1:
         return {}
     g.barrier()
