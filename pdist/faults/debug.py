@@ -65,7 +65,7 @@ class Detector(hooks.StepHook):
 
     def end(self, s):
         (t0, w0, _), (t1, w1, b1), (t2, w2, b2), (t3, w3, _), (t4, w4, _) = self.marks
-        entries = [(key, te) for _, key, _, te, _, _ in blocked.since(self.mark) if key is not None]
+        entries = [(key, te, int(kind == "w")) for kind, key, _, te, _, _ in blocked.since(self.mark) if key]
         note((s.step, t1 - t0, t2 - t1, t3 - t2, t4 - t3, w1 - w0, w2 - w1, w3 - w2, w4 - w3,
               LINK[0] - self.link0, s.tokens, b2 - b1, entries))
 
@@ -110,7 +110,7 @@ def gather(group=None, last=32):
     t_sync = now()
     recs = records(last)
     for r in recs:
-        r["entries"] = [(k, te - t_sync) for k, te in r.get("entries") or ()]
+        r["entries"] = [(k, te - t_sync, w) for k, te, w in r.get("entries") or ()]
     mine = {"rank": group.ranks[group.rank], "records": recs, "links": links}
     return group.all_gather_object(mine) if group.size > 1 else [mine]
 
@@ -259,8 +259,8 @@ def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
                       text="no step recorded on every rank (run forward_backward first)")
     t = _Steps(per, steps)
     rep = _compute_straggler(t, threshold)
-    if rep is None:   # phase times flattened by overlap: does one rank enter the collectives late?
-        rep = skew.skew_straggler(t, threshold, Report)
+    if rep is None or rep.cause == "intermittent":   # phase times blurred by overlap: who arrives last?
+        rep = skew.skew_straggler(t, threshold, Report) or rep
     if rep is None:   # nobody's compute stands out every step: is the step spent on the wire?
         rep = skew.slow_link(t, Report)
     if rep is None:

@@ -8,10 +8,11 @@ call or, async, began to wait on it (MPI progresses a non-blocking collective on
 MPI calls; pdist/measure/blocked.py; clocks aligned at a barrier's exit by ``debug.gather``).
 The last to arrive holds the others up by its lead over the second last. For rank i, step j:
 
-    late[i][j] = sum over the step's collectives c that i reaches last of ( a_i(c) - max_{q != i} a_q(c) )
+    late[i][j] = max over the step's collectives c that i reaches last of ( a_i(c) - max_{q != i} a_q(c) )
 
-A throttled device holds the group up on (almost) every step by about its extra compute;
-once it arrives the others follow within noise, so their ``late`` stays near zero.
+(issues and wait starts compared apart). A throttled device holds the group up on (almost)
+every step by about its extra compute; once it arrives the others follow within noise, so
+their ``late`` stays near zero.
 """
 import collections
 
@@ -24,20 +25,22 @@ def _median(v):
 
 def lateness(by, steps):
     """``late[i][j]`` of the module doc; ``by[i]``: rank i's records by step, each with its
-    "entries" [(collective key, aligned time)]: a rank's arrival is its latest (entry or wait)."""
+    "entries" [(collective key, aligned time, 1 if a wait's start else 0)]. Entries and wait
+    starts are compared apart (an async op's issue with issues, its wait with waits), and a
+    rank's first wait on an op counts."""
     n, k = len(by), len(steps)
     late = [[0.0] * k for _ in range(n)]
     for j, s in enumerate(steps):
-        seen = collections.defaultdict(dict)            # key -> {rank index: arrival}
+        seen = collections.defaultdict(dict)            # (key, is wait) -> {rank index: time}
         for i in range(n):
-            for key, t in by[i][s].get("entries") or ():
-                d = seen[tuple(key) if isinstance(key, list) else key]
-                d[i] = max(t, d.get(i, t))
+            for key, t, wait in by[i][s].get("entries") or ():
+                seen[(tuple(key) if isinstance(key, list) else key, wait)].setdefault(i, t)
         for members in seen.values():
             if len(members) < 2:
                 continue
             last = max(members, key=members.get)
-            late[last][j] += members[last] - max(u for q, u in members.items() if q != last)
+            lead = members[last] - max(u for q, u in members.items() if q != last)
+            late[last][j] = max(late[last][j], lead)
     return late
 
 

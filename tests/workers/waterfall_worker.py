@@ -54,14 +54,14 @@ def one_layout(world, tokens, vocab, axes, kw):
 
 
 class SlowForward(hooks.StepHook):
-    """A throttled device inside the step: rank 2's every forward lasts 3x (its buckets go out late)."""
+    """A throttled device inside the step: rank 2's every forward lasts 5x (its buckets go out late)."""
     order = 10
 
     @contextlib.contextmanager
     def _slow(self):
         t = time.perf_counter()
         yield
-        time.sleep(2 * (time.perf_counter() - t))
+        time.sleep(4 * (time.perf_counter() - t))
 
     def span(self, name, **args):
         return self._slow() if name == "forward" and comm.get_world().rank == 2 else None
