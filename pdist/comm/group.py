@@ -121,16 +121,28 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         """Finish earlier async ops' fingerprint checks (work.settle)."""
         return settle(self, error, block)
 
-    def _run(self, op, arr, theory, native, hand, algorithm, async_op,
-             redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None):
+    def _run(self, op, *args, **kw):
+        """``_run_op``, and with a consumer of measure/blocked.py on, the host time blocked in it
+        (entry to return; an async op's ``wait()`` is recorded by its Work)."""
+        if not blocked.ON[0]:
+            return self._run_op(op, *args, **kw)
+        t_in = blocked.enter()
+        try:
+            work = self._run_op(op, *args, **kw)
+        finally:
+            blocked.leave("c", self, t_in, self._seq)
+        if work is not None and work._pending is not None:
+            work._wf = ("w", self, self._seq)
+        return work
+
+    def _run_op(self, op, arr, theory, native, hand, algorithm, async_op,
+                redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
             if arr is not None and is_low(arr.dtype):
                 algorithm = "mpi"                      # 2-byte floats: MPI's path (low_precision.py) only
         if algorithm not in ALGORITHMS[op]:
             raise ValueError(f"{op}: algorithm must be one of {ALGORITHMS[op]}, got {algorithm!r}")
-        rec = blocked.ON[0]                        # host time blocked here (the waterfall, the detector)
-        t_in = blocked.enter() if rec else 0.0
         if self._pending:
             error = self._settle(error, block=not (async_op and algorithm == "mpi"))
         self._seq += 1
@@ -176,16 +188,11 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
             work._pending = p = Pending(pending_check, complete_fn(work), keep, ent, self)
             self._pending.append(p)
             _cur[0] = None
-            if rec:
-                work._wf = ("w", self, ent.seq)
-                blocked.leave("c", self, t_in, ent.seq)
             return work
         if then is not None:
             then()
         trace.record(op, "comm", t0, trace.now(), **args)
         ent.state, self._last, _cur[0] = "done", ent, None
-        if rec:
-            blocked.leave("c", self, t_in, ent.seq)
         return Work.completed() if async_op else None
 
     # ------------------------------------- argument checks of the collectives

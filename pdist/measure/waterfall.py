@@ -17,7 +17,8 @@ communication, outermost call only, and the passes are the step hooks' spans):
 
     ideal compute         F / R: this rank's model FLOPs (pdist/measure/flops.py, the named
                           convention; F = FLOPs/token x this replica's tokens / (tp x pp)) at
-                          the measured GEMM rate R; at most the passes' compute
+                          the measured GEMM rate R (the best of the ranks' measurements);
+                          at most the passes' compute
     kernel inefficiency   the passes' compute (forward and backward spans less the time
                           blocked in communication inside them) less recompute, less ideal
     recompute             the recomputed forwards inside backward (pdist/engine/recompute.py)
@@ -185,8 +186,7 @@ class Waterfall(hooks.StepHook):
         one barrier and one object all-gather of the collectives' entry times); returns the
         parts of every kept step."""
         todo = [r for r in self.records if not r["resolved"]]
-        latest = _last_entries(self.group, todo)
-        rate = flops.gemm_rate()
+        latest, rate = _last_entries(self.group, todo, flops.gemm_rate())
         for r in todo:
             self._parts(r, latest, rate)
             _to_trace(r)
@@ -242,9 +242,11 @@ def _gather(group, obj):
     return g.all_gather_object(obj) if g is not None and g.size > 1 else [obj]
 
 
-def _last_entries(group, todo):
-    """{collective key: the last member's entry time} on this rank's clock: every rank's
-    entries, shifted by its clock at a barrier's exit (as trace.write_chrome_trace aligns)."""
+def _last_entries(group, todo, rate):
+    """({collective key: the last member's arrival} on this rank's clock, the best GEMM rate
+    of the ranks): every rank's arrivals, shifted by its clock at a barrier's exit (as
+    trace.write_chrome_trace aligns); one rate for all, as the ranks' devices are alike and a
+    measurement on shared cores only errs low."""
     g = _world(group)
     arrive = {}
     for r in todo:                         # a member arrives when it enters or begins to wait (blocked.py)
@@ -253,15 +255,16 @@ def _last_entries(group, todo):
                 arrive[key] = te
     mine = list(arrive.items())
     if g is None or g.size == 1:
-        return {}
+        return {}, rate
     g.barrier()
     t_sync = now()
-    latest = {}
-    for entries in g.all_gather_object([(k, te - t_sync) for k, te in mine]):
+    latest, rates = {}, []
+    for r, entries in g.all_gather_object((rate, [(k, te - t_sync) for k, te in mine])):
+        rates.append(r)
         for k, te in entries:
             if te + t_sync > latest.get(k, float("-inf")):
                 latest[k] = te + t_sync
-    return latest
+    return latest, max(rates)
 
 
 def _to_trace(r):

@@ -62,7 +62,7 @@ def render(per_rank, convention=flops.DEFAULT):
         ok = all(abs(c["sum_s"] - c["step_s"]) <= CHECK * c["step_s"] for c in have)
         steps = have[0]["steps"]
         out.append(f"waterfall: {label} (ms/step, mean of {steps} steps; GEMM rate {rate / 1e9:.2f} GFLOP/s "
-                   f"measured per process; * the default convention)\n"
+                   f"(the ranks' best); * the default convention)\n"
                    + _fmt_table(rows, ["part"] + [f"rank {i}" for i in range(len(cols))])
                    + f"\nparts sum to the measured step within {CHECK:.0%} on every rank: {ok}")
     return "\n\n".join(out)
