@@ -88,19 +88,24 @@ def test_skew_names_who_holds_the_others_up():
 # ----------------------------------------------------------- under MPI
 def _check_layouts(got):
     for name, per_rank in got.items():
-        if name == "detector":
+        if name in ("detector", "cpu_s"):
             continue
         for rank, steps in enumerate(per_rank):
+            # the parts add up to the step on the worker's own clock (the median step: a core
+            # taken away between the two clocks' reads inflates one step's sum, as lesson 08's
+            # timing claims take medians) and, but the remainder (framework overhead), never
+            # exceed it on any step: no interval counted twice
+            ratios = sorted(st["ratio"] for st in steps)
+            assert abs(ratios[len(ratios) // 2] - 1) <= TOL, (name, rank, steps)
             for st in steps:
-                # the parts add up to the step (the worker's own clock) and, but the remainder
-                # (framework overhead), never exceed it: no interval counted twice
-                assert abs(st["ratio"] - 1) <= TOL and st["measured"] <= 1 + TOL, (name, rank, st)
+                assert st["measured"] <= 1 + TOL, (name, rank, st)
                 assert min(st["parts"].values()) >= 0 and st["parts"]["ideal compute"] > 0, (name, rank, st)
 
 
 @pytest.mark.cores(2)
 def test_parts_sum_to_the_step_on_every_layout_2_ranks():
     got = reports(mpirun(2, W, 2, timeout=240))[0]
+    print("cpu_s", got.pop("cpu_s"))
     assert set(got) == {"dp", "dp-recompute", "zero-1", "zero-3", "tp", "pp"}, got.keys()
     _check_layouts(got)
     mean = lambda name, part: sum(st["parts"].get(part, 0.0) for r in got[name] for st in r)  # noqa: E731
@@ -113,6 +118,7 @@ def test_parts_sum_to_the_step_on_every_layout_2_ranks():
 def test_mesh_parts_and_detector_under_ddp_overlap():
     got = reports(mpirun(4, W, 4, timeout=300))[0]
     det = got.pop("detector")
+    print("cpu_s", got.pop("cpu_s"))
     assert set(got) == {"mesh-dp-tp", "mesh-dp-pp"}
     _check_layouts(got)
     for fault, rep in det.items():
@@ -123,8 +129,13 @@ def test_mesh_parts_and_detector_under_ddp_overlap():
 
 def test_lesson_waterfall_flag(tmp_path):
     """--waterfall on a training lesson: validated by argparse, a table per run with the sum check."""
-    bad = launch(1, ROOT / "lessons" / "04_tensor_parallel.py", "--waterfall", "6NX", timeout=60)
-    assert bad.rc != 0 and "argument --waterfall: invalid choice: '6NX'" in bad.out, bad.out[-2000:]
+    from pdist.course import lesson
+    p = lesson.parser()
+    assert p.parse_args(["--waterfall"]).waterfall == flops.DEFAULT
+    assert p.parse_args(["--waterfall", "causal"]).waterfall == "causal" and p.parse_args([]).waterfall is None
+    with pytest.raises(SystemExit) as e:                   # argparse: usage error, exit 2, before any work
+        p.parse_args(["--waterfall", "6NX"])
+    assert e.value.code == 2
     trace_path = tmp_path / "t.json"
     run = launch(2, ROOT / "lessons" / "04_tensor_parallel.py", "--steps", "2", "--n-layer", "1",
                  "--waterfall", "--trace", trace_path, timeout=180)

@@ -68,10 +68,19 @@ def _split_degree(model):
 
 
 def _run_label(model):
-    """The chain's class names, ZeRO with its stage: "ZeRO-3 > Local"."""
+    """The chain's class names, ZeRO with its stage, a pipeline with its schedule and m, TP
+    with SP: "ZeRO-1 > PipelineParallel(1f1b, m=4) > TensorParallel(SP) > Local"."""
     if not hasattr(model, "chain"):
         return type(model).__name__
-    return " > ".join(type(s).__name__ + (f"-{s.stage}" if type(s).__name__ == "ZeRO" else "") for s in model.chain())
+
+    def name(s):
+        n = type(s).__name__
+        if n == "ZeRO":
+            return f"ZeRO-{s.stage}"
+        if n == "PipelineParallel":
+            return f"{n}({s.schedule}, m={s.num_microbatches})"
+        return n + ("(SP)" if getattr(s, "sequence_parallel", False) else "")
+    return " > ".join(name(s) for s in model.chain())
 
 
 def _model_info(model, flops_per_token=None):
