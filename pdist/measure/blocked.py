@@ -23,6 +23,7 @@ Cost. Off: one list read per call. On: two clock reads and a tuple appended per 
 This module imports nothing of pdist (pdist.comm imports it; no cycle).
 """
 import collections
+import itertools
 import time
 
 KEEP = 16384
@@ -66,8 +67,8 @@ def leave(kind, group, t0, seq=None):
 
 def since(mark):
     """The rows recorded after ``COUNT[0]`` was ``mark`` (all of them when KEEP allows)."""
-    n = COUNT[0] - mark
-    return list(ROWS)[-n:] if n > 0 else []
+    n = min(COUNT[0] - mark, len(ROWS))
+    return list(itertools.islice(reversed(ROWS), n))[::-1] if n > 0 else []
 
 
 __all__ = ["use", "reset", "enter", "leave", "since", "ON", "TOTAL", "COUNT", "ROWS"]
