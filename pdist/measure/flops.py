@@ -7,16 +7,19 @@ Training FLOPs per token of a decoder with N matmul parameters, L layers, width 
                                          weights' matmuls only, attention's T x T products ignored
     "6N+12LhT"    6 N + 12 L h T         PaLM (Chowdhery et al. 2022, App. B), the paper that
                                          defined MFU; Megatron-LM's count (Narayanan et al. 2021,
-                                         Eq. 3, whose 12 B s^2 l h term it is): QK^T and AV, 2 x 2 L h T
-                                         forward per token, x 3
+                                         Eq. 3 without its recompute pass: 72 B s l h^2 (1 + s/6h
+                                         + ...), whose attention term is 12 B s^2 l h): QK^T and AV,
+                                         2 x 2 L h T forward per token, x 3
     "causal"      6 N + 6 L h T          the causal mask halves the attention products, as a
-                                         kernel that skips masked blocks does (FlashAttention's count)
+                                         kernel that skips masked blocks counts them
 
-The default is "6N+12LhT": MFU is PaLM's definition, and pdist's attention
-(pdist/engine/attention.py) computes the full T x T scores before masking them, so the
-device does the 12 L h T work; "6N" under-counts it (by 2T/N per token: large at long
-context), "causal" counts work pdist does not skip. Recomputation adds hardware FLOPs, not
-model FLOPs: MFU leaves it out (HFU would count it).
+The default is "6N+12LhT": MFU is PaLM's definition and Megatron-LM's count, so published
+MFU figures compare with it. It counts the model's FLOPs, not a kernel's: pdist's attention
+(pdist/engine/attention.py) skips the masked query blocks and computes (n + 1) / 2n of the
+T x T scores (n = ceil(T / 64) blocks on the host), so the work it does lies between
+"causal" and "6N+12LhT" (all of it at T <= 64). "6N" leaves attention out (a fraction
+2 L h T / N of 6N: large at long context). Recomputation adds hardware FLOPs, not model
+FLOPs: MFU leaves it out (HFU would count it).
 
 N: every parameter that multiplies an activation: all of ``cfg.param_shapes()`` but the
 position table (``wpe``) and an input embedding not tied to the output head (Llama's

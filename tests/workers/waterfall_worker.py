@@ -74,13 +74,13 @@ def detector(world, tokens, vocab, fault):
     model = DataParallel(GPT(cfg, 0), world, bucket_cap_mb=0.05, first_bucket_cap_mb=0.01)
     opt = lesson.make_adamw(model.parameters())
     batch = lambda s: data.get_batch(tokens, 16, cfg.block_size, 0, s)  # noqa: E731
-    train(model, opt, batch, 2)
+    train(model, opt, batch, 1)
     slow = SlowForward() if fault == "forward" else None
     hooks.subscribe(slow) if slow else inject.set("straggler:rank=2,slowdown=3")
     debug.clear()
-    train(model, opt, batch, 8, start=2)
+    train(model, opt, batch, 7, start=1)
     hooks.unsubscribe(slow) if slow else inject.clear()
-    rep = debug.straggler_report(model, last=8)
+    rep = debug.straggler_report(model, last=7)
     if world.rank == 0:
         print(rep, flush=True)
     return {"rank": rep.rank, "cause": rep.cause, "late": rep.late, "buckets": len(model.buckets), "text": rep.text}
