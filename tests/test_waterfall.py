@@ -125,6 +125,12 @@ def test_mesh_parts_and_detector_under_ddp_overlap():
         late = {int(k): v for k, v in rep["late"].items()}
         assert rep["buckets"] > 4 and rep["rank"] == 2 and rep["cause"] == "throttled device", (fault, rep)
         assert max(late, key=late.get) == 2, (fault, rep)      # it arrives last: it holds the others up
+        # the waterfall: rank 2's compute is the largest, and the others' wait for it is waiting
+        parts = rep["parts"]
+        comp = [p["ideal compute"] + p["kernel inefficiency"] for p in parts]
+        wait = [p["waiting for slower rank"] for p in parts]
+        assert max(range(4), key=comp.__getitem__) == 2 and min(range(4), key=wait.__getitem__) == 2, (fault, parts)
+        assert min(wait[q] for q in (0, 1, 3)) > 0.5 * (comp[2] - max(comp[q] for q in (0, 1, 3))), (fault, parts)
 
 
 def test_lesson_waterfall_flag(tmp_path):
