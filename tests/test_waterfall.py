@@ -57,7 +57,7 @@ def test_one_process_parts_and_trace_track():
     assert parts["recompute"] > 0 and parts["ideal compute"] > 0 and min(parts.values()) >= 0, parts
     r = wf.records[-1]
     assert sum(parts.values()) == pytest.approx(r["step_s"], rel=1e-9)
-    assert r["mfu"]["6N"] < r["mfu"]["causal"] < r["mfu"]["6N+12LhT"]
+    assert r["mfu"]["6N"] < r["mfu"]["causal"] < r["mfu"]["6N+12LhT"] and wf.mfu == r["mfu"]
     track = [e for e in trace.events() if e["cat"] == "waterfall"]
     assert {e["name"] for e in track} >= {"ideal compute", "recompute"}
     last = [e for e in track if e["start"] >= r["t0"]]

@@ -140,6 +140,12 @@ class Waterfall(hooks.StepHook):
             blocked.use(-1)
             self._closed = True
 
+    @property
+    def mfu(self):
+        """The last resolved step's MFU per convention: {"6N": f, "6N+12LhT": f, "causal": f}."""
+        done = [r for r in self.records if r["resolved"]]
+        return dict(done[-1]["mfu"]) if done else {}
+
     # ---------------------------------------------------------------- step hooks
     def begin(self, s):
         if self.auto:
