@@ -19,8 +19,10 @@ communication, outermost call only, and the passes are the step hooks' spans):
                           convention; F = FLOPs/token x this replica's tokens / (tp x pp)) at
                           the measured GEMM rate R (the best of the ranks' measurements);
                           at most the passes' compute
-    kernel inefficiency   the passes' compute (forward and backward spans less the time
-                          blocked in communication inside them) less recompute, less ideal
+    kernel inefficiency   the passes' compute (the step hooks' spans: each forward and
+                          backward, a pipeline's instructions, an injected straggler's delay;
+                          less the time blocked in communication inside them) less
+                          recompute, less ideal
     recompute             the recomputed forwards inside backward (pdist/engine/recompute.py)
     pipeline bubble       blocked in a pipeline's point-to-point (waiting for a neighbour stage)
     comm <group>          blocked in that group's collectives, less the waiting below: the
@@ -34,7 +36,8 @@ communication, outermost call only, and the passes are the step hooks' spans):
                           the optimizer, zero_grad, data, Python between the passes
 
 So the parts sum to S by construction unless intervals were double counted; the tests check
-the sum against an independent clock within 3% on every layout. On a GPU the host clock sees
+the sum against an independent clock within 3% on every layout (tests/test_waterfall.py).
+Why the default FLOP convention is 6N+12LhT: pdist/measure/flops.py. On a GPU the host clock sees
 when kernels were queued: compute shows up where the host waits for the device (run with
 trace detail for the device track). The trace holds the waterfall: ``resolve`` records each
 step's parts end to end on the trace's "waterfall" track.
