@@ -1,6 +1,7 @@
 """Expert parallelism: its collective, all_to_all_v (variable rows along axis 0), at 2 and 4
-ranks (tests/workers/moe_all_to_all_v.py), and ExpertParallel against one process
-(tests/workers/moe_expert_parallel.py); one launch per world size for each, many cases."""
+ranks (tests/workers/moe_all_to_all_v.py), ExpertParallel against one process
+(tests/workers/moe_expert_parallel.py), and composed with ZeRO-1/2/3, tp and pp
+(tests/workers/moe_compose.py) at 4 and 8 ranks; one launch per world size, many cases."""
 from pathlib import Path
 
 import pytest
@@ -18,7 +19,9 @@ def test_expert_parallel_equals_one_process(n, eps):
     (from the counts; and tokens*k*h*(ep-1)/ep four times for a planted uniform routing).
     The same launch first runs all_to_all_v itself: uneven counts incl. zeros, 4 dtypes x 3
     shapes, mpi/pairwise/async, bytes exact, bad counts raise on every rank naming the pair;
-    at 4 ranks also on the dp groups of a mesh."""
+    at 4 ranks also on the dp groups of a mesh. At 4 ranks the same launch runs the
+    compositions: ep2 x dp2 ZeRO-1 (GPT) and ZeRO-3 (Llama, drops), ep2 x tp2, ep2 x pp2 (1F1B,
+    2 micro-batches), each piece and its gradient against one process."""
     res = reports(mpirun(n, W / "moe_expert_parallel.py", *eps, timeout=120))
     assert sorted(r["rank"] for r in res) == list(range(n)) and all(r["ok"] for r in res)
     assert all(r["a2a_cases"] >= (96 if n == 2 else 192) for r in res)
@@ -26,3 +29,16 @@ def test_expert_parallel_equals_one_process(n, eps):
     assert sorted({d["ep"] for d in done}) == sorted(int(e) for e in eps) and len(done) == 4
     assert all(d["a2a_bytes"] > 0 for d in done if d["ep"] > 1)
     assert len(res[0]["uniform"]) == sum(int(e) > 1 for e in eps)     # tokens k h (ep-1)/ep, 4 times
+    if n == 4:
+        assert [c["name"] for c in res[0]["compose"]] == ["ep2xdp2-zero1", "ep2xdp2-zero3", "ep2xtp2", "ep2xpp2"]
+        assert res[0]["compose"][1]["drops"] > 0                           # capacity 1.0 dropped tokens
+
+
+def test_expert_parallel_composes_at_8_ranks():
+    """ep4 x dp2 ZeRO-1 (GPT) and ep2 x tp2 x dp2 ZeRO-2 (Llama, capacity 1.0: drops) against one
+    process, float64: the loss per step, every piece of every parameter (the router, every
+    expert, ZeRO's boxes, tp's blocks) and its gradient, rtol 1e-9; one launch."""
+    res = reports(mpirun(8, W / "moe_compose.py", timeout=120))
+    assert sorted(r["rank"] for r in res) == list(range(8)) and all(r["ok"] for r in res)
+    assert [c["name"] for c in res[0]["compose"]] == ["ep4xdp2-zero1", "ep2xtp2xdp2-zero2"]
+    assert res[0]["compose"][1]["drops"] > 0

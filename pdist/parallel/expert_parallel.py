@@ -31,13 +31,15 @@ Not done yet, and refused by parallelize: tensor/pipeline parallelism and ZeRO w
 """
 import numpy as np
 
+from pdist import nn
 from pdist.data import shard
 from pdist.engine.autograd import Function
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.shape_ops import concat
 from pdist.models.moe import Gather, moe_layers, moe_stats
 from pdist.models.plan import expert_of, plan_of
-from pdist.parallel.base import ParallelModule
+from pdist.parallel.base import Local, ParallelModule, Strategy
+from pdist.parallel.zero import ZeRO
 
 
 class AllToAllV(Function):
@@ -98,37 +100,58 @@ def regroup(by_src):
     return perm, [int(c) for c in by_src.sum(0)]
 
 
+def split_experts(module, mesh):
+    """Keep experts [r E/ep, (r+1) E/ep) of every MoE layer of ``module`` on ep rank r and
+    route through ``ExpertDispatch``; every parameter of the layers keeps its single-process
+    name (``global_name``: expert e stays ``...experts.<e>...``). Before ZeRO builds its units."""
+    ep, r = mesh.ep_world_size, mesh.ep_rank
+    for name, layer in moe_layers(module):
+        if layer.n_expert % ep:
+            raise ValueError(f"expert parallelism: {name} has n_expert={layer.n_expert} experts, which "
+                             f"do not split over ep={ep} ranks; choose n_expert divisible by ep")
+        for pname, p in layer.named_parameters(prefix=name):
+            p.global_name = getattr(p, "global_name", pname)
+        if ep > 1 and not isinstance(layer.apply_experts, ExpertDispatch):
+            El = layer.n_expert // ep
+            layer.experts = nn.ModuleList(list(layer.experts)[r * El:(r + 1) * El])
+            layer.apply_experts = ExpertDispatch(layer, mesh.ep_group, layer.n_expert)
+
+
 class ExpertParallel(ParallelModule):
     """Data parallelism over ``mesh.dp_group`` with each MoE layer's experts split over
     ``mesh.ep_group`` (see the module docstring). ``ep = 1``: every rank holds every expert
-    and the dispatch stays local; the gradients are reduced as above (edp = dp)."""
+    and the dispatch stays local; the gradients are reduced as above (edp = dp).
+    ``zero_stage`` 1-3: ``ZeRO(inner, stage, dp_group, expert_group=edp_group)`` inside does
+    the batch, the loss and every reduction: dense units sharded over dp, each layer's
+    experts over edp (pdist/parallel/zero/units.py)."""
 
-    def __init__(self, inner, mesh):
+    def __init__(self, inner, mesh, zero_stage=0):
+        inner = inner if isinstance(inner, Strategy) else Local(inner)
+        split_experts(inner.module, mesh)
+        self.zero_stage = zero_stage
+        if zero_stage:
+            inner = ZeRO(inner, zero_stage, mesh.dp_group, expert_group=mesh.edp_group)
         super().__init__(inner, mesh.dp_group)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
         self.ep_group, self.edp_group = mesh.ep_group, mesh.edp_group
-        ep, r = mesh.ep_world_size, mesh.ep_rank
-        plan = plan_of(self.module)
-        for name, layer in moe_layers(self.module):
-            if layer.n_expert % ep:
-                raise ValueError(f"expert parallelism: {name} has n_expert={layer.n_expert} experts, which "
-                                 f"do not split over ep={ep} ranks; choose n_expert divisible by ep")
-            for pname, p in layer.named_parameters(prefix=name):
-                p.global_name = getattr(p, "global_name", pname)
-            if ep > 1:
-                El = layer.n_expert // ep
-                from pdist import nn
-                layer.experts = nn.ModuleList(list(layer.experts)[r * El:(r + 1) * El])
-                layer.apply_experts = ExpertDispatch(layer, self.ep_group, layer.n_expert)
-        self.inner.materialize()
         self._dense, self._experts = [], []
+        if zero_stage:
+            return
+        self.inner.materialize()
+        plan = plan_of(self.module)
         for n, p in self.named_parameters():
             (self._experts if expert_of(plan, getattr(p, "global_name", n)) else self._dense).append(p)
 
     def local_batch(self, x, y):
-        """This rank's rows of the global batch: [r B/dp, (r+1) B/dp)."""
+        """This rank's rows of the global batch: [r B/dp, (r+1) B/dp) (ZeRO's cut, under ZeRO)."""
+        if self.zero_stage:
+            return self.inner.local_batch(x, y)
         return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
+
+    def reduce_stats(self, v):
+        """The loss over dp (ZeRO's, under ZeRO: it already weighted and summed it)."""
+        return self.inner.reduce_stats(v) if self.zero_stage else super().reduce_stats(v)
 
     def moe_stats(self, reset=True):
         """moe_stats of the whole batch: each layer's tokens per expert, routed and dropped
@@ -143,7 +166,8 @@ class ExpertParallel(ParallelModule):
         return out
 
     def finish_grad_sync(self):
-        """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp."""
+        """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp
+        (under ZeRO: ZeRO's reduce-scatters do both)."""
         self.inner.finish_grad_sync()
         _reduce(self._dense, self.group, "avg", 1.0)
         _reduce(self._experts, self.edp_group, "sum", 1.0 / self.dp_world_size)
@@ -175,4 +199,4 @@ def _reduce(params, group, op, scale):
         a += p.size
 
 
-__all__ = ["ExpertParallel", "ExpertDispatch", "AllToAllV", "regroup"]
+__all__ = ["ExpertParallel", "ExpertDispatch", "AllToAllV", "regroup", "split_experts"]

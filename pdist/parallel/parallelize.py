@@ -49,10 +49,8 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     cp = getattr(mesh, "cp_world_size", 1)
-    if getattr(cfg, "n_expert", 0) and (tp > 1 or pp > 1 or cp > 1 or chunks > 1 or zero_stage):
-        raise ValueError(f"a mixture-of-experts model (n_expert={cfg.n_expert}) runs on data parallelism "
-                         f"(and expert parallelism) only so far: got tp={tp}, pp={pp}, cp={cp}, chunks={chunks}, "
-                         f"zero_stage={zero_stage}; use tp=pp=cp=1, zero_stage=0 (or n_expert=0)")
+    if getattr(cfg, "n_expert", 0):
+        check_moe_layout(cfg, tp, pp, cp, chunks, sequence_parallel)
     if getattr(mesh, "ep_world_size", 1) > 1 and not getattr(cfg, "n_expert", 0):
         raise ValueError(f"ep={mesh.ep_world_size} needs a mixture-of-experts model (n_expert > 0 in the config)")
     check_tp_config(cfg, tp)
@@ -69,6 +67,24 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
     if cfg.dropout and (dp > 1 or pp > 1 or microbatches > 1):
         raise ValueError("dropout > 0 needs dp = pp = 1 and microbatches = 1: the masks of split batches "
                          "would differ from single-process training (tensor parallelism keeps them equal)")
+
+
+def check_moe_layout(cfg, tp, pp, cp, chunks, sequence_parallel):
+    """What a mixture-of-experts model composes with (expert_parallel.py): dp/ep, ZeRO-1/2/3,
+    tp (the MoE layer whole on every tp rank) and pp (MoE layers inside stages)."""
+    E = cfg.n_expert
+    if cp > 1 or chunks > 1:
+        raise ValueError(f"a mixture-of-experts model (n_expert={E}) does not run with context parallelism "
+                         f"or a pipeline of several chunks per rank yet: got cp={cp}, chunks={chunks}; use "
+                         f"cp=1 and a one-chunk schedule (gpipe, 1f1b, zb-h1), or n_expert=0")
+    if tp > 1 and sequence_parallel:
+        raise ValueError(f"a mixture-of-experts model (n_expert={E}) with sequence_parallel over tp={tp}: each "
+                         f"tp rank would route only its T/tp tokens, so the capacity and the load-balancing "
+                         f"loss would differ from one process; use sequence_parallel=False")
+    if pp > 1 and cfg.router_aux_loss_coef:
+        raise ValueError(f"a mixture-of-experts model with pp={pp} needs router_aux_loss_coef=0 (got "
+                         f"{cfg.router_aux_loss_coef}): the load-balancing loss of an earlier stage's MoE layers "
+                         f"does not reach the last stage's loss yet; set router_aux_loss_coef=0 or use pp=1")
 
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
@@ -99,7 +115,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
     if getattr(model.config, "n_expert", 0) and mesh.dp_world_size > 1:
-        s = ExpertParallel(s, mesh)            # experts over ep (E/ep per rank), the rest data parallel
+        s = ExpertParallel(s, mesh, zero_stage)   # experts over ep (E/ep per rank); ZeRO inside it: edp shards
     elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, dp_group)
     elif data_parallel == "naive" and dp_group.size > 1:
@@ -115,4 +131,4 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     return s
 
 
-__all__ = ["parallelize", "check_layout"]
+__all__ = ["parallelize", "check_layout", "check_moe_layout"]

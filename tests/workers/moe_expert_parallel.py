@@ -9,7 +9,8 @@ their global names -- and its gradient (rtol 1e-9); the drops summed over dp; th
 all_to_all_v bytes of this rank, exactly, from the per-shard expert counts of the
 reference: 2 (S + R) C itemsize per MoE layer and step (S: rows this rank sends to other
 ep ranks, R: rows it receives), forward and backward. The launch first runs the
-all_to_all_v cases of moe_all_to_all_v.py (one launch per world size for both)."""
+all_to_all_v cases of moe_all_to_all_v.py (one launch per world size for both), and at 4
+ranks ends with moe_compose.py's cases (ep x ZeRO-1/3, ep x tp, ep x pp)."""
 import sys
 from pathlib import Path
 
@@ -169,7 +170,9 @@ def main():
     done = [one_layout(world, ep, kind, cf) for ep in eps for kind, cf in (("gpt", None), ("llama", 1.0))]
     assert any(d["drops"] for d in done if d["cf"]), done
     uniform = [uniform_bytes(world, ep) for ep in eps if ep > 1]
-    report(rank=world.rank, n=world.size, done=done, a2a_cases=cases, uniform=uniform, ok=True)
+    import moe_compose                   # ep x ZeRO, tp, pp (its 4-rank cases, in this launch)
+    compose = moe_compose.run_cases(world) if world.size in moe_compose.CASES else []
+    report(rank=world.rank, n=world.size, done=done, a2a_cases=cases, uniform=uniform, compose=compose, ok=True)
 
 
 if __name__ == "__main__":

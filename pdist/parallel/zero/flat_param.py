@@ -32,7 +32,11 @@ from pdist.engine.meta import is_meta
 
 
 class FlatParamUnit:
-    """The flat buffers of one unit of parameters on one rank of ``group``."""
+    """The flat buffers of one unit of parameters on one rank of ``group``. ``op``/``scale``:
+    how ZeRO reduces its gradient over ``group`` (then times ``scale``); ``deferred``: only
+    in finish_grad_sync, in unit order (MoE experts: units.py)."""
+
+    op, scale, deferred = "avg", None, False
 
     def __init__(self, name, named_params, group, sharded, keep_full):
         if not named_params:

@@ -8,6 +8,7 @@ elements; ``shard_pieces`` says which boxes of the single-process tensors it cov
 """
 import math
 
+from pdist.models.moe import moe_layers
 from pdist.models.plan import plan_of, select
 from pdist.parallel.layout import reshard_flat
 from pdist.parallel.zero.flat_param import FlatParamUnit
@@ -20,18 +21,27 @@ def default_units(model):
     return [m for pattern in plan_of(model).zero_units for _, m in select(pattern, named)]
 
 
-def build_units(inner, module, unit_modules, group, stage):
-    """(root, units): the root unit (or None) and [root] + one FlatParamUnit per module of
-    ``unit_modules``. ``inner`` names the parameters; each parameter is in one unit only.
-    Stages >= 1 shard the buffers over ``group``; stages <= 2 keep the full parameters."""
+def build_units(inner, module, unit_modules, group, stage, expert_group=None):
+    """(root, units, expert layers): the root unit (or None) and [root] + one FlatParamUnit per
+    module of ``unit_modules`` + one per MoE layer's experts. ``inner`` names the parameters;
+    each parameter is in one unit only. Stages >= 1 shard the buffers over ``group``; stages
+    <= 2 keep the full parameters. ``expert_group`` (expert parallelism's edp group, the
+    replicas of this rank's experts): each MoE layer's experts form a unit of their own,
+    sharded over it, its gradient summed over it and divided by the dp size (reduced after
+    backward, in unit order: ranks see different experts' gradients complete); without it,
+    experts are in the units like any parameter."""
     names = {id(p): n for n, p in inner.named_parameters()}
-    owner, groups = {}, []
+    layers = [m for _, m in moe_layers(module)] if expert_group is not None else []
+    owner = {id(p): "experts" for m in layers for p in m.experts.parameters()}
+    groups = []
     for i, m in enumerate(unit_modules):
         if m is module:
             raise ValueError("ZeRO units: do not list the model itself; its leftover parameters "
                              "already form the root unit")
         named = []
         for _, p in m.named_parameters():
+            if owner.get(id(p)) == "experts":
+                continue
             if id(p) not in names:
                 raise ValueError(f"ZeRO unit {i} ({type(m).__name__}) has a parameter that is not "
                                  f"in the model: pass sub-modules of the wrapped model")
@@ -45,7 +55,11 @@ def build_units(inner, module, unit_modules, group, stage):
     sharded, keep_full = stage >= 1, stage <= 2
     units = [FlatParamUnit(name, named, group, sharded, keep_full) for name, named in groups]
     root = FlatParamUnit("root", root, group, sharded, keep_full) if root else None
-    return root, ([root] if root else []) + units
+    experts = [FlatParamUnit(f"experts{i}", [(names[id(p)], p) for p in m.experts.parameters()], expert_group,
+                             sharded, keep_full) for i, m in enumerate(layers)]
+    for u in experts:
+        u.op, u.scale, u.deferred = "sum", 1.0 / group.size, True
+    return root, ([root] if root else []) + units + experts, layers
 
 
 def check_same_on_all_ranks(group, stage, units):

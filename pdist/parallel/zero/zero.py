@@ -80,7 +80,8 @@ class ZeRO(ParallelModule):
     ``parameters()`` are this rank's flat shards, one Tensor per unit: the
     optimizer is built over them (stage 0: the whole flat buffers)."""
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None):
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None,
+                 expert_group=None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
         super().__init__(module, group, check_finite)
@@ -94,7 +95,8 @@ class ZeRO(ParallelModule):
         self.loss_weight = 1.0 / self.dp_world_size
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
-        self.root, self.units = build_units(self.inner, self.module, unit_modules, self.group, stage)
+        self.root, self.units, experts = build_units(self.inner, self.module, unit_modules, self.group, stage,
+                                                     expert_group)
         check_same_on_all_ranks(self.group, stage, self.units)
         self._pieces = shard_pieces(self.units, inner_pieces)
         if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
@@ -103,10 +105,10 @@ class ZeRO(ParallelModule):
         self._reduced = set()          # ids of units whose reduction started this step
         self._overlap = not self.inner.has_late_grads
         self._stale = stage in (1, 2)  # full params to re-gather before the next forward
-        self._install_hooks(unit_modules)
+        self._install_hooks(unit_modules, experts)
 
     # ---------------------------------------------------------------- setup
-    def _install_hooks(self, unit_modules):
+    def _install_hooks(self, unit_modules, experts=()):
         for u in self.units:
             for p in u.params:
                 p.register_hook(lambda g, u=u: u.ensure_grad_views())
@@ -115,9 +117,10 @@ class ZeRO(ParallelModule):
             return
         # forward order: root, then the units in the order given; backward: root, then reversed
         body = self.units[1:] if self.root else self.units
-        self._fwd_order = ([self.root] if self.root else []) + body
-        self._bwd_order = ([self.root] if self.root else []) + body[::-1]
-        hooked = ([(self.module, self.root)] if self.root else []) + list(zip(unit_modules, body))
+        dense = body[:len(body) - len(experts)]       # experts' units: gathered when their layer runs
+        self._fwd_order = ([self.root] if self.root else []) + dense
+        self._bwd_order = ([self.root] if self.root else []) + dense[::-1]
+        hooked = ([(self.module, self.root)] if self.root else []) + list(zip(list(unit_modules) + list(experts), body))
         for m, u in hooked:
             m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
             m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
@@ -145,7 +148,7 @@ class ZeRO(ParallelModule):
         """Stages 1, 2: all-gather the parameters the optimizer updated (shard -> full)."""
         if not self._stale:
             return
-        works = [self.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
+        works = [u.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
         for w in works:
             w.wait()
         self._stale = False
@@ -177,7 +180,7 @@ class ZeRO(ParallelModule):
         u.ready += 1
         if self.stage == 3 and u.ready % len(u.params) == 0:
             u.free()                              # this micro-batch's backward is done: drop the params
-        if u.ready == len(u.params) * self.microbatches and self._overlap:
+        if u.ready == len(u.params) * self.microbatches and self._overlap and not u.deferred:
             self._reduce(u)                       # the last micro-batch's gradient: reduce it
 
     def _reduce(self, u):
@@ -187,11 +190,11 @@ class ZeRO(ParallelModule):
         if self.stage == 3:
             u.free()                              # its backward is done: drop the full params
         if self.stage == 0:
-            out, work = None, self.group.all_reduce(u.grad_flat, op="avg", async_op=True)
+            out, work = None, u.group.all_reduce(u.grad_flat, op=u.op, async_op=True)
         else:
             out = u.shard.grad if self.stage >= 2 and u.shard.grad is not None else \
                 xp.empty(u.hi - u.lo, dtype=u.dtype)                     # (Ψ_pad/N,)
-            work = self.group.reduce_scatter(out, u.grad_flat, op="avg", async_op=True)
+            work = u.group.reduce_scatter(out, u.grad_flat, op=u.op, async_op=True)
         self._inflight = (u, out, work)
 
     def _finish_reduction(self):
@@ -200,6 +203,8 @@ class ZeRO(ParallelModule):
         u, out, work = self._inflight
         self._inflight = None
         work.wait()
+        if u.scale is not None:
+            (u.grad_flat if self.stage == 0 else out)[...] *= u.scale
         if self.stage == 0:
             u.shard.grad = u.grad_flat                                   # (Ψ_u,) averaged
         elif self.stage == 1:                     # keep the full gradient (P_os only)
@@ -215,7 +220,7 @@ class ZeRO(ParallelModule):
         if u.materialized() or u.gather_work is not None:
             return
         buf = u.gather_buffer()                                           # (Ψ_pad,)
-        u.gather_work = (buf, self.group.all_gather(buf, u.shard.data, async_op=True))
+        u.gather_work = (buf, u.group.all_gather(buf, u.shard.data, async_op=True))
 
     def _gather(self, u, order):
         """Materialize u (waiting for its prefetch if one is in flight), then
@@ -227,7 +232,7 @@ class ZeRO(ParallelModule):
             u.gather_work = None
             u.finish_gather(buf)
             hooks.event("all-gather", u.name)
-        if self.prefetch:
+        if self.prefetch and u in order:
             i = order.index(u)
             if i + 1 < len(order):
                 self._start_gather(order[i + 1])
