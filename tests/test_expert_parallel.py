@@ -30,7 +30,7 @@ def test_expert_parallel_equals_one_process(n, eps):
     assert all(d["a2a_bytes"] > 0 for d in done if d["ep"] > 1)
     assert len(res[0]["uniform"]) == sum(int(e) > 1 for e in eps)     # tokens k h (ep-1)/ep, 4 times
     if n == 4:
-        assert [c["name"] for c in res[0]["compose"]] == ["ep2xdp2-zero1", "ep2xdp2-zero3", "ep2xtp2", "ep2xpp2"]
+        assert [c["name"] for c in res[0]["compose"]] == ["ep2xdp2-zero1", "ep2xdp2-zero3", "ep2xdp2-zero2-zero-router", "ep2xtp2", "ep2xpp2"]
         assert res[0]["compose"][1]["drops"] > 0                           # capacity 1.0 dropped tokens
 
 

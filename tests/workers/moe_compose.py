@@ -26,9 +26,10 @@ from pdist.parallel.layout import box_slices
 from pdist.testing import report
 
 K, B, T, E = 3, 8, 8, 4
-CASES = {   # name: (dp, tp, pp, ep, zero_stage, model, capacity, aux, microbatches)
+CASES = {   # name: (dp, tp, pp, ep, zero_stage, model, capacity, aux, microbatches[, router])
     4: [("ep2xdp2-zero1", 4, 1, 1, 2, 1, "gpt", None, 0.1, 1),
         ("ep2xdp2-zero3", 4, 1, 1, 2, 3, "llama", 1.0, 0.1, 1),
+        ("ep2xdp2-zero2-zero-router", 4, 1, 1, 2, 2, "gpt", 1.0, 0.1, 1, "zero"),
         ("ep2xtp2", 2, 2, 1, 2, 0, "gpt", None, 0.1, 1),
         ("ep2xpp2", 2, 1, 2, 2, 0, "llama", None, 0.0, 2)],
     8: [("ep4xdp2-zero1", 8, 1, 1, 4, 1, "gpt", None, 0.1, 1),
@@ -48,17 +49,19 @@ def batch(step):
     return x, np.roll(x, -1, axis=1)
 
 
-def start_state(M, cfg):
-    """The single-process initial state with a random router (seeded): the common start."""
+def start_state(M, cfg, router="random"):
+    """The single-process initial state with a random router (seeded), or a zero one ("zero":
+    at step 0 every token picks experts 0 and 1 (ties: the lower index), so experts 2 and 3
+    get no gradient and AdamW skips them, on one process and under ZeRO alike)."""
     sd = Local(M(cfg, seed=3)).full_state_dict()
     rng = np.random.default_rng(9)
     for name in sd:
         if name.endswith("mlp.gate.weight"):
-            sd[name] = rng.normal(0.0, 1.0, sd[name].shape)
+            sd[name] = rng.normal(0.0, 1.0, sd[name].shape) if router == "random" else np.zeros(sd[name].shape)
     return sd
 
 
-def reference(M, cfg, sd, k):
+def reference(M, cfg, sd, k, router="random"):
     """One process on the global batches (k micro-batches): losses, {name: (param, grad)}."""
     ref = Local(M(cfg, seed=3), microbatches=k)
     ref.load_full_state_dict(sd)
@@ -72,15 +75,15 @@ def reference(M, cfg, sd, k):
         if step < K - 1:
             opt.step()
             opt.zero_grad()
-    assert min(used) > 0, f"an expert got no token in some step: {used}"
+    assert (min(used) > 0) == (router == "random"), f"tokens of the least used expert per step: {used}"
     return losses, {n: (p.data.copy(), None if p.grad is None else p.grad.copy())
                     for n, p in ref.module.named_parameters()}
 
 
-def one_case(world, name, dp, tp, pp, ep, zero, kind, cf, aux, m):
+def one_case(world, name, dp, tp, pp, ep, zero, kind, cf, aux, m, router="random"):
     M, cfg = config(kind, cf, aux)
-    sd = start_state(M, cfg)
-    losses, ref = reference(M, cfg, sd, dp * m)
+    sd = start_state(M, cfg, router)
+    losses, ref = reference(M, cfg, sd, dp * m, router)
     mesh = comm.DeviceMesh(dp=dp, tp=tp, pp=pp, ep=ep)
     model = parallelize(M(cfg, seed=11), mesh, zero_stage=zero, microbatches=m)
     model.load_full_state_dict(sd)

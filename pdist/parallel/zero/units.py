@@ -8,6 +8,7 @@ elements; ``shard_pieces`` says which boxes of the single-process tensors it cov
 """
 import math
 
+from pdist.engine.backend import to_numpy, xp
 from pdist.models.moe import moe_layers
 from pdist.models.plan import plan_of, select
 from pdist.parallel.layout import reshard_flat
@@ -55,11 +56,30 @@ def build_units(inner, module, unit_modules, group, stage, expert_group=None):
     sharded, keep_full = stage >= 1, stage <= 2
     units = [FlatParamUnit(name, named, group, sharded, keep_full) for name, named in groups]
     root = FlatParamUnit("root", root, group, sharded, keep_full) if root else None
-    experts = [FlatParamUnit(f"experts{i}", [(names[id(p)], p) for p in m.experts.parameters()], expert_group,
-                             sharded, keep_full) for i, m in enumerate(layers)]
-    for u in experts:
-        u.op, u.scale, u.deferred = "sum", 1.0 / group.size, True
-    return root, ([root] if root else []) + units + experts, layers
+    experts, hooked = [], []
+    for i, m in enumerate(layers):         # one unit per expert, hooked on its layer (which every rank runs)
+        for e, x in enumerate(m.experts):
+            u = FlatParamUnit(f"experts{i}.{e}", [(names[id(p)], p) for p in x.parameters()], expert_group,
+                              sharded, keep_full)
+            u.op, u.scale, u.deferred = "sum", 1.0 / group.size, True
+            for p in u.params:
+                p.register_post_accumulate_grad_hook(lambda t, u=u: setattr(u, "used", True))
+            experts.append(u)
+            hooked.append(m)
+    return root, ([root] if root else []) + units + experts, hooked
+
+
+def unused_experts(units):
+    """The ids of the expert units that no rank of their group gave a gradient this step (an
+    expert no token chose): one all-reduce (max) of a flag per unit. One process skips such an
+    expert in AdamW (its gradients are None); ZeRO then skips its shard the same way."""
+    ex = [u for u in units if u.deferred]
+    if not ex:
+        return set()
+    flags = xp.asarray([float(u.used) for u in ex])
+    if ex[0].group.size > 1:
+        ex[0].group.all_reduce(flags, op="max")
+    return {id(u) for u, f in zip(ex, to_numpy(flags)) if f == 0}
 
 
 def check_same_on_all_ranks(group, stage, units):
@@ -87,4 +107,4 @@ def shard_pieces(units, inner_pieces):
     return out
 
 
-__all__ = ["default_units", "build_units", "check_same_on_all_ranks", "shard_pieces"]
+__all__ = ["default_units", "build_units", "check_same_on_all_ranks", "shard_pieces", "unused_experts"]

@@ -68,7 +68,8 @@ from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.zero.units import build_units, check_same_on_all_ranks, default_units, shard_pieces
+from pdist.parallel.zero.units import (build_units, check_same_on_all_ranks, default_units, shard_pieces,
+                                       unused_experts)
 
 STAGES = (0, 1, 2, 3)
 
@@ -156,10 +157,17 @@ class ZeRO(ParallelModule):
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
-        rank reduce zeros), and wait: each shard's .grad is the global-batch mean."""
+        rank reduce zeros), and wait: each shard's .grad is the global-batch mean. An expert
+        no rank gave a gradient keeps none, as on one process (units.unused_experts)."""
         self.inner.finish_grad_sync()
+        skip = unused_experts(self.units)
         for u in self.units:
-            if id(u) not in self._reduced:
+            if id(u) in skip:
+                u.drop_grads()
+                u.shard.grad = None
+                if self.stage == 3:
+                    u.free()
+            elif id(u) not in self._reduced:
                 u.ensure_grad_views()
                 self._reduce(u)
         self._finish_reduction()
