@@ -50,7 +50,7 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     cp = getattr(mesh, "cp_world_size", 1)
     if getattr(cfg, "n_expert", 0):
-        check_moe_layout(cfg, tp, pp, cp, chunks, sequence_parallel)
+        check_moe_layout(cfg, tp, pp, cp, sequence_parallel)
     if getattr(mesh, "ep_world_size", 1) > 1 and not getattr(cfg, "n_expert", 0):
         raise ValueError(f"ep={mesh.ep_world_size} needs a mixture-of-experts model (n_expert > 0 in the config)")
     check_tp_config(cfg, tp)
@@ -69,14 +69,13 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
                          "would differ from single-process training (tensor parallelism keeps them equal)")
 
 
-def check_moe_layout(cfg, tp, pp, cp, chunks, sequence_parallel):
+def check_moe_layout(cfg, tp, pp, cp, sequence_parallel):
     """What a mixture-of-experts model composes with (expert_parallel.py): dp/ep, ZeRO-1/2/3,
-    tp (the MoE layer whole on every tp rank) and pp (MoE layers inside stages)."""
+    tp (the MoE layer whole on every tp rank) and pp (MoE layers inside stages, any schedule)."""
     E = cfg.n_expert
-    if cp > 1 or chunks > 1:
+    if cp > 1:
         raise ValueError(f"a mixture-of-experts model (n_expert={E}) does not run with context parallelism "
-                         f"or a pipeline of several chunks per rank yet: got cp={cp}, chunks={chunks}; use "
-                         f"cp=1 and a one-chunk schedule (gpipe, 1f1b, zb-h1), or n_expert=0")
+                         f"yet: got cp={cp}; use cp=1, or n_expert=0")
     if tp > 1 and sequence_parallel:
         raise ValueError(f"a mixture-of-experts model (n_expert={E}) with sequence_parallel over tp={tp}: each "
                          f"tp rank would route only its T/tp tokens, so the capacity and the load-balancing "

@@ -1,5 +1,6 @@
 """Expert parallelism composed with ZeRO-1/2/3, tensor and pipeline parallelism, against one
-process, float64, every case of a world size in one launch.
+process, float64, every case of a world size in one launch (pp: 1F1B, and ZB-V: two chunks per
+rank and the split backward, under ZeRO-1).
 
 For each case: K AdamW steps under parallelize(model, DeviceMesh(dp, tp, pp, ep), zero_stage,
 microbatches) and, on every rank, one process (Local, microbatches = dp m: the same
@@ -26,19 +27,20 @@ from pdist.parallel.layout import box_slices
 from pdist.testing import report
 
 K, B, T, E = 3, 8, 8, 4
-CASES = {   # name: (dp, tp, pp, ep, zero_stage, model, capacity, aux, microbatches[, router])
+CASES = {   # name: (dp, tp, pp, ep, zero_stage, model, capacity, aux, microbatches[, {router, schedule, n_layer}])
     4: [("ep2xdp2-zero1", 4, 1, 1, 2, 1, "gpt", None, 0.1, 1),
         ("ep2xdp2-zero3", 4, 1, 1, 2, 3, "llama", 1.0, 0.1, 1),
-        ("ep2xdp2-zero2-zero-router", 4, 1, 1, 2, 2, "gpt", 1.0, 0.1, 1, "zero"),
+        ("ep2xdp2-zero2-zero-router", 4, 1, 1, 2, 2, "gpt", 1.0, 0.1, 1, {"router": "zero"}),
         ("ep2xtp2", 2, 2, 1, 2, 0, "gpt", None, 0.1, 1),
-        ("ep2xpp2", 2, 1, 2, 2, 0, "llama", None, 0.0, 2)],
+        ("ep2xpp2", 2, 1, 2, 2, 0, "llama", None, 0.0, 2),
+        ("ep2xpp2-zbv-zero1", 2, 1, 2, 2, 1, "gpt", 1.0, 0.0, 2, {"schedule": "zb-v", "n_layer": 4})],
     8: [("ep4xdp2-zero1", 8, 1, 1, 4, 1, "gpt", None, 0.1, 1),
         ("ep2xtp2xdp2-zero2", 4, 2, 1, 2, 2, "llama", 1.0, 0.1, 1)],
 }
 
 
-def config(kind, cf, aux):
-    kw = dict(vocab_size=32, block_size=T, n_layer=2, n_head=2, n_embd=16, dtype="float64", n_expert=E,
+def config(kind, cf, aux, n_layer=2):
+    kw = dict(vocab_size=32, block_size=T, n_layer=n_layer, n_head=2, n_embd=16, dtype="float64", n_expert=E,
               expert_top_k=2, capacity_factor=cf, router_aux_loss_coef=aux)
     return (GPT, GPTConfig(**kw)) if kind == "gpt" else (Llama, LlamaConfig(intermediate_size=24, **kw))
 
@@ -80,12 +82,14 @@ def reference(M, cfg, sd, k, router="random"):
                     for n, p in ref.module.named_parameters()}
 
 
-def one_case(world, name, dp, tp, pp, ep, zero, kind, cf, aux, m, router="random"):
-    M, cfg = config(kind, cf, aux)
+def one_case(world, name, dp, tp, pp, ep, zero, kind, cf, aux, m, extra=None):
+    router, schedule, n_layer = [(extra or {}).get(k, d) for k, d in
+                                 (("router", "random"), ("schedule", "1f1b"), ("n_layer", 2))]
+    M, cfg = config(kind, cf, aux, n_layer)
     sd = start_state(M, cfg, router)
     losses, ref = reference(M, cfg, sd, dp * m, router)
     mesh = comm.DeviceMesh(dp=dp, tp=tp, pp=pp, ep=ep)
-    model = parallelize(M(cfg, seed=11), mesh, zero_stage=zero, microbatches=m)
+    model = parallelize(M(cfg, seed=11), mesh, zero_stage=zero, microbatches=m, schedule=schedule)
     model.load_full_state_dict(sd)
     opt = AdamW(model.parameters(), lr=1e-3)
     for step in range(K):
