@@ -170,6 +170,6 @@ def test_parallelize_refuses_moe_with_sp_aux_pp_cp():
     check_layout(two, pp, microbatches=2, zero_stage=1)                          # pp x ZeRO-1: fine
     with pytest.raises(ValueError, match="context parallelism.*cp=2"):
         check_layout(tiny("gpt", n_expert=2), type("M", (Mesh,), {"tp_world_size": 1, "cp_world_size": 2})())
-    check_layout(two, pp, schedule="interleaved", microbatches=2, chunks=2)      # two chunks per rank: fine
+    check_layout(dataclasses.replace(two, n_layer=4), pp, schedule="interleaved", microbatches=2, chunks=2)
     with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
         check_layout(tiny("gpt"), type("M", (Mesh,), {"tp_world_size": 1, "dp_world_size": 2, "ep_world_size": 2})())
