@@ -27,7 +27,30 @@ gradients of every shard of its ep group, so it holds sum_{s in group} dL_s/dθ_
 over the edp group (the dp/ep replicas of e) and divided by dp it is dL/dθ_e. (Averaging
 over edp instead would scale expert gradients by ep: the bug the equivalence test catches.)
 
-Not done yet, and refused by parallelize: tensor/pipeline parallelism and ZeRO with MoE.
+What composes (tests/test_expert_parallel.py, every piece against one process, float64):
+
+    ZeRO-1/2/3   ExpertParallel(.., zero_stage) holds ZeRO(.., dp_group, expert_group=edp_group):
+                 the dense units (attention, norms, the gate) sharded over dp as always; one
+                 unit per expert, sharded over its edp group (Megatron's expert-data-parallel
+                 group; DeepSpeed-MoE shards experts the same way), its gradient reduce-scattered
+                 over edp with op sum and scaled by 1/dp, after backward and in unit order (the
+                 ranks see different experts complete). An expert no rank gave a gradient in a
+                 step (no token chose it) keeps none, and AdamW skips it, as on one process
+                 (one all-reduce of a flag per expert over edp; zero/units.py).
+    tp           the MoE layer is whole on every tp rank (gate and experts replicated over tp,
+                 no expert-internal tensor parallelism): it sits between a row-parallel output
+                 and a column-parallel input, where activations and their gradients are whole,
+                 so each tp rank routes the same tokens and holds complete gradients. Sequence
+                 parallelism is refused (a tp rank would route only its T/tp tokens).
+    pp           MoE layers inside the stages, the ep group per stage (the dp ranks of a stage),
+                 any schedule (1F1B, interleaved, ZB-H1/ZB-V: the all-to-alls run in B). The
+                 load-balancing loss of an earlier stage would not reach the last stage's loss:
+                 pp > 1 needs router_aux_loss_coef = 0 (parallelize says so).
+    not yet      cp > 1 (refused by parallelize).
+
+Checkpoints (pdist/checkpoint): an expert is its own tensor under its single-process name
+(``global_name``), so ep rank r saves experts [r E/ep, (r+1) E/ep) whole (under ZeRO their
+edp boxes) and any ep, or one process, loads them by box intersection like any cut.
 """
 import numpy as np
 

@@ -11,8 +11,9 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              ("gpipe", "1f1b", "interleaved", and the zero-bubble
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
-    ExpertParallel(.., mesh)                                 n_expert > 0, in DDP's place: E/ep experts per rank,
-                                                             tokens over all_to_all_v (expert_parallel.py)
+    ExpertParallel(.., mesh, zero_stage)                     n_expert > 0, in DDP's place: E/ep experts per rank,
+                                                             tokens over all_to_all_v (expert_parallel.py); with
+                                                             ZeRO it holds ZeRO: dense units over dp, experts over edp
     ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
                                                              DDP/ZeRO then span dp x cp (context_parallel.py)
 
@@ -113,7 +114,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
-    if getattr(model.config, "n_expert", 0) and mesh.dp_world_size > 1:
+    if getattr(model.config, "n_expert", 0) and (mesh.dp_world_size > 1 or zero_stage):
         s = ExpertParallel(s, mesh, zero_stage)   # experts over ep (E/ep per rank); ZeRO inside it: edp shards
     elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, dp_group)

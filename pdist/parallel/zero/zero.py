@@ -61,6 +61,8 @@ unit for every micro-batch's forward and backward: (2m + 1)Ψ per step).
 ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
 interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
 refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
+Mixture of experts (``expert_group``: expert parallelism's edp group): one unit per expert,
+sharded over that group, reduced after backward (units.py; pdist/parallel/expert_parallel.py).
 """
 from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
