@@ -1,4 +1,5 @@
-"""Checkpoints reshard across ep and cp (tests/test_checkpoint_moe.py), float64.
+"""Checkpoints reshard across ep and cp (tests/test_expert_parallel.py runs ``run`` inside its
+4- and 2-rank launches), float64.
 
     mpiexec -n 4 python tests/workers/ckpt_moe.py save DIR      ep 4 (dp 4) MoE, cp 2 x dp 2 dense
     mpiexec -n 2 python tests/workers/ckpt_moe.py resume DIR    ep 2 (+ ZeRO-1), cp 1, one process
@@ -26,7 +27,7 @@ from pdist.testing import report
 sys.path.insert(0, str(Path(__file__).parent))
 import moe_compose as mc                     # noqa: E402  (its config, batches, random router)
 
-k, K, CALLS = 2, 4, 4
+k, K, CALLS = 1, 2, 4
 
 
 def dense():
@@ -94,10 +95,9 @@ RESUME = {"moe": [("mesh", dict(dp=2, ep=2, mb=2)), ("mesh", dict(dp=2, ep=2, mb
           "cp": [("mesh", dict(dp=2)), ("local", {})]}
 
 
-def main():
-    phase, root = sys.argv[1], Path(sys.argv[2])
-    world = comm.init()
-    out = []
+def run(world, phase, root):
+    """``phase`` ("save": at 4 ranks, "resume": at 2) under ``root``; [{case, pieces}]."""
+    root, out = Path(root), []
     for name, (M, cfg, sd) in (("moe", moe()), ("cp", dense())):
         calls = CALLS if name == "moe" else 1
         ref = uninterrupted(M, cfg, sd, calls)
@@ -114,7 +114,12 @@ def main():
                 assert step == k, (what, step)
             train(model, opt, range(k, K), ref[0], what)
             out.append({"case": what, "pieces": check(model, opt, ref, what)})
-    report(rank=world.rank, n=world.size, phase=phase, cases=out, ok=True)
+    return out
+
+
+def main():
+    world = comm.init()
+    report(rank=world.rank, n=world.size, phase=sys.argv[1], cases=run(world, *sys.argv[1:3]), ok=True)
 
 
 if __name__ == "__main__":
