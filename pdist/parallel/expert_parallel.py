@@ -43,9 +43,9 @@ What composes (tests/test_expert_parallel.py, every piece against one process, f
                  so each tp rank routes the same tokens and holds complete gradients. Sequence
                  parallelism is refused (a tp rank would route only its T/tp tokens).
     pp           MoE layers inside the stages, the ep group per stage (the dp ranks of a stage),
-                 any schedule (1F1B, interleaved, ZB-H1/ZB-V: the all-to-alls run in B). The
-                 load-balancing loss of an earlier stage would not reach the last stage's loss:
-                 pp > 1 needs router_aux_loss_coef = 0 (parallelize says so).
+                 any schedule (1F1B, interleaved, ZB-H1/ZB-V: the all-to-alls run in B). Each
+                 stage's load-balancing loss rides on its output's backward (moe.stage_aux, as
+                 Megatron's MoEAuxLossAutoScaler) and joins the reported loss over pp.
     not yet      cp > 1 (refused by parallelize).
 
 Checkpoints (pdist/checkpoint): an expert is its own tensor under its single-process name

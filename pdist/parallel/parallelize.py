@@ -81,10 +81,6 @@ def check_moe_layout(cfg, tp, pp, cp, sequence_parallel):
         raise ValueError(f"a mixture-of-experts model (n_expert={E}) with sequence_parallel over tp={tp}: each "
                          f"tp rank would route only its T/tp tokens, so the capacity and the load-balancing "
                          f"loss would differ from one process; use sequence_parallel=False")
-    if pp > 1 and cfg.router_aux_loss_coef:
-        raise ValueError(f"a mixture-of-experts model with pp={pp} needs router_aux_loss_coef=0 (got "
-                         f"{cfg.router_aux_loss_coef}): the load-balancing loss of an earlier stage's MoE layers "
-                         f"does not reach the last stage's loss yet; set router_aux_loss_coef=0 or use pp=1")
 
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,

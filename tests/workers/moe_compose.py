@@ -31,8 +31,8 @@ CASES = {   # name: (dp, tp, pp, ep, zero_stage, model, capacity, aux, microbatc
     4: [("ep2xdp2-zero1", 4, 1, 1, 2, 1, "gpt", 1.0, 0.1, 1, {"router": "zero"}),
         ("ep2xdp2-zero3", 4, 1, 1, 2, 3, "llama", 1.0, 0.1, 1),
         ("ep2xtp2", 2, 2, 1, 2, 0, "gpt", None, 0.1, 1),
-        ("ep2xpp2", 2, 1, 2, 2, 0, "llama", None, 0.0, 2),
-        ("ep2xpp2-zbv-zero1", 2, 1, 2, 2, 1, "gpt", 1.0, 0.0, 2, {"schedule": "zb-v", "n_layer": 4})],
+        ("ep2xpp2", 2, 1, 2, 2, 0, "llama", None, 0.1, 2),
+        ("ep2xpp2-zbv-zero1", 2, 1, 2, 2, 1, "gpt", 1.0, 0.1, 2, {"schedule": "zb-v", "n_layer": 4})],
     8: [("ep2xtp2xdp2-zero2", 4, 2, 1, 2, 2, "llama", 1.0, 0.1, 1)],
 }
 
