@@ -32,8 +32,10 @@ def test_expert_parallel_equals_one_process_and_checkpoints_reshard(tmp_path):
     shapes, mpi/pairwise/async, bytes exact, bad counts raise on every rank naming the pair;
     at 4 ranks also on the dp groups of a mesh. The 4-rank launch then runs the compositions:
     ep2 x dp2 ZeRO-1 from a zero router (experts without gradient at step 0: AdamW skips them
-    on both sides) and ZeRO-3 (Llama), ep2 x tp2, ep2 x pp2 (1F1B; ZB-V with ZeRO-1), each
-    piece and its gradient against one process.
+    on both sides) and ZeRO-3 (Llama; and top-1 on 2-token rows, 2 micro-batches, so an expert
+    is used in one ep group and not in the other: every edp rank must gather it alike), ep2 x
+    tp2, ep2 x pp2 with the load-balancing loss (1F1B; ZB-V with ZeRO-1), each piece and its
+    gradient against one process.
 
     Checkpoints (issue 26, item 8): the 4-rank launch saves a Llama MoE at ep 4 and a GPT at
     cp 2 x dp 2 after one step; the 2-rank launch loads the first at ep 2, ep 2 x ZeRO-1 and
@@ -41,8 +43,8 @@ def test_expert_parallel_equals_one_process_and_checkpoints_reshard(tmp_path):
     1e-9) to the uninterrupted run: every parameter, the router, every expert, AdamW's m, v
     and step. An expert is its own tensor, so ep rank r's file holds expert r whole."""
     res = _run(4, "2", "4", "--ckpt", "save", tmp_path)
-    assert [c["name"] for c in res[0]["compose"]] == ["ep2xdp2-zero1", "ep2xdp2-zero3", "ep2xtp2", "ep2xpp2",
-                                                     "ep2xpp2-zbv-zero1"]
+    assert [c["name"] for c in res[0]["compose"]] == ["ep2xdp2-zero1", "ep2xdp2-zero3", "ep2xdp2-zero3-sparse",
+                                                     "ep2xtp2", "ep2xpp2", "ep2xpp2-zbv-zero1"]
     drops = {c["name"]: c["drops"] for c in res[0]["compose"]}
     assert all(drops[c] > 0 for c in ("ep2xdp2-zero1", "ep2xdp2-zero3", "ep2xpp2-zbv-zero1")), drops  # capacity 1
     index = json.loads((tmp_path / "moe" / "index.json").read_text())

@@ -188,8 +188,9 @@ class ZeRO(ParallelModule):
     # ------------------------------------------------- gradients (all stages)
     def _grad_ready(self, u):
         u.ready += 1
-        if self.stage == 3 and u.ready % len(u.params) == 0:
+        if self.stage == 3 and u.ready % len(u.params) == 0 and not u.deferred:
             u.free()                              # this micro-batch's backward is done: drop the params
+                                                  # (an expert: at the reduction, as on every edp rank)
         if u.ready == len(u.params) * self.microbatches and self._overlap and not u.deferred:
             self._reduce(u)                       # the last micro-batch's gradient: reduce it
 
