@@ -23,14 +23,15 @@ def default_units(model):
 
 
 def build_units(inner, module, unit_modules, group, stage, expert_group=None):
-    """(root, units, expert layers): the root unit (or None) and [root] + one FlatParamUnit per
-    module of ``unit_modules`` + one per MoE layer's experts. ``inner`` names the parameters;
-    each parameter is in one unit only. Stages >= 1 shard the buffers over ``group``; stages
-    <= 2 keep the full parameters. ``expert_group`` (expert parallelism's edp group, the
-    replicas of this rank's experts): each MoE layer's experts form a unit of their own,
-    sharded over it, its gradient summed over it and divided by the dp size (reduced after
-    backward, in unit order: ranks see different experts' gradients complete); without it,
-    experts are in the units like any parameter."""
+    """(root, units, hooked): the root unit (or None); [root] + one FlatParamUnit per module of
+    ``unit_modules`` + one per expert; and the MoE layer of each expert unit, in order (its
+    stage-3 hooks go there: every rank runs the layer, not every rank each expert). ``inner``
+    names the parameters; each parameter is in one unit only. Stages >= 1 shard the buffers
+    over ``group``; stages <= 2 keep the full parameters. ``expert_group`` (expert
+    parallelism's edp group, the replicas of this rank's experts): each expert is a unit of
+    its own, sharded over it, its gradient summed over it and divided by the dp size (reduced
+    after backward, in unit order: the ranks see different experts' gradients complete);
+    without it, experts are in the units like any parameter."""
     names = {id(p): n for n, p in inner.named_parameters()}
     layers = [m for _, m in moe_layers(module)] if expert_group is not None else []
     owner = {id(p): "experts" for m in layers for p in m.experts.parameters()}
