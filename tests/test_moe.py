@@ -3,6 +3,7 @@ against a per-token loop written from the formulas (dropless and with a capacity
 counted), the gate/expert/input gradients by finite differences (tests/fdcheck.py), the
 load-balancing loss, the config checks, the plan's notion of experts, and the dense
 default unchanged."""
+import dataclasses
 import math
 
 import numpy as np
@@ -152,14 +153,21 @@ def test_bad_moe_config(kind, bad, words):
         tiny(kind, **bad)
 
 
-def test_parallelize_refuses_moe_with_tp_pp_zero():
+def test_parallelize_refuses_moe_with_sp_and_cp():
+    """MoE composes with tp, pp and ZeRO (tests/test_expert_parallel.py); what it does not
+    compose with is refused before any collective, naming the layout and what to change."""
     from pdist.parallel.parallelize import check_layout
 
     class Mesh:
-        dp_world_size, tp_world_size, pp_world_size, ep_world_size = 1, 2, 1, 1
-    with pytest.raises(ValueError, match="mixture-of-experts.*tp=2"):
-        check_layout(tiny("gpt", n_expert=2), Mesh())
-    with pytest.raises(ValueError, match="mixture-of-experts.*zero_stage=1"):
-        check_layout(tiny("llama", n_expert=2), type("M", (Mesh,), {"tp_world_size": 1})(), zero_stage=1)
+        dp_world_size, tp_world_size, pp_world_size, ep_world_size, cp_world_size = 1, 2, 1, 1, 1
+    check_layout(tiny("llama", n_expert=2), Mesh(), zero_stage=3)                # tp x ZeRO-3: fine
+    with pytest.raises(ValueError, match="sequence_parallel over tp=2.*use sequence_parallel=False"):
+        check_layout(tiny("gpt", n_expert=2), Mesh(), sequence_parallel=True)
+    pp = type("M", (Mesh,), {"tp_world_size": 1, "pp_world_size": 2})()
+    two = dataclasses.replace(tiny("llama", n_expert=2), n_layer=2)
+    check_layout(two, pp, microbatches=2, zero_stage=1)                          # pp x ZeRO-1: fine
+    with pytest.raises(ValueError, match="context parallelism.*cp=2"):
+        check_layout(tiny("gpt", n_expert=2), type("M", (Mesh,), {"tp_world_size": 1, "cp_world_size": 2})())
+    check_layout(dataclasses.replace(two, n_layer=4), pp, schedule="interleaved", microbatches=2, chunks=2)
     with pytest.raises(ValueError, match="ep=2 needs a mixture-of-experts model"):
         check_layout(tiny("gpt"), type("M", (Mesh,), {"tp_world_size": 1, "dp_world_size": 2, "ep_world_size": 2})())

@@ -43,6 +43,9 @@ def _layout(model):
         chain.append(d)
     mesh = getattr(model, "mesh", None)
     sizes = {"dp": mesh.dp_world_size, "tp": mesh.tp_world_size, "pp": mesh.pp_world_size} if mesh else None
+    for axis in ("cp", "ep") if mesh else ():                # recorded where used (> 1)
+        if getattr(mesh, f"{axis}_world_size", 1) > 1:
+            sizes[axis] = getattr(mesh, f"{axis}_world_size")
     return {"world_size": model.span_group().size, "mesh": sizes, "chain": chain}
 
 

@@ -13,7 +13,7 @@ parallelism (pdist/parallel/context_parallel.py) the ``heads`` modules are the a
 that goes across the cp ranks, and ``wpe`` (a PositionShard) reads the global positions of
 this rank's tokens.
 With ``n_expert`` > 0 each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism
-does not cut it yet.
+leaves it whole (its gate and experts replicated over tp; expert parallelism splits the experts).
 """
 from pdist.models.plan import Column, Experts, DropoutShard, ModelPlan, PipelinePlan, PositionShard, Row, Vocab, VocabLoss
 
@@ -24,7 +24,7 @@ def gpt_plan(cfg):
     """The ModelPlan of a GPTConfig."""
     return ModelPlan(
         tensor={f"{BLOCK}.attn.c_attn": Column(stride=3), f"{BLOCK}.attn.c_proj": Row(),
-                f"{BLOCK}.mlp.c_fc": Column(), f"{BLOCK}.mlp.c_proj": Row(),
+                **({} if cfg.n_expert else {f"{BLOCK}.mlp.c_fc": Column(), f"{BLOCK}.mlp.c_proj": Row()}),
                 "transformer.wte": Vocab(), "lm_head": Column(tied_to="transformer.wte"),
                 "loss_fn": VocabLoss()},
         heads={f"{BLOCK}.attn": ("n_head",)},

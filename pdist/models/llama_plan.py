@@ -13,7 +13,7 @@ sequence); under context parallelism the ``heads`` modules get the cross-rank at
 RoPE turns by the global positions of this rank's tokens (pdist/parallel/context_parallel.py). A pipeline runs ``embed`` first and ``head`` last (nothing tied). ZeRO's units
 are the blocks and the final norm; the embedding and the head form the root.
 With ``n_expert`` > 0 each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism
-does not cut it yet.
+leaves it whole (its gate and experts replicated over tp; expert parallelism splits the experts).
 """
 from pdist.models.plan import Column, Experts, ModelPlan, PipelinePlan, Row, Vocab, VocabLoss
 
@@ -26,7 +26,8 @@ def llama_plan(cfg):
     return ModelPlan(
         tensor={f"{BLOCK}.self_attn.q_proj": qkv, f"{BLOCK}.self_attn.k_proj": qkv,
                 f"{BLOCK}.self_attn.v_proj": qkv, f"{BLOCK}.self_attn.o_proj": Row(),
-                f"{BLOCK}.mlp.gate_proj": gate_up, f"{BLOCK}.mlp.up_proj": gate_up, f"{BLOCK}.mlp.down_proj": Row(),
+                **({} if cfg.n_expert else {f"{BLOCK}.mlp.gate_proj": gate_up, f"{BLOCK}.mlp.up_proj": gate_up,
+                                            f"{BLOCK}.mlp.down_proj": Row()}),
                 "model.embed_tokens": Vocab(), "lm_head": Column(), "loss_fn": VocabLoss()},
         heads={f"{BLOCK}.self_attn": ("n_head", "n_kv_head")},
         tp_sizes={"n_head": cfg.n_head, "n_kv_head": cfg.n_kv_head, "intermediate_size": cfg.intermediate_size,

@@ -176,6 +176,31 @@ def aux_loss(model):
     return total
 
 
+class AttachAux(Function):
+    """y = x; dx = dy, d aux = c: a pipeline stage's load-balancing loss joins the backward of
+    the stage's output, weighted as the loss's backward is (Megatron's MoEAuxLossAutoScaler)."""
+
+    def forward(self, x, aux, c=1.0):
+        self.c, self.shape = c, aux.shape
+        return x
+
+    def backward(self, g):
+        return g, xp.full(self.shape, self.c, dtype=g.dtype)
+
+
+def stage_aux(layers, out, scale):
+    """(out, aux value or None) for a pipeline chunk's ``layers`` after its forward: the sum
+    of their MoE layers' aux losses rides on ``out`` (AttachAux, gradient ``scale``)."""
+    aux = None
+    for f in layers:
+        for _, m in moe_layers(f) if isinstance(f, nn.Module) else ():
+            if m.aux_loss is not None:
+                aux = m.aux_loss if aux is None else aux + m.aux_loss
+    if aux is None:
+        return out, None
+    return AttachAux.apply(out, aux, c=scale), aux.data
+
+
 def check_moe_config(cfg):
     """The problems of a config's MoE fields (a list of messages; empty: fine)."""
     E, k, c = cfg.n_expert, cfg.expert_top_k, cfg.capacity_factor
@@ -191,4 +216,5 @@ def check_moe_config(cfg):
     return out
 
 
-__all__ = ["MoE", "route", "moe_layers", "moe_stats", "aux_loss", "check_moe_config", "IndexAdd", "Gather"]
+__all__ = ["MoE", "route", "moe_layers", "moe_stats", "aux_loss", "check_moe_config", "IndexAdd", "Gather",
+           "AttachAux", "stage_aux"]

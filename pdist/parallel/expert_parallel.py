@@ -27,17 +27,42 @@ gradients of every shard of its ep group, so it holds sum_{s in group} dL_s/dθ_
 over the edp group (the dp/ep replicas of e) and divided by dp it is dL/dθ_e. (Averaging
 over edp instead would scale expert gradients by ep: the bug the equivalence test catches.)
 
-Not done yet, and refused by parallelize: tensor/pipeline parallelism and ZeRO with MoE.
+What composes (tests/test_expert_parallel.py, every piece against one process, float64):
+
+    ZeRO-1/2/3   ExpertParallel(.., zero_stage) holds ZeRO(.., dp_group, expert_group=edp_group):
+                 the dense units (attention, norms, the gate) sharded over dp as always; one
+                 unit per expert, sharded over its edp group (Megatron's expert-data-parallel
+                 group; DeepSpeed-MoE shards experts the same way), its gradient reduce-scattered
+                 over edp with op sum and scaled by 1/dp, after backward and in unit order (the
+                 ranks see different experts complete). An expert no rank gave a gradient in a
+                 step (no token chose it) keeps none, and AdamW skips it, as on one process
+                 (one all-reduce of a flag per expert over edp; zero/units.py).
+    tp           the MoE layer is whole on every tp rank (gate and experts replicated over tp,
+                 no expert-internal tensor parallelism): it sits between a row-parallel output
+                 and a column-parallel input, where activations and their gradients are whole,
+                 so each tp rank routes the same tokens and holds complete gradients. Sequence
+                 parallelism is refused (a tp rank would route only its T/tp tokens).
+    pp           MoE layers inside the stages, the ep group per stage (the dp ranks of a stage),
+                 any schedule (1F1B, interleaved, ZB-H1/ZB-V: the all-to-alls run in B). Each
+                 stage's load-balancing loss rides on its output's backward (moe.stage_aux, as
+                 Megatron's MoEAuxLossAutoScaler) and joins the reported loss over pp.
+    not yet      cp > 1 (refused by parallelize).
+
+Checkpoints (pdist/checkpoint): an expert is its own tensor under its single-process name
+(``global_name``), so ep rank r saves experts [r E/ep, (r+1) E/ep) whole (under ZeRO their
+edp boxes) and any ep, or one process, loads them by box intersection like any cut.
 """
 import numpy as np
 
+from pdist import nn
 from pdist.data import shard
 from pdist.engine.autograd import Function
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.shape_ops import concat
 from pdist.models.moe import Gather, moe_layers, moe_stats
 from pdist.models.plan import expert_of, plan_of
-from pdist.parallel.base import ParallelModule
+from pdist.parallel.base import Local, ParallelModule, Strategy
+from pdist.parallel.zero import ZeRO
 
 
 class AllToAllV(Function):
@@ -98,37 +123,58 @@ def regroup(by_src):
     return perm, [int(c) for c in by_src.sum(0)]
 
 
+def split_experts(module, mesh):
+    """Keep experts [r E/ep, (r+1) E/ep) of every MoE layer of ``module`` on ep rank r and
+    route through ``ExpertDispatch``; every parameter of the layers keeps its single-process
+    name (``global_name``: expert e stays ``...experts.<e>...``). Before ZeRO builds its units."""
+    ep, r = mesh.ep_world_size, mesh.ep_rank
+    for name, layer in moe_layers(module):
+        if layer.n_expert % ep:
+            raise ValueError(f"expert parallelism: {name} has n_expert={layer.n_expert} experts, which "
+                             f"do not split over ep={ep} ranks; choose n_expert divisible by ep")
+        for pname, p in layer.named_parameters(prefix=name):
+            p.global_name = getattr(p, "global_name", pname)
+        if ep > 1 and not isinstance(layer.apply_experts, ExpertDispatch):
+            El = layer.n_expert // ep
+            layer.experts = nn.ModuleList(list(layer.experts)[r * El:(r + 1) * El])
+            layer.apply_experts = ExpertDispatch(layer, mesh.ep_group, layer.n_expert)
+
+
 class ExpertParallel(ParallelModule):
     """Data parallelism over ``mesh.dp_group`` with each MoE layer's experts split over
     ``mesh.ep_group`` (see the module docstring). ``ep = 1``: every rank holds every expert
-    and the dispatch stays local; the gradients are reduced as above (edp = dp)."""
+    and the dispatch stays local; the gradients are reduced as above (edp = dp).
+    ``zero_stage`` 1-3: ``ZeRO(inner, stage, dp_group, expert_group=edp_group)`` inside does
+    the batch, the loss and every reduction: dense units sharded over dp, each layer's
+    experts over edp (pdist/parallel/zero/units.py)."""
 
-    def __init__(self, inner, mesh):
+    def __init__(self, inner, mesh, zero_stage=0):
+        inner = inner if isinstance(inner, Strategy) else Local(inner)
+        split_experts(inner.module, mesh)
+        self.zero_stage = zero_stage
+        if zero_stage:
+            inner = ZeRO(inner, zero_stage, mesh.dp_group, expert_group=mesh.edp_group)
         super().__init__(inner, mesh.dp_group)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
         self.ep_group, self.edp_group = mesh.ep_group, mesh.edp_group
-        ep, r = mesh.ep_world_size, mesh.ep_rank
-        plan = plan_of(self.module)
-        for name, layer in moe_layers(self.module):
-            if layer.n_expert % ep:
-                raise ValueError(f"expert parallelism: {name} has n_expert={layer.n_expert} experts, which "
-                                 f"do not split over ep={ep} ranks; choose n_expert divisible by ep")
-            for pname, p in layer.named_parameters(prefix=name):
-                p.global_name = getattr(p, "global_name", pname)
-            if ep > 1:
-                El = layer.n_expert // ep
-                from pdist import nn
-                layer.experts = nn.ModuleList(list(layer.experts)[r * El:(r + 1) * El])
-                layer.apply_experts = ExpertDispatch(layer, self.ep_group, layer.n_expert)
-        self.inner.materialize()
         self._dense, self._experts = [], []
+        if zero_stage:
+            return
+        self.inner.materialize()
+        plan = plan_of(self.module)
         for n, p in self.named_parameters():
             (self._experts if expert_of(plan, getattr(p, "global_name", n)) else self._dense).append(p)
 
     def local_batch(self, x, y):
-        """This rank's rows of the global batch: [r B/dp, (r+1) B/dp)."""
+        """This rank's rows of the global batch: [r B/dp, (r+1) B/dp) (ZeRO's cut, under ZeRO)."""
+        if self.zero_stage:
+            return self.inner.local_batch(x, y)
         return self.inner.local_batch(*shard((x, y), self.dp_rank, self.dp_world_size))
+
+    def reduce_stats(self, v):
+        """The loss over dp (ZeRO's, under ZeRO: it already weighted and summed it)."""
+        return self.inner.reduce_stats(v) if self.zero_stage else super().reduce_stats(v)
 
     def moe_stats(self, reset=True):
         """moe_stats of the whole batch: each layer's tokens per expert, routed and dropped
@@ -143,7 +189,8 @@ class ExpertParallel(ParallelModule):
         return out
 
     def finish_grad_sync(self):
-        """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp."""
+        """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp
+        (under ZeRO: ZeRO's reduce-scatters do both)."""
         self.inner.finish_grad_sync()
         _reduce(self._dense, self.group, "avg", 1.0)
         _reduce(self._experts, self.edp_group, "sum", 1.0 / self.dp_world_size)
@@ -175,4 +222,4 @@ def _reduce(params, group, op, scale):
         a += p.size
 
 
-__all__ = ["ExpertParallel", "ExpertDispatch", "AllToAllV", "regroup"]
+__all__ = ["ExpertParallel", "ExpertDispatch", "AllToAllV", "regroup", "split_experts"]

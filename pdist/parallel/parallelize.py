@@ -11,8 +11,9 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              ("gpipe", "1f1b", "interleaved", and the zero-bubble
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
-    ExpertParallel(.., mesh)                                 n_expert > 0, in DDP's place: E/ep experts per rank,
-                                                             tokens over all_to_all_v (expert_parallel.py)
+    ExpertParallel(.., mesh, zero_stage)                     n_expert > 0, in DDP's place: E/ep experts per rank,
+                                                             tokens over all_to_all_v (expert_parallel.py); with
+                                                             ZeRO it holds ZeRO: dense units over dp, experts over edp
     ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
                                                              DDP/ZeRO then span dp x cp (context_parallel.py);
                                                              attention on this tp rank's heads, in every stage
@@ -53,10 +54,8 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
     if not isinstance(microbatches, int) or microbatches < 1:
         raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
     cp = getattr(mesh, "cp_world_size", 1)
-    if getattr(cfg, "n_expert", 0) and (tp > 1 or pp > 1 or cp > 1 or chunks > 1 or zero_stage):
-        raise ValueError(f"a mixture-of-experts model (n_expert={cfg.n_expert}) runs on data parallelism "
-                         f"(and expert parallelism) only so far: got tp={tp}, pp={pp}, cp={cp}, chunks={chunks}, "
-                         f"zero_stage={zero_stage}; use tp=pp=cp=1, zero_stage=0 (or n_expert=0)")
+    if getattr(cfg, "n_expert", 0):
+        check_moe_layout(cfg, tp, pp, cp, sequence_parallel)
     if getattr(mesh, "ep_world_size", 1) > 1 and not getattr(cfg, "n_expert", 0):
         raise ValueError(f"ep={mesh.ep_world_size} needs a mixture-of-experts model (n_expert > 0 in the config)")
     check_tp_config(cfg, tp)
@@ -73,6 +72,19 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
     if cfg.dropout and (dp > 1 or pp > 1 or microbatches > 1):
         raise ValueError("dropout > 0 needs dp = pp = 1 and microbatches = 1: the masks of split batches "
                          "would differ from single-process training (tensor parallelism keeps them equal)")
+
+
+def check_moe_layout(cfg, tp, pp, cp, sequence_parallel):
+    """What a mixture-of-experts model composes with (expert_parallel.py): dp/ep, ZeRO-1/2/3,
+    tp (the MoE layer whole on every tp rank) and pp (MoE layers inside stages, any schedule)."""
+    E = cfg.n_expert
+    if cp > 1:
+        raise ValueError(f"a mixture-of-experts model (n_expert={E}) does not run with context parallelism "
+                         f"yet: got cp={cp}; use cp=1, or n_expert=0")
+    if tp > 1 and sequence_parallel:
+        raise ValueError(f"a mixture-of-experts model (n_expert={E}) with sequence_parallel over tp={tp}: each "
+                         f"tp rank would route only its T/tp tokens, so the capacity and the load-balancing "
+                         f"loss would differ from one process; use sequence_parallel=False")
 
 
 def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
@@ -109,8 +121,8 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     cast_module(model, precision)          # after tensor parallelism built its (fp32) shards
     if pipelined:
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
-    if getattr(model.config, "n_expert", 0) and mesh.dp_world_size > 1:
-        s = ExpertParallel(s, mesh)            # experts over ep (E/ep per rank), the rest data parallel
+    if getattr(model.config, "n_expert", 0) and (mesh.dp_world_size > 1 or zero_stage):
+        s = ExpertParallel(s, mesh, zero_stage)   # experts over ep (E/ep per rank); ZeRO inside it: edp shards
     elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, dp_group)
     elif data_parallel == "naive" and dp_group.size > 1:
@@ -126,4 +138,4 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     return s
 
 
-__all__ = ["parallelize", "check_layout"]
+__all__ = ["parallelize", "check_layout", "check_moe_layout"]

@@ -44,6 +44,7 @@ from pdist import nn
 from pdist.measure import hooks, trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
+from pdist.models.moe import stage_aux
 from pdist.models.plan import get, plan_of
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.deterministic import PipelineTree
@@ -117,7 +118,7 @@ class PipelineParallel(ParallelModule):
             ends = self.pp_is_first_stage or self.pp_is_last_stage
             e = g.split(0 if ends else 1, name="embedding")
             self.embedding_group = e if ends and self.tied else None
-        self.loss_weight = 1.0 if self.pp_is_last_stage else 0.0
+        self.loss_weight = 1.0       # every stage's share: the last stage's loss, MoE aux losses (0 elsewhere)
         if self.deterministic is not None:               # this stage's parameters: a granule tree per micro-batch
             self.deterministic.bind(self.inner.parameters())
         self.record_timeline, self.timeline, self.peak_stash = False, [], 0
@@ -143,7 +144,8 @@ class PipelineParallel(ParallelModule):
 
     def compute(self, x, y, loss_scale=1.0):
         """Run this rank's program over the m micro-batches of (x, y); returns the sum of
-        the micro-batch losses / m on the last stage (0 elsewhere). ``loss_scale``: fp16's S."""
+        the micro-batch losses / m on the last stage, plus this stage's MoE load-balancing losses / m
+        (0 elsewhere). ``loss_scale``: fp16's S."""
         m = self.num_microbatches
         if len(x) % m:
             raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into {m} "
@@ -236,6 +238,9 @@ class PipelineParallel(ParallelModule):
             self.losses.append(out.data * (1.0 / self.num_microbatches))
             if self._scale != 1.0:
                 out = out * self._scale              # backward on l S/m (bf16/fp16: l S, S a power of two)
+        out, aux = stage_aux(self.chunks[c].layers, out, self._scale)   # MoE: this chunk's balancing loss
+        if aux is not None:
+            self.losses.append(aux * (1.0 / self.num_microbatches))
         self._stash[(mb, c)] = (x, out)
         self.peak_stash = max(self.peak_stash, len(self._stash) + len(self._held_w))   # W reads its stash too
         self._done(ins, t0, e0)

@@ -32,7 +32,11 @@ from pdist.engine.meta import is_meta
 
 
 class FlatParamUnit:
-    """The flat buffers of one unit of parameters on one rank of ``group``."""
+    """The flat buffers of one unit of parameters on one rank of ``group``. ``op``/``scale``:
+    how ZeRO reduces its gradient over ``group`` (then times ``scale``); ``deferred``: only
+    in finish_grad_sync, in unit order (MoE experts: units.py)."""
+
+    op, scale, deferred, used = "avg", None, False, False   # used: some gradient this step (units.py)
 
     def __init__(self, name, named_params, group, sharded, keep_full):
         if not named_params:
@@ -139,7 +143,7 @@ class FlatParamUnit:
     def zero_grad(self):
         if self.grad_flat is not None:
             self.grad_flat[...] = 0
-        self.ready = 0
+        self.ready, self.used = 0, False
 
     # ------------------------------------------------------------ layout
     def unflatten(self, flat):

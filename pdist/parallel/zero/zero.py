@@ -61,6 +61,8 @@ unit for every micro-batch's forward and backward: (2m + 1)Ψ per step).
 ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
 interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
 refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
+Mixture of experts (``expert_group``: expert parallelism's edp group): one unit per expert,
+sharded over that group, reduced after backward (units.py; pdist/parallel/expert_parallel.py).
 """
 from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
@@ -69,7 +71,8 @@ from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.deterministic import join
-from pdist.parallel.zero.units import build_units, check_same_on_all_ranks, default_units, shard_pieces
+from pdist.parallel.zero.units import (build_units, check_same_on_all_ranks, default_units, shard_pieces,
+                                       unused_experts)
 
 STAGES = (0, 1, 2, 3)
 
@@ -81,7 +84,8 @@ class ZeRO(ParallelModule):
     ``parameters()`` are this rank's flat shards, one Tensor per unit: the
     optimizer is built over them (stage 0: the whole flat buffers)."""
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None):
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None,
+                 expert_group=None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
         super().__init__(module, group, check_finite)
@@ -97,7 +101,8 @@ class ZeRO(ParallelModule):
             self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
-        self.root, self.units = build_units(self.inner, self.module, unit_modules, self.group, stage)
+        self.root, self.units, experts = build_units(self.inner, self.module, unit_modules, self.group, stage,
+                                                     expert_group)
         check_same_on_all_ranks(self.group, stage, self.units)
         self._pieces = shard_pieces(self.units, inner_pieces)
         if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
@@ -106,10 +111,10 @@ class ZeRO(ParallelModule):
         self._reduced = set()          # ids of units whose reduction started this step
         self._overlap = not self.inner.has_late_grads
         self._stale = stage in (1, 2)  # full params to re-gather before the next forward
-        self._install_hooks(unit_modules)
+        self._install_hooks(unit_modules, experts)
 
     # ---------------------------------------------------------------- setup
-    def _install_hooks(self, unit_modules):
+    def _install_hooks(self, unit_modules, experts=()):
         for u in self.units:
             for p in u.params:
                 p.register_hook(lambda g, u=u: u.ensure_grad_views())
@@ -118,9 +123,10 @@ class ZeRO(ParallelModule):
             return
         # forward order: root, then the units in the order given; backward: root, then reversed
         body = self.units[1:] if self.root else self.units
-        self._fwd_order = ([self.root] if self.root else []) + body
-        self._bwd_order = ([self.root] if self.root else []) + body[::-1]
-        hooked = ([(self.module, self.root)] if self.root else []) + list(zip(unit_modules, body))
+        dense = body[:len(body) - len(experts)]       # experts' units: gathered when their layer runs
+        self._fwd_order = ([self.root] if self.root else []) + dense
+        self._bwd_order = ([self.root] if self.root else []) + dense[::-1]
+        hooked = ([(self.module, self.root)] if self.root else []) + list(zip(list(unit_modules) + list(experts), body))
         for m, u in hooked:
             m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
             m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
@@ -148,7 +154,7 @@ class ZeRO(ParallelModule):
         """Stages 1, 2: all-gather the parameters the optimizer updated (shard -> full)."""
         if not self._stale:
             return
-        works = [self.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
+        works = [u.group.all_gather(u.full, u.shard.data.copy(), async_op=True) for u in self.units]
         for w in works:
             w.wait()
         self._stale = False
@@ -156,21 +162,31 @@ class ZeRO(ParallelModule):
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
-        rank reduce zeros), and wait: each shard's .grad is the global-batch mean. The
+        rank reduce zeros), and wait: each shard's .grad is the global-batch mean. An expert
+        no rank gave a gradient keeps none, as on one process (units.unused_experts). The
         deterministic mode joins the granule trees instead (every rank gets the whole mean)
         and keeps its shard."""
         if self.deterministic is not None:
             self._finish_deterministic()
         else:
-            self.inner.finish_grad_sync()
-            for u in self.units:
-                if id(u) not in self._reduced:
-                    u.ensure_grad_views()
-                    self._reduce(u)
-            self._finish_reduction()
+            self._finish_reductions()
         for u in self.units:
             u.ready = 0
         self._stale = self.stage in (1, 2)      # the optimizer step is next
+
+    def _finish_reductions(self):
+        self.inner.finish_grad_sync()
+        skip = unused_experts(self.units)
+        for u in self.units:
+            if id(u) in skip:
+                u.drop_grads()
+                u.shard.grad = None
+                if self.stage == 3:
+                    u.free()
+            elif id(u) not in self._reduced:
+                u.ensure_grad_views()
+                self._reduce(u)
+        self._finish_reduction()
 
     def _finish_deterministic(self):
         join(self.deterministic, self.group)
@@ -197,9 +213,10 @@ class ZeRO(ParallelModule):
     # ------------------------------------------------- gradients (all stages)
     def _grad_ready(self, u):
         u.ready += 1
-        if self.stage == 3 and u.ready % len(u.params) == 0:
+        if self.stage == 3 and u.ready % len(u.params) == 0 and not u.deferred:
             u.free()                              # this micro-batch's backward is done: drop the params
-        if u.ready == len(u.params) * self.microbatches and self._overlap:
+                                                  # (an expert: at the reduction, as on every edp rank)
+        if u.ready == len(u.params) * self.microbatches and self._overlap and not u.deferred:
             self._reduce(u)                       # the last micro-batch's gradient: reduce it
 
     def _reduce(self, u):
@@ -209,11 +226,11 @@ class ZeRO(ParallelModule):
         if self.stage == 3:
             u.free()                              # its backward is done: drop the full params
         if self.stage == 0:
-            out, work = None, self.group.all_reduce(u.grad_flat, op="avg", async_op=True)
+            out, work = None, u.group.all_reduce(u.grad_flat, op=u.op, async_op=True)
         else:
             out = u.shard.grad if self.stage >= 2 and u.shard.grad is not None else \
                 xp.empty(u.hi - u.lo, dtype=u.dtype)                     # (Ψ_pad/N,)
-            work = self.group.reduce_scatter(out, u.grad_flat, op="avg", async_op=True)
+            work = u.group.reduce_scatter(out, u.grad_flat, op=u.op, async_op=True)
         self._inflight = (u, out, work)
 
     def _finish_reduction(self):
@@ -222,6 +239,8 @@ class ZeRO(ParallelModule):
         u, out, work = self._inflight
         self._inflight = None
         work.wait()
+        if u.scale is not None:
+            (u.grad_flat if self.stage == 0 else out)[...] *= u.scale
         if self.stage == 0:
             u.shard.grad = u.grad_flat                                   # (Ψ_u,) averaged
         elif self.stage == 1:                     # keep the full gradient (P_os only)
@@ -237,7 +256,7 @@ class ZeRO(ParallelModule):
         if u.materialized() or u.gather_work is not None:
             return
         buf = u.gather_buffer()                                           # (Ψ_pad,)
-        u.gather_work = (buf, self.group.all_gather(buf, u.shard.data, async_op=True))
+        u.gather_work = (buf, u.group.all_gather(buf, u.shard.data, async_op=True))
 
     def _gather(self, u, order):
         """Materialize u (waiting for its prefetch if one is in flight), then
@@ -249,7 +268,7 @@ class ZeRO(ParallelModule):
             u.gather_work = None
             u.finish_gather(buf)
             hooks.event("all-gather", u.name)
-        if self.prefetch:
+        if self.prefetch and u in order:
             i = order.index(u)
             if i + 1 < len(order):
                 self._start_gather(order[i + 1])
