@@ -125,4 +125,22 @@ def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1,
     det.check(dp, microbatches, pp > 1 or chunks > 1)
 
 
-__all__ = ["join", "check_layout", "deterministic_compute", "PipelineTree"]
+
+def finish_zero(z):
+    """ZeRO's gradient sync in the deterministic mode: the granule trees joined over z's group
+    (every rank gets the whole mean, in canonical order), then this rank keeps its shard."""
+    join(z.deterministic, z.group)
+    for u in z.units:
+        u.ensure_grad_views()
+    z.inner.finish_grad_sync()             # Local writes the mean into the flat views
+    for u in z.units:
+        if z.stage == 0:
+            u.shard.grad = u.grad_flat
+        elif z.stage == 1:
+            u.shard.grad = u.grad_flat[u.lo:u.hi]
+        else:
+            u.shard.grad = u.grad_flat[u.lo:u.hi].copy()
+            u.drop_grads()
+
+
+__all__ = ["join", "check_layout", "deterministic_compute", "PipelineTree", "finish_zero"]

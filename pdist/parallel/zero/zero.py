@@ -70,7 +70,7 @@ from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.deterministic import join
+from pdist.parallel.deterministic import finish_zero
 from pdist.parallel.zero.units import (build_units, check_same_on_all_ranks, default_units, shard_pieces,
                                        unused_experts)
 
@@ -167,7 +167,7 @@ class ZeRO(ParallelModule):
         deterministic mode joins the granule trees instead (every rank gets the whole mean)
         and keeps its shard."""
         if self.deterministic is not None:
-            self._finish_deterministic()
+            finish_zero(self)
         else:
             self._finish_reductions()
         for u in self.units:
@@ -187,20 +187,6 @@ class ZeRO(ParallelModule):
                 u.ensure_grad_views()
                 self._reduce(u)
         self._finish_reduction()
-
-    def _finish_deterministic(self):
-        join(self.deterministic, self.group)
-        for u in self.units:
-            u.ensure_grad_views()
-        self.inner.finish_grad_sync()             # Local writes the mean into the flat views
-        for u in self.units:
-            if self.stage == 0:
-                u.shard.grad = u.grad_flat
-            elif self.stage == 1:
-                u.shard.grad = u.grad_flat[u.lo:u.hi]
-            else:
-                u.shard.grad = u.grad_flat[u.lo:u.hi].copy()
-                u.drop_grads()
 
     def after_load(self):
         self.inner.after_load()
