@@ -31,10 +31,9 @@ def warnings_of(a, lay, link):
                    f"compute); raise --global-batch or lower --micro-batch")
     if link["tp"]:
         out.append(f"tp = {lay.tp} crosses nodes: Megatron's all-reduces run over the inter-node link")
-    if a.moe and (lay.tp > 1 or lay.pp > 1 or lay.cp > 1 or lay.zero):
-        out.append("pdist runs a mixture of experts on dp and ep only so far (tp = pp = cp = 1, zero 0)")
-    if lay.cp > 1 and (lay.tp > 1 or lay.pp > 1):
-        out.append("pdist's context parallelism does not compose with tp or pp yet")
+    if a.moe and (lay.cp > 1 or (lay.tp > 1 and lay.sp)):
+        out.append("pdist refuses a mixture of experts with cp > 1 or sequence parallelism (each rank would "
+                   "route only its share of the tokens: the capacity and the aux loss would differ)")
     return out
 
 
