@@ -21,7 +21,7 @@ dropped without ``wait()``.
 """
 import numpy as np
 
-from pdist.measure import trace
+from pdist.measure import blocked, trace
 
 from pdist.engine.backend import is_device_array, is_gpu
 from pdist.comm import flight_recorder, topology, watchdog
@@ -121,8 +121,22 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         """Finish earlier async ops' fingerprint checks (work.settle)."""
         return settle(self, error, block)
 
-    def _run(self, op, arr, theory, native, hand, algorithm, async_op,
-             redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None):
+    def _run(self, op, *args, **kw):
+        """``_run_op``, and with a consumer of measure/blocked.py on, the host time blocked in it
+        (entry to return; an async op's ``wait()`` is recorded by its Work)."""
+        if not blocked.ON[0]:
+            return self._run_op(op, *args, **kw)
+        t_in = blocked.enter()
+        try:
+            work = self._run_op(op, *args, **kw)
+        finally:
+            blocked.leave("c", self, t_in, self._seq)
+        if work is not None and work._pending is not None:
+            work._wf = ("w", self, self._seq)
+        return work
+
+    def _run_op(self, op, arr, theory, native, hand, algorithm, async_op,
+                redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
             if arr is not None and is_low(arr.dtype):

@@ -7,6 +7,7 @@ member is then known to be present, and the pickled call that follows cannot
 wait for a missing rank. Not for hot paths.
 """
 from pdist.comm import flight_recorder
+from pdist.measure import blocked
 from pdist.comm.check import CollectiveMismatchError, agree, fingerprint
 from pdist.comm.flight_recorder import _cur, _step
 from pdist.comm.mpi import wait_all
@@ -16,6 +17,8 @@ class ObjectCollectives:
     """Mixed into ProcessGroup: gather_object, all_gather_object, broadcast_object."""
 
     def _object_op(self, op, root, run):
+        rec = blocked.ON[0]                       # host time blocked here (measure/blocked.py)
+        t_in = blocked.enter() if rec else 0.0
         error = self._settle(None) if self._pending else None
         if not 0 <= root < self.size:
             error = error or f"root={root} is not a rank of a group of {self.size}"
@@ -30,6 +33,8 @@ class ObjectCollectives:
             wait_all([self.comm.Ibarrier()])
         out = run()
         ent.state, self._last, _cur[0] = "done", ent, None
+        if rec:
+            blocked.leave("c", self, t_in, ent.seq)
         return out
 
     def gather_object(self, obj, dst=0):

@@ -8,7 +8,7 @@ device transport (nccl.py, or MPI with host staging). On a simulated cluster
 """
 from contextlib import nullcontext
 
-from pdist.measure import trace
+from pdist.measure import blocked, trace
 from pdist.comm import flight_recorder, topology
 from pdist.comm.flight_recorder import _cur
 from pdist.comm.mpi import contiguous_flat
@@ -25,7 +25,13 @@ class PointToPoint:
         self._count("send" if op in ("send", "isend") else "recv", nbytes, nbytes)
         ent = flight_recorder.enter(self, op, 0, flat.size, flat.dtype, peer=self.ranks[peer])
         t0 = trace.now()
+        rec = blocked.ON[0]                        # host time blocked here (measure/blocked.py)
+        t_in = blocked.enter() if rec else 0.0
         work = start(flat)
+        if rec:
+            blocked.leave("p", self, t_in)
+            if work is not None:
+                work._wf = ("p", self, None)
         args = {"op": op, "bytes": int(flat.nbytes), "group": self.name, "peer": peer}
         if self._link is not None:                 # a simulated link between the two ranks
             link = topology.link_for([self.ranks[self.rank], self.ranks[peer]])

@@ -20,7 +20,7 @@ dropped handle cannot free memory MPI still writes to. A dropped handle is
 reported at the group's next collective (every rank raises), and a handle
 never waited on at exit fails the job.
 """
-from pdist.measure import trace
+from pdist.measure import blocked, trace
 from pdist.comm import flight_recorder
 
 
@@ -60,13 +60,14 @@ class Pending:
 
 
 class Work:
-    __slots__ = ("_wait", "_test", "_then", "_fin", "_done", "_span", "_keep", "_pending", "__weakref__")
+    __slots__ = ("_wait", "_test", "_then", "_fin", "_done", "_span", "_keep", "_pending", "_wf", "__weakref__")
 
     def __init__(self, wait=None, test=None, then=None, span=None, keep=(), finish=None):
         self._wait, self._test, self._then, self._span = wait, test, then, span
         self._fin = finish           # the transport's finishing step, after the data arrived
         self._keep = keep            # buffers MPI may still touch
         self._pending = None         # the group's record (async collectives)
+        self._wf = None              # (kind, group, seq): record the wait's blocked time (measure/blocked.py)
         self._done = wait is None
 
     @classmethod
@@ -95,12 +96,16 @@ class Work:
     def wait(self):
         """Block until done; afterwards the output buffers hold the result."""
         if not self._done:
+            wf = self._wf
+            t = blocked.enter() if wf is not None else 0.0
             p = self._pending
             if p is not None:
                 p.verify()   # before waiting on data that a mismatch may never deliver
                 flight_recorder._cur[0] = p.entry
             self._wait()
             self._finish()
+            if wf is not None:
+                blocked.leave(*wf[:2], t, wf[2])
 
     def is_completed(self):
         """True once the operation is done (never blocks)."""

@@ -51,6 +51,9 @@ def parser(doc=None, steps=20, seed=0, dtype="float32", batch_size=16, precision
                         "exception:rank=1,step=4; exit:rank=1,step=4; nan:rank=0,step=3 (repeatable)")
     p.add_argument("--trace", metavar="PATH", default=None,
                    help="write one Chrome/Perfetto trace merged over ranks here (open at https://ui.perfetto.dev)")
+    p.add_argument("--waterfall", nargs="?", const="6N+12LhT", default=None, choices=["6N", "6N+12LhT", "causal"],
+                   help="print each step's parts per rank at the end, MFU under this FLOP convention "
+                        "(default 6N+12LhT; pdist/measure/waterfall.py)")
     return p
 
 
@@ -72,6 +75,9 @@ def start(args):
             sys.exit(f"error: {e}")
     if getattr(args, "trace", None):
         trace.set_detail(True)
+    if getattr(args, "waterfall", None):
+        from pdist.measure import waterfall
+        args.waterfall_recorder = waterfall.Waterfall(convention=args.waterfall, auto=True)
     set_default_dtype(args.dtype)
     world = comm.init(timeout=TIMEOUT)
     if faults:
@@ -122,6 +128,11 @@ def finish(name, passed, runs, args, rank=0, world_size=1, detail=""):
     and +-Infinity floats, at any depth, are written as ``null`` (a diverged loss
     is ``null`` in the file, never the non-standard ``NaN`` token)."""
     check = "PASS" if passed else "FAIL"
+    wf = getattr(args, "waterfall_recorder", None) if args is not None else None
+    if wf is not None:                      # --waterfall: collective, before the trace (which holds it)
+        text = wf.table()
+        if rank == 0:
+            print("\n" + text, flush=True)
     if args is not None and getattr(args, "trace", None):
         write_trace(args.trace)
     if rank == 0:

@@ -32,10 +32,13 @@ import collections
 import time
 
 from pdist.comm import mpi, topology
-from pdist.measure import hooks
+from pdist.faults import skew
+from pdist.faults.skew import _median
+from pdist.measure import blocked, hooks
 
 FIELDS = ("step", "zero_grad", "compute", "grad_sync", "stats",
-          "wait_zero_grad", "wait_compute", "wait_grad_sync", "wait_stats", "link", "tokens")
+          "wait_zero_grad", "wait_compute", "wait_grad_sync", "wait_stats", "link", "tokens",
+          "blocked_compute", "entries")
 PHASES = ("zero_grad", "compute", "grad_sync", "stats")
 KEEP = 256
 _records = collections.deque(maxlen=KEEP)
@@ -54,15 +57,17 @@ class Detector(hooks.StepHook):
     start and the end. The end notes one record (FIELDS)."""
 
     def begin(self, s):
-        self.marks, self.link0 = [(now(), WAITED[0])], LINK[0]
+        blocked.reset()
+        self.marks, self.link0, self.mark = [(now(), WAITED[0], blocked.TOTAL[0])], LINK[0], blocked.COUNT[0]
 
     def exit(self, s, phase):
-        self.marks.append((now(), WAITED[0]))
+        self.marks.append((now(), WAITED[0], blocked.TOTAL[0]))
 
     def end(self, s):
-        (t0, w0), (t1, w1), (t2, w2), (t3, w3), (t4, w4) = self.marks
+        (t0, w0, _), (t1, w1, b1), (t2, w2, b2), (t3, w3, _), (t4, w4, _) = self.marks
+        entries = [(key, te, int(kind == "w")) for kind, key, _, te, _, _ in blocked.since(self.mark) if key]
         note((s.step, t1 - t0, t2 - t1, t3 - t2, t4 - t3, w1 - w0, w2 - w1, w3 - w2, w4 - w3,
-              LINK[0] - self.link0, s.tokens))
+              LINK[0] - self.link0, s.tokens, b2 - b1, entries))
 
 
 DETECTOR = Detector()
@@ -70,11 +75,15 @@ DETECTOR = Detector()
 
 def enable():
     """Record every step (the default once this module is imported)."""
+    if DETECTOR not in hooks.subscribers():
+        blocked.use(+1)           # the collectives' blocked time and entry times (measure/blocked.py)
     hooks.subscribe(DETECTOR)
 
 
 def disable():
     """Stop recording: the step reads no clock for the detector."""
+    if DETECTOR in hooks.subscribers():
+        blocked.use(-1)
     hooks.unsubscribe(DETECTOR)
 
 
@@ -96,7 +105,13 @@ def gather(group=None, last=32):
     group = group or comm.get_world()
     links = {g.name: (list(g.ranks), getattr(g, "_link_s", 0.0)) for g in watchdog.groups()
              if getattr(g, "_link_s", 0.0) > 0}
-    mine = {"rank": group.ranks[group.rank], "records": records(last), "links": links}
+    if group.size > 1:
+        group.barrier()          # the entry times on one clock: each rank's, less its barrier exit
+    t_sync = now()
+    recs = records(last)
+    for r in recs:
+        r["entries"] = [(k, te - t_sync, w) for k, te, w in r.get("entries") or ()]
+    mine = {"rank": group.ranks[group.rank], "records": recs, "links": links}
     return group.all_gather_object(mine) if group.size > 1 else [mine]
 
 
@@ -106,27 +121,25 @@ class Report:
     ``slowdown`` (the slow rank's compute / the others' median), ``extra_s`` (its
     extra compute seconds per step), ``phase`` (where the others waited for it, or
     where the time went), ``link`` (slow link: (group name, world ranks, s/step)),
-    ``rows`` (per rank: step, compute, wait, comm, link seconds per step, mean)."""
+    ``rows`` (per rank: step, compute, wait, comm, link, late seconds per step, mean; late:
+    how much later than the others it enters the step's collectives, faults/skew.py);
+    ``late``: {world rank: that lateness}."""
 
     def __init__(self, **kw):
         self.__dict__.update(kw)
+        self.late = {r["rank"]: r.get("late", 0.0) for r in kw.get("rows", [])}
 
     def as_dict(self):
         return dict(self.__dict__)
 
     def __str__(self):
-        head = "rank  step_ms  compute_ms  wait_ms  comm_ms  link_ms  tokens"
+        head = "rank  step_ms  compute_ms  wait_ms  comm_ms  link_ms  late_ms  tokens"
         lines = [head, "-" * len(head)]
         for r in self.rows:
             lines.append(f"{r['rank']:>4}  {r['step'] * 1e3:7.2f}  {r['compute'] * 1e3:10.2f}  "
-                         f"{r['wait'] * 1e3:7.2f}  {r['comm'] * 1e3:7.2f}  {r['link'] * 1e3:7.2f}  {r['tokens']:6.0f}")
+                         f"{r['wait'] * 1e3:7.2f}  {r['comm'] * 1e3:7.2f}  {r['link'] * 1e3:7.2f}  "
+                         f"{r.get('late', 0.0) * 1e3:7.2f}  {r['tokens']:6.0f}")
         return "\n".join(lines + [self.text])
-
-
-def _median(v):
-    v = sorted(v)
-    n = len(v)
-    return 0.0 if n == 0 else (v[n // 2] if n % 2 else 0.5 * (v[n // 2 - 1] + v[n // 2]))
 
 
 def _mean(v):
@@ -152,8 +165,9 @@ def _wait(r):
 
 
 def _net_compute(r):
-    """The compute phase less its waits (TP peers)."""
-    return max(0.0, r["compute"] - r["wait_compute"])
+    """The compute phase less its waits (TP peers) and its time blocked in communication
+    (DDP's buckets issued and waited inside backward, TP's collectives: measure/blocked.py)."""
+    return max(0.0, r["compute"] - max(r["wait_compute"], r.get("blocked_compute", 0.0)))
 
 
 class _Steps:
@@ -175,6 +189,9 @@ class _Steps:
         self.mean_ex = [_mean(e) for e in self.excess]
         self.slow = max(range(n), key=lambda i: self.mean_ex[i])
         self.others = [q for q in range(n) if q != self.slow]
+        self.late = skew.lateness(self.by, steps)       # entry skew per rank and step (faults/skew.py)
+        for i, row in enumerate(self.rows):
+            row["late"] = _mean(self.late[i])
         self.step_t = _mean(r["step"] for r in self.rows)
         self.comm_t = _mean(r["comm"] + r["link"] for r in self.rows)
 
@@ -232,26 +249,6 @@ def _compute_straggler(t, threshold):
                   rows=t.rows, steps_slow=len(slow_steps), steps=t.k, text=text)
 
 
-def _slow_link(t):
-    """The report of a step spent on the wire (over 30% of it in communication), naming
-    the group of the most link seconds (averaged over the ranks), or None."""
-    if t.comm_t <= 0.3 * t.step_t:
-        return None
-    links = {}
-    for p in t.per:
-        for name, (rk, s) in p.get("links", {}).items():
-            key = (name, tuple(rk))
-            links[key] = links.get(key, 0.0) + s / len(t.per)
-    worst = max(links.items(), key=lambda kv: kv[1]) if links else None
-    link = (worst[0][0], list(worst[0][1]), worst[1]) if worst else None
-    where = (f"group '{link[0]}' (world ranks {link[1]}) accumulated {link[2]:.3f} s of link time"
-             if link else "the collectives' transfers (no simulated link recorded)")
-    text = (f"slow link: no rank is slow in compute every step; every rank spends {t.comm_t * 1e3:.1f} of "
-            f"{t.step_t * 1e3:.1f} ms/step communicating, not waiting for a peer; {where}.")
-    return Report(rank=None, cause="slow link", slowdown=1 + t.mean_ex[t.slow], extra_s=0.0, phase="grad_sync",
-                  link=link, rows=t.rows, text=text)
-
-
 def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
     """Name the slow rank and tell the cause (module doc). ``source``: a model (or
     None): gather the last ``last`` steps of every rank (collective over ``group``);
@@ -264,8 +261,10 @@ def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
                       text="no step recorded on every rank (run forward_backward first)")
     t = _Steps(per, steps)
     rep = _compute_straggler(t, threshold)
+    if rep is None or rep.cause == "intermittent":   # phase times blurred by overlap: who arrives last?
+        rep = skew.skew_straggler(t, threshold, Report) or rep
     if rep is None:   # nobody's compute stands out every step: is the step spent on the wire?
-        rep = _slow_link(t)
+        rep = skew.slow_link(t, Report)
     if rep is None:
         worst = 1 + t.mean_ex[t.slow]
         rep = Report(rank=None, cause="balanced", slowdown=worst, extra_s=0.0, phase=None, link=None, rows=t.rows,

@@ -191,7 +191,7 @@ class Injector(hooks.StepHook):
             extra += u["extra"]
             self.token_scale = 1.0 + u["extra"]
         if extra > 0:
-            with trace.span("injected delay", cat="compute", factor=1 + extra):
+            with hooks.span("injected delay", factor=1 + extra):   # the trace and the waterfall: compute
                 time.sleep(extra * seconds)
         if ("nan", step) in self.at:
             _first_grad(model).reshape(-1)[0] = float("nan")

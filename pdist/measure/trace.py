@@ -18,7 +18,8 @@ only with ``set_detail(True)``, which lessons' ``--trace`` turns on, or PDIST_TR
 ``link`` (tid 3: the simulated link time of pdist/comm/topology.py), ``step``
 (tid 4: the compute and grad_sync phases of ``forward_backward``, pdist/parallel/base.py;
 with detail too), ``device`` (tid 5: on a GPU, with detail, when the device ran each
-forward and backward, measured with CUDA events: ``device_mark``); an
+forward and backward, measured with CUDA events: ``device_mark``), ``waterfall`` (tid 6: each
+step's parts laid end to end from the step's start, pdist/measure/waterfall.py); an
 ``instant(name, cat="fault")`` (an injected fault, pdist/faults/inject.py) is an
 instant event (``"ph": "i"``, ``"s": "p"``) across the rank's tracks; a ``counter(name, **values)``
 is a counter sample (``"ph": "C"``: the memory timeline's bytes by category, pdist/measure/memory_timeline.py).
@@ -210,7 +211,7 @@ def events():
 
 
 _subscribe()
-TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4, "device": 5}
+TRACKS = {"comm": 0, "compute": 1, "wait": 2, "link": 3, "step": 4, "device": 5, "waterfall": 6}
 
 
 def chrome_events(evs, pid, t0):

@@ -41,7 +41,7 @@ every rank through the [loss, #non-finite] all-reduce, and every rank skips the 
 """
 
 from pdist import nn
-from pdist.measure import trace
+from pdist.measure import hooks, trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.plan import get, plan_of
@@ -54,6 +54,7 @@ from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWAR
 from pdist.parallel.pipeline.split_backward import backward_input, backward_weight, check_all_weights_done
 
 
+_PASS = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward_input", BACKWARD_WEIGHT: "backward_weight"}
 _LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}   # PyTorch's, as draw.py
 
 
@@ -160,7 +161,11 @@ class PipelineParallel(ParallelModule):
         for j, ins in enumerate(self.program):
             if j in self._plan:
                 self._post(self._plan[j])
-            self._dispatch[ins.op](ins)
+            if ins.op in _PASS:                      # a pass: the instruments' span (measure/hooks.py)
+                with hooks.span(_PASS[ins.op], mb=ins.mb, chunk=ins.chunk):
+                    self._dispatch[ins.op](ins)
+            else:
+                self._dispatch[ins.op](ins)
         self._keeper.finish()                        # bf16/fp16: round(Σ_mb fp32(g_mb) / m), one rounding
         # the last stage's micro-batch losses in one device -> host copy per step
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
