@@ -38,11 +38,11 @@ def render(name, result, tol=0.15, floor=0.05):
     lines = [f"{name}: step {step * 1e3:.2f} ms (mean over {len(result['ranks'])} ranks of each one's median step)",
              f"  {'part':28s} {'measured ms':>12s} {'planned ms':>11s} {'error':>8s}  verdict"]
     for k, m, p, err, how, ok in rows:
-        note = "not modelled" if UNMODELLED in k else ("within %d%%" % round(tol * 100) if how == "rel" else
-                                                         "both < %d%% of step" % round(floor * 100))
+        note = "not modelled" if UNMODELLED in k else (f"relative, tolerance {tol:.0%}" if how == "rel" else
+                                                         f"both < {floor:.0%} of the step")
         e = "" if err is None else ("inf" if err == float("inf") else f"{err:+.0%}")
         lines.append(f"  {k:28s} {m * 1e3:12.3f} {p * 1e3:11.3f} {e:>8s}  {'ok' if ok else 'MISS'} ({note})")
-    lines.append(f"  sum of parts / step per rank: "
+    lines.append("  sum of parts / step per rank: "
                  + ", ".join(f"{sum(r['parts'].values()) / r['step_s']:.4f}" for r in result["ranks"]))
     for g, (cb, pb, cs, ps, ok) in counts_agree(result).items():
         link = result.get("calibration", {}).get(g, {})
