@@ -7,8 +7,11 @@ every lesson layout of one world size in one launch.
 
 Per layout: STEPS steps (default 5) timed by the Waterfall and by an independent clock; per rank
 the median step (by its measured time); then pdist.plan.measured.plan_for on the same model and
-batch. Rank 0 prints one ``report``: {layout: {"ranks": [per rank: {"parts", "step_s", "ratio"}],
-"plan": the planner's parts under the waterfall's labels, "calibration"}, "cpu_s"}.
+batch. Rank 0 prints one ``report``: {layout: {"ranks": [per rank: {"parts", "step_s", "ratio",
+"ratios", "counted", "planned"}], "plan": the planner's parts under the waterfall's labels,
+"calibration"}, "cpu_s"}; "counted"/"planned": per group the bytes and ring steps per step that
+pdist's groups counted / the planner counts, and on a simulated link the seconds the transport
+charged / the planner's count on that link alone ("charged_s").
 """
 import sys
 import time
