@@ -46,8 +46,11 @@ def _stages(a, lay, cluster):
     return out
 
 
-def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_fraction=FIT_FRACTION):
-    """The plan of one layout for a model config (GPTConfig, LlamaConfig, Arch): a dict."""
+def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_fraction=FIT_FRACTION,
+                link_of=None):
+    """The plan of one layout for a model config (GPTConfig, LlamaConfig, Arch): a dict.
+    ``link_of``: group -> Link, each group's own link (pdist.plan.measured), instead of the
+    cluster's intra or inter link by placement."""
     a = arch_of(cfg)
     if not 0 < fit_fraction <= 1:
         raise ValueError(f"fit_fraction must be in (0, 1], got {fit_fraction}")
@@ -65,8 +68,9 @@ def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_
     g = cluster.gpus_per_node
     link = links(lay, g)
 
-    def link_of(grp):
-        return cluster.inter if link[grp] else cluster.intra
+    if link_of is None:
+        def link_of(grp):
+            return cluster.inter if link[grp] else cluster.intra
     comm = [comm_time(st["comm_bytes"], st["comm_calls"], link_of) for st in stages]
     flat = efficiency if efficiency is not None else (cluster.efficiency or None)
     peak = cluster.peak[lay.precision]

@@ -1,0 +1,205 @@
+"""The planner on this machine, from measured facts, beside pdist's measured waterfall.
+
+    plan = plan_for(model, (B, T))           # collective over the model's groups (calibration)
+    rows = compare(wf_parts, step_s, plan)   # per part: measured, planned, error, verdict
+
+A "this machine" profile (``this_machine``) is built from what is measured here, never from
+the step it is compared with:
+
+    peak (fp32, fp64)  pdist.measure.flops.gemm_rate: a 256^3 GEMM, the best of the ranks
+                       (the same rate the waterfall's ideal compute divides by)
+    efficiency         1.0 flat: every GEMM at that rate (the planner's roofline is for
+                       library GEMMs on a device; the host's per-op Python cost is not in it)
+    mem_bw             one large array copy, bytes read + written per second (the roofline's
+                       slope for the elementwise work)
+    links, per group   a small all-reduce calibration on that very group (8 B and 1 MiB, the
+                       best of 7, as the GEMM rate is a best): alpha = t(8 B) / ring steps,
+                       beta = ring bytes / (t(1 MiB) - steps alpha), cached per group; with a
+                       simulated topology (PDIST_TOPOLOGY, pdist/comm/topology.py) the group's
+                       charged link is added: alpha + alpha_topo, 1/beta + 1/beta_topo
+                       (the charge is slept on top of the real transfer)
+    overhead           0: the planner has no model of the host's optimizer and Python
+
+``plan_for`` reads the layout off the running strategy's chain (DataParallel, ZeRO-k,
+TensorParallel (SP), PipelineParallel (schedule, m)) and the model's config, and plans it
+with pdist.plan.model.plan_config on that profile, each group on its own calibrated link.
+``compare`` sets the two waterfalls side by side: a part is compared relatively (within
+``tol``, default 15%) when either side is at least ``floor`` (default 5%) of the measured
+step, else in absolute time (within ``floor`` x step).
+"""
+import time
+
+import numpy as np
+
+from pdist.plan.presets import Cluster, Link
+from pdist.plan.timing import as_measured
+
+ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 7
+_links = {}               # (group name, world ranks, topology link) -> Link (this process)
+_bw = []
+
+
+def memory_bandwidth():
+    """Bytes per second of one large copy (read + write), best of 3, measured once."""
+    if not _bw:
+        a = np.ones(4 * 2 ** 20)
+        b = np.empty_like(a)
+        best = float("inf")
+        for _ in range(4):
+            t0 = time.perf_counter()
+            np.copyto(b, a)
+            best = min(best, time.perf_counter() - t0)
+        _bw.append(2 * a.nbytes / max(best, 1e-9))
+    return _bw[0]
+
+
+def _best_allreduce(group, n_elems):
+    """Fastest seconds of one blocking all-reduce of ``n_elems`` float64 (a barrier before each;
+    load from other processes only adds, so the best is the link's)."""
+    from pdist.engine.backend import xp
+    buf = xp.ones(n_elems, dtype="float64")
+    ts = []
+    for _ in range(REPS):
+        group.barrier()
+        t0 = time.perf_counter()
+        group.all_reduce(buf)
+        ts.append(time.perf_counter() - t0)
+    return min(ts)
+
+
+def calibrate(group):
+    """The plain transport's Link of ``group`` (alpha-beta of its all-reduce, module doc):
+    collective over the group, cached per group; the simulated link is off while measuring."""
+    key = (group.name, tuple(group.ranks))
+    if group.size < 2:
+        return Link(float("inf"), 0.0)
+    if key not in _links:
+        saved, group._link = getattr(group, "_link", None), None
+        try:
+            steps, ring = 2 * (group.size - 1), 2 * (group.size - 1) / group.size
+            small = _best_allreduce(group, ALPHA_BYTES // 8)
+            big = _best_allreduce(group, BETA_BYTES // 8)
+        finally:
+            group._link = saved
+        alpha = small / steps
+        beta = ring * BETA_BYTES / max(big - steps * alpha, 0.5 * big)   # alpha's noise: beta at most 2x t(1 MiB)'s
+        _links[key] = Link(beta, alpha)
+    return _links[key]
+
+
+def group_link(group):
+    """The Link the planner charges ``group``: the calibrated transport plus the simulated
+    topology's link of that group, when one is set (module doc)."""
+    base = calibrate(group)
+    sim = getattr(group, "_link", None)
+    if sim is None or group.size < 2:
+        return base
+    return Link(1.0 / (1.0 / base.beta + sim.scale / sim.bw), base.alpha + sim.scale * sim.alpha)
+
+
+def this_machine(rate, links=None):
+    """A Cluster of this machine: ``rate`` FLOP/s per rank (the GEMM rate), the measured
+    memory bandwidth, ``links`` {planner group: Link} (each group's own link, module doc)."""
+    links = links or {}
+    one = next(iter(links.values()), Link(1e30, 0.0))
+    return Cluster("this machine (measured: GEMM rate, copy bandwidth, MPI alpha-beta per group)", 1 << 20,
+                   float("inf"), {"fp32": rate, "fp64": rate, "mixed": rate, "fp8": rate}, intra=one, inter=one,
+                   efficiency=1.0, mem_bw=memory_bandwidth(), reserve=0.0, overhead=0.0,
+                   source="pdist.plan.measured", extra={"links": links})
+
+
+def layout_of(model, batch):
+    """(config, Layout, {planner group: ProcessGroup}) of a running strategy and its global
+    ``batch`` (B rows, T tokens)."""
+    from pdist.measure.waterfall import _config_of
+    from pdist.plan.layout import Layout
+    cfg = _config_of(model)
+    if cfg is None:
+        raise ValueError(f"plan_for: {type(model).__name__} holds no GPT/Llama config to plan")
+    B, T = batch
+    kw, groups, m = {"dp": 1, "tp": 1, "pp": 1}, {}, 1
+    for s in model.chain():
+        n = type(s).__name__
+        if n in ("DataParallel", "DataParallelNaive", "ZeRO"):
+            kw["dp"], groups["dp"] = s.group.size, s.group
+            kw["zero"] = s.stage if n == "ZeRO" else 0
+        elif n == "TensorParallel":
+            kw["tp"], groups["tp"] = s.group.size, s.group
+            kw["sp"] = bool(getattr(s, "sequence_parallel", False))
+        elif n == "PipelineParallel":
+            kw["pp"], groups["pp"], m = s.group.size, s.group, s.num_microbatches
+            kw["schedule"] = s.schedule
+        elif n not in ("Local",):
+            raise ValueError(f"plan_for: the planner has no reading of {n} yet (chain {model.chain()})")
+    rows = B // kw["dp"]
+    if rows % m:
+        raise ValueError(f"plan_for: batch {B} over dp {kw['dp']} does not split into m = {m} micro-batches")
+    dtype = str(next(iter(model.parameters())).data.dtype)
+    precision = {"float64": "fp64", "float32": "fp32"}.get(dtype, "mixed")
+    lay = Layout(**kw, m=m, micro_batch=rows // m, seq_len=T, precision=precision,
+                 recompute="full" if getattr(cfg, "recompute", "none") == "full" else "none")
+    return cfg, lay, groups
+
+
+def plan_for(model, batch, world=None):
+    """The planner's plan of the running strategy ``model`` on global ``batch`` (B, T), on the
+    measured profile of this machine (module doc). Collective: every rank of the model calls it."""
+    from pdist import comm
+    from pdist.measure import flops
+    from pdist.plan.model import plan_config
+    cfg, lay, groups = layout_of(model, batch)
+    world = world or (comm.get_world() if comm.is_initialized() else None)
+    links = {g: group_link(groups[g]) for g in ("tp", "dp", "pp") if g in groups}   # one order on every rank
+    rate = max(world.all_gather_object(flops.gemm_rate())) if world is not None else flops.gemm_rate()
+    cluster = this_machine(rate, links)
+    link_of = lambda g: links.get(g, cluster.intra)       # noqa: E731
+    out = plan_config(cfg, cluster, lay, link_of=link_of)
+    parts = as_measured(out["waterfall"])
+    parts["pipeline bubble"] += parts.pop("comm pp")      # the waterfall counts a pipeline's p2p as bubble
+    out["measured_parts"] = {k: v for k, v in parts.items() if v or not k.startswith("comm ")}
+    out["calibration"] = {g: {"alpha_us": lk.alpha * 1e6, "beta_GBps": lk.beta / 1e9,
+                              "simulated": getattr(getattr(groups[g], "_link", None), "name", None)}
+                          for g, lk in links.items()}
+    return out
+
+
+def counted(groups, steps):
+    """{planner group: {"bytes", "steps"}} per step that pdist's groups counted (ProcessGroup.stats:
+    the ring accounting's bytes; ring steps per call as pdist/comm/topology.ring_steps) over
+    ``steps`` steps since their stats were reset: what the planner's comm.group_bytes predicts."""
+    from pdist.comm.topology import ring_steps
+    out = {}
+    for g, pg in groups.items():
+        st = pg.stats.items()
+        out[g] = {"bytes": sum(v["bytes"] for _, v in st) / steps,
+                  "steps": sum(v["calls"] * ring_steps(op, 2 if "send" in op or "recv" in op else pg.size)
+                               for op, v in st) / steps}
+    return out
+
+
+def planned_counts(plan, pp_rank=0):
+    """{group: {"bytes", "steps"}} per step the planner counts for pipeline rank ``pp_rank``."""
+    st = plan["memory_per_stage"][pp_rank]
+    return {g: {"bytes": st["comm_bytes"][g], "steps": st["comm_calls"][g]} for g in st["comm_bytes"]
+            if st["comm_bytes"][g] or st["comm_calls"][g]}
+
+
+def compare(measured, step_s, plan, tol=0.15, floor=0.05):
+    """Rows (part, measured s, planned s, relative error or None, how, ok) for every part either
+    side has; ``how`` is "rel" (within ``tol``) or "abs" (both under ``floor`` x step: within
+    ``floor`` x step)."""
+    planned = plan["measured_parts"] if "measured_parts" in plan else plan
+    names = list(measured) + [k for k in planned if k not in measured]
+    rows = []
+    for k in names:
+        m, p = measured.get(k, 0.0), planned.get(k, 0.0)
+        if max(m, p) >= floor * step_s:
+            err = (p - m) / m if m > 0 else float("inf")
+            rows.append((k, m, p, err, "rel", abs(err) <= tol))
+        else:
+            rows.append((k, m, p, None, "abs", abs(p - m) <= floor * step_s))
+    return rows
+
+
+__all__ = ["plan_for", "layout_of", "this_machine", "calibrate", "group_link", "compare", "counted", "planned_counts",
+           "memory_bandwidth"]

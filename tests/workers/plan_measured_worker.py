@@ -1,0 +1,92 @@
+"""The planner beside the measured waterfall (tests/test_plan_measured.py, bench/plan_vs_measured.py):
+every lesson layout of one world size in one launch.
+
+    mpirun -n 2 python tests/workers/plan_measured_worker.py 2 [STEPS]   # dp2, zero-1..3, tp2, pp2 1f1b m4
+    mpirun -n 4 python tests/workers/plan_measured_worker.py 4 [STEPS]   # dp2 x tp2; on 2 simulated nodes
+                                                                         # with tp inside vs across them
+
+Per layout: STEPS steps (default 5) timed by the Waterfall and by an independent clock; per rank
+the median step (by its measured time); then pdist.plan.measured.plan_for on the same model and
+batch. Rank 0 prints one ``report``: {layout: {"ranks": [per rank: {"parts", "step_s", "ratio",
+"ratios", "counted", "planned"}], "plan": the planner's parts under the waterfall's labels,
+"calibration"}, "cpu_s"}; "counted"/"planned": per group the bytes and ring steps per step that
+pdist's groups counted / the planner counts, and on a simulated link the seconds the transport
+charged / the planner's count on that link alone ("charged_s").
+"""
+import sys
+import time
+
+from pdist import comm, data
+from pdist.comm import topology
+from pdist.course import lesson
+from pdist.engine.backend import set_default_dtype
+from pdist.measure import waterfall
+from pdist.models.gpt import GPT
+from pdist.parallel import parallelize
+from pdist.plan import measured
+from pdist.testing import report
+
+B, T = 8, 16
+# two simulated nodes of two ranks; the inter-node link slow enough to show at this size
+LINKS = "intra=2GB/s:20us,inter=50MB/s:1ms"
+LAYOUTS = {2: {"dp2": ({"dp": 2}, {}), "zero-1": ({"dp": 2}, {"zero_stage": 1}),
+               "zero-2": ({"dp": 2}, {"zero_stage": 2}), "zero-3": ({"dp": 2}, {"zero_stage": 3}),
+               "tp2": ({"tp": 2}, {}), "pp2 1f1b m4": ({"pp": 2}, {"microbatches": 4})},
+           4: {"dp2xtp2": ({"dp": 2, "tp": 2}, {}),
+               "2 nodes, tp inside": ({"dp": 2, "tp": 2, "topology": "nodes=0+1/2+3," + LINKS}, {}),
+               "2 nodes, tp across": ({"dp": 2, "tp": 2, "topology": "nodes=0+2/1+3," + LINKS}, {})}}
+
+
+def one_layout(world, tokens, vocab, axes, kw, steps):
+    cfg = lesson.gpt_config(vocab, n_layer=2, n_head=2, n_embd=32, block_size=T)
+    model = parallelize(GPT(cfg, 0), comm.DeviceMesh(**axes), **kw)
+    opt = lesson.make_adamw(model.parameters())
+    wf = waterfall.Waterfall(model)
+    rows, groups = [], measured.layout_of(model, (B, T))[2]
+    for s in range(steps + 1):              # the first is a warm-up
+        if s == 1:
+            for g in groups.values():
+                g.reset_stats()
+                g._link_s = 0.0                 # the simulated link's charge (pdist/comm/topology.py)
+        wf.start()
+        t0 = time.perf_counter()
+        x, y = model.local_batch(*data.get_batch(tokens, B, T, 0, s))
+        model.forward_backward(x, y)
+        opt.step()
+        opt.zero_grad()
+        t = time.perf_counter() - t0
+        parts = wf.stop()
+        rows.append({"parts": parts, "step_s": wf.records[-1]["step_s"], "ratio": sum(parts.values()) / t})
+    wf.close()
+    count = measured.counted(groups, steps)
+    for g, pg in groups.items():
+        count[g]["charged_s"] = getattr(pg, "_link_s", 0.0) / steps if pg._link is not None else None
+    plan = measured.plan_for(model, (B, T), world)
+    pp_rank = groups["pp"].rank if "pp" in groups else 0
+    rows = sorted(rows[1:], key=lambda r: r["step_s"])
+    planned = measured.planned_counts(plan, pp_rank)
+    for g, pg in groups.items():      # the planner's count on the simulated link alone: what it charges
+        if pg._link is not None and g in planned:
+            lk = pg._link
+            planned[g]["charged_s"] = lk.scale * (planned[g]["steps"] * lk.alpha + planned[g]["bytes"] / lk.bw)
+    mine = dict(rows[len(rows) // 2], ratios=[r["ratio"] for r in rows], counted=count, planned=planned)
+    topology.set(None)
+    return {"ranks": world.gather_object(mine), "plan": plan["measured_parts"],
+            "calibration": plan["calibration"]}
+
+
+def main(n, steps):
+    set_default_dtype("float64")
+    world = comm.init(timeout=60)
+    if world.size != n:
+        sys.exit(f"plan_measured_worker: launched on {world.size} ranks, asked for {n}")
+    tokens, tok = data.char_dataset()
+    out = {name: one_layout(world, tokens, tok.vocab_size, dict(axes), dict(kw), steps)
+           for name, (axes, kw) in LAYOUTS[n].items()}
+    cpu = world.gather_object(time.process_time())      # the CPU seconds this launch costs (the suite's budget)
+    if world.rank == 0:
+        report(**out, cpu_s=sum(cpu))
+
+
+if __name__ == "__main__":
+    main(int(sys.argv[1]), int(sys.argv[2]) if len(sys.argv) > 2 else 5)
