@@ -64,6 +64,7 @@ refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any la
 """
 from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
+from pdist.engine import host_memory
 from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
@@ -104,6 +105,10 @@ class ZeRO(ParallelModule):
         self._overlap = not self.inner.has_late_grads
         self._stale = stage in (1, 2)  # full params to re-gather before the next forward
         self._install_hooks(unit_modules)
+        self.pool = host_memory.BufferPool()   # freed unit/gradient buffers, reused next time: "held"
+        for u in self.units:
+            u.pool = self.pool
+        host_memory.malloc_trim()      # the model's full arrays, freed by the flattening, back to the OS
 
     # ---------------------------------------------------------------- setup
     def _install_hooks(self, unit_modules):
@@ -254,6 +259,12 @@ class ZeRO(ParallelModule):
         grads = [p.grad for u in self.units for p in u.params] + \
                 [a for u in self.units for a in (u.grad_flat, u.shard.grad)]
         return params, [g for g in grads if g is not None]
+
+    def held_bytes(self):
+        """Bytes this rank holds free for reuse (the buffer pool: gathered units and full
+        gradients of the last step, host_memory.BufferPool): resident, not live; the RSS
+        counts them, the formula does not."""
+        return self.pool.held_bytes()
 
     @property
     def numel(self):
