@@ -2,6 +2,7 @@
 
     mpirun -n 2 python bench/zero.py                  # both sizes, 5 interleaved repeats
     mpirun -n 2 python bench/zero.py --sizes lesson --repeats 3 --steps 5
+    mpirun -n 4 python bench/zero.py --rss            # RSS vs the formula, Ψ = 25.3 M, stages 0-3
 
 One step of the one loop (pdist.training.train: forward + backward + AdamW) of a
 float32 GPT, per-rank batch fixed (``rows`` per rank), for: DDP (pdist.parallel.data_parallel.DataParallel, bucketed
@@ -86,14 +87,73 @@ def time_config(name, cfg, rows, world, tokens, steps):
     return statistics.median(times), sent[0], (sum(st.values()), rss.rss_bytes, rss.rss_peak_bytes)
 
 
+RSS_SIZE = dict(n_layer=8, n_head=8, n_embd=512)   # Ψ = 25.3 M with the corpus's 65 characters
+
+
+def formula_bytes(stage, psi, n, b=4):
+    """The stage's model states per rank (zero.py's table, Adam's m and v): 4bΨ, 2bΨ + 2bΨ/N,
+    bΨ + 3bΨ/N, 4bΨ/N; Ψ here is Σ_units Ψ_pad at stages 1-3 (the unpadded Ψ at stage 0)."""
+    return b * psi * (4, 2 + 2 / n, 1 + 3 / n, 4 / n)[stage]
+
+
+def rss_row(cfg, stage, world, tokens, steps=2):
+    """The documented path, ``parallelize(GPT(cfg, seed), DeviceMesh(dp=N), zero_stage=stage)``,
+    one row per rank: this rank's {stage, rank, formula, built, rss, held, allocated} in bytes,
+    each RSS minus the RSS before the model (after malloc returned its free pages). built: just
+    after parallelize; rss, held, allocated: after ``steps`` steps (memory.rss_split: held is
+    what malloc and ZeRO's buffer pool keep free for the next step, allocated = rss - held)."""
+    from pdist.comm.mesh import DeviceMesh
+    from pdist.parallel.parallelize import parallelize
+    n = world.size
+    gc.collect()
+    host_memory.malloc_trim()
+    base = memory.rss_bytes()
+    model = parallelize(gpt.GPT(cfg, seed=0), DeviceMesh(dp=n), zero_stage=stage)
+    built = memory.rss_bytes() - base
+    opt = lesson.make_adamw(model.parameters())
+    batches = [data.get_batch(tokens, n, cfg.block_size, 0, s) for s in range(steps)]
+    train(model, opt, lambda s: batches[s], steps)
+    split = memory.rss_split()
+    psi = model.numel_padded if stage else cfg.num_params()
+    row = {"stage": stage, "rank": world.rank, "formula": formula_bytes(stage, psi, n), "built": built,
+           "rss": split["rss_bytes"] - base, "held": split["rss_held_bytes"],
+           "allocated": split["rss_allocated_bytes"] - base}
+    del model, opt
+    return row
+
+
+def rss_table(cfg, world, tokens, stages=(0, 1, 2, 3)):
+    """Every rank's rss_row at each stage (all ranks get them); rank 0 prints the table."""
+    rows = []
+    for s in stages:
+        rows += world.all_gather_object(rss_row(cfg, s, world, tokens))
+    if world.rank == 0:
+        mib = (lambda v: f"{v / 2**20:.1f}")
+        print(f"\nRSS on the documented path: Ψ = {cfg.num_params():,} float32, {world.size} ranks x 1 row "
+              f"x T {cfg.block_size}; MiB above the RSS before the model, ratio to the formula")
+        print(lesson.table([[r["stage"], r["rank"], mib(r["formula"]), f"{r['built'] / r['formula']:.3f}",
+                             mib(r["rss"]), mib(r["held"]), mib(r["allocated"]),
+                             f"{r['allocated'] / r['formula']:.3f}"] for r in rows],
+                           ["stage", "rank", "formula", "built/f", "rss", "held", "allocated", "alloc/f"]))
+    return rows
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--sizes", nargs="+", choices=list(SIZES), default=list(SIZES))
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--steps", type=int, default=8)
+    p.add_argument("--rss", action="store_true", help="instead of the timings: the RSS table of the "
+                   "documented path at Ψ = 25.3 M, stages 0-3, one row per rank (run it on 4 ranks)")
     args = p.parse_args()
     world = comm.init()
     tokens, tok = data.char_dataset()
+    if args.rss:
+        rows = rss_table(lesson.gpt_config(tok.vocab_size, **RSS_SIZE), world, tokens)
+        if world.rank == 0:
+            from machine import report
+            report("zero_rss", {"ranks": world.size, "rows": rows})
+        return
     configs = list(CONFIGS)
     for size in args.sizes:
         kw, rows = SIZES[size]
