@@ -7,7 +7,8 @@
 One step of the one loop (pdist.training.train: forward + backward + AdamW) of a
 float32 GPT, per-rank batch fixed (``rows`` per rank), for: DDP (pdist.parallel.data_parallel.DataParallel, bucketed
 and overlapped), ZeRO stage 0 (zero.py's own data parallelism: one flat all-reduce
-per unit), stages 1, 2, and 3 with and without all-gather prefetch. Sizes:
+per unit), stages 1, 2, and 3 with and without all-gather prefetch, and stage 3 without its
+buffer pool (every gather and full gradient a fresh mapping, as before the pool). Sizes:
 ``lesson`` is the lessons' GPT (2 layers, n_embd 64, T 32, 6 rows per rank: a few ms
 of compute, so communication and hook overhead show); ``medium`` is 4 layers,
 n_embd 256, T 64, 8 rows per rank (compute-heavier, 3.2 M parameters).
@@ -19,11 +20,15 @@ run's median step time, the spread (max/min over repeats: a noise gauge), the ra
 to DDP, the bytes each rank sent per step (ring accounting), and per rank (in rank
 order, MiB, the last repeat): the model states (pdist.measure.memory), the process's RSS after
 the last timed step and its peak during that step (the interpreter and libraries
-included: lesson 03 puts them beside the formula).
+included: lesson 03 puts them beside the formula), and the minor page faults per timed
+step (getrusage's ru_minflt: pages mapped afresh; ZeRO-2/3 reuse their freed unit and
+gradient buffers from a pool, host_memory.BufferPool, so a step after the first faults
+few pages in; a count that load does not change, unlike the times).
 """
 import argparse
 import gc
 import os
+import resource
 import statistics
 import sys
 import time
@@ -41,7 +46,7 @@ from pdist.training import train  # noqa: E402
 
 SIZES = {"lesson": (dict(block_size=32, n_layer=2, n_head=4, n_embd=64), 6),
          "medium": (dict(block_size=64, n_layer=4, n_head=8, n_embd=256), 8)}
-CONFIGS = ["DDP", "zero0", "zero1", "zero2", "zero3", "zero3 no prefetch"]
+CONFIGS = ["DDP", "zero0", "zero1", "zero2", "zero3", "zero3 no prefetch", "zero3 no pool"]
 
 
 def make_model(name, cfg, world):
@@ -52,6 +57,9 @@ def make_model(name, cfg, world):
         model = DataParallel(meta, world)
     else:
         model = ZeRO(meta, int(name[4]), world, prefetch="no prefetch" not in name)
+        if "no pool" in name:      # every gather and full gradient in a fresh mapping (the pool's absence)
+            for u in model.units:
+                u.pool = None
     return model, lesson.make_adamw(model.parameters())
 
 
@@ -81,10 +89,12 @@ def time_config(name, cfg, rows, world, tokens, steps):
         rss.stop()
         sent[0] = world.bytes_sent()
 
+    faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     train(model, opt, batch, steps, on_step=on_step, start=2)
+    faults = (resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults) / steps
     world.barrier()
     st = memory.model_state_bytes(model, opt)
-    return statistics.median(times), sent[0], (sum(st.values()), rss.rss_bytes, rss.rss_peak_bytes)
+    return statistics.median(times), sent[0], (sum(st.values()), rss.rss_bytes, rss.rss_peak_bytes, faults)
 
 
 RSS_SIZE = dict(n_layer=8, n_head=8, n_embd=512)   # Ψ = 25.3 M with the corpus's 65 characters
@@ -174,11 +184,12 @@ def main():
             med = statistics.median(res[c])
             mib = (lambda i: " ".join(f"{(m[i] or 0) / 2**20:.0f}" for m in mem[c]))
             table.append([c, f"{med * 1e3:.1f}", f"{max(res[c]) / min(res[c]):.2f}",
-                          f"{med / base:.2f}x", lesson.fmt_bytes(sent[c]), mib(0), mib(1), mib(2)])
+                          f"{med / base:.2f}x", lesson.fmt_bytes(sent[c]), mib(0), mib(1), mib(2),
+                          " ".join(f"{m[3]:.0f}" for m in mem[c])])
         print(f"\n{size}: Ψ = {psi:,} float32 params, {world.size} ranks x {rows} rows x "
               f"T {cfg.block_size}, median of {args.repeats} repeats x {args.steps} steps")
         print(lesson.table(table, ["config", "ms/step", "spread", "vs DDP", "sent/step/rank",
-                                   "states MiB/rank", "rss MiB/rank", "rss peak MiB/rank"]))
+                                   "states MiB/rank", "rss MiB/rank", "rss peak MiB/rank", "faults/step/rank"]))
         from machine import report
         report(f"zero_{size}", {"ranks": world.size, "rows": table, "seconds": res})
         sys.stdout.flush()
