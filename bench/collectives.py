@@ -86,7 +86,7 @@ def bandwidth_table(g, raw, sizes_mib, repeats):
         for _ in range(repeats):
             for k, fn in ms.items():
                 best[k] = min(best[k], timed(g, fn, iters))
-        bus = {k: x.nbytes / t / 1e9 * 2 * (n - 1) / n for k, t in best.items()}
+        bus = {k: x.nbytes / t / 1e9 * (2 * (n - 1) / n if n > 1 else 1) for k, t in best.items()}   # 1 rank: algbw
         mem = g.comm.bcast(memcpy_bw(x.nbytes) if g.rank == 0 else None)
         rows.append([f"{mib:g} MiB", *(bus[k] for k in ms), mem, bus["ring"] / bus["raw"],
                      best["raw"] / best["mpi"], best["raw"] / best["mpi-nochk"], best["raw"] / best["ddp-sync"]])
