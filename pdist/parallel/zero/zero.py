@@ -35,6 +35,11 @@ gradient once it is reduced. Stage 3 also gathers a unit in a forward pre-hook,
 frees it in the forward hook, gathers it again in a hook on the unit's output
 (it fires before the unit's backward runs), frees it when its gradients are
 done, and with ``prefetch`` starts the next unit's all-gather asynchronously.
+Freed gathered units and full gradients go back to the model's buffer pool
+(host_memory.BufferPool) and the next gather or gradient of that size reuses them, pages
+already mapped (no page faults); ``held_bytes()`` is what the pool holds free, the RSS's
+"held" share beside the formula's (pdist.measure.memory.rss_split). Building the model
+ends with ``malloc_trim``: the full arrays the flattening freed go back to the OS.
 
 Units (units.py): by default the modules the model's plan names (``ModelPlan.zero_units``: GPT-2's
 blocks and final LayerNorm); every parameter in no unit (GPT-2: its two embeddings)
