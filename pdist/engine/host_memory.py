@@ -112,7 +112,7 @@ class BufferPool:
             if free[i] is prefer:
                 return free.pop(i)
         for i in range(len(free)):
-            if sys.getrefcount(free[i]) <= 2:    # the list's reference and getrefcount's own
+            if sys.getrefcount(free[i]) <= _UNVIEWED:   # only the list holds it: nothing views it
                 return free.pop(i)
         return mapped_empty(n, dtype)
 
@@ -129,6 +129,16 @@ class BufferPool:
 
 
 _POOLS = weakref.WeakSet()
+
+
+def _refs_of_a_listed_array():
+    """sys.getrefcount of an array only a list holds (2 on CPython 3.11: the list's and the
+    call's), measured here rather than assumed, as interpreters count differently."""
+    listed = [_np.empty(1)]
+    return sys.getrefcount(listed[0])
+
+
+_UNVIEWED = _refs_of_a_listed_array()
 
 
 def held_bytes():
