@@ -150,3 +150,37 @@ def test_mapped_empty_returns_its_pages_at_once_and_is_traced():
         tracemalloc.stop()
     assert traced >= 8 * n, traced
     assert freed >= 8 * n - (1 << 20), (freed, held)
+
+
+# --- ZeRO's buffer pool (host_memory.BufferPool) and the RSS of the documented path ----------------------
+def test_buffer_pool_reuses_only_unviewed_buffers_and_malloc_trim_empties_it():
+    """A freed buffer that a graph node still views holds its unit's values: it goes back only to
+    the unit that freed it (``prefer``), never to another; one nothing views is reused; the
+    pool's free buffers are held bytes, and malloc_trim returns them."""
+    pool = host_memory.BufferPool()
+    a = pool.take(1 << 15, np.float32)
+    a[:] = 1.0
+    view = a[3:5]                                  # a node still views a
+    pool.give(a)
+    assert host_memory.held_bytes() >= a.nbytes and pool.held_bytes() == a.nbytes
+    b = pool.take(1 << 15, np.float32)
+    assert b is not a and view[0] == 1.0           # another unit does not get the viewed buffer
+    assert pool.take(1 << 15, np.float32, prefer=a) is a   # the unit that freed it does
+    pool.give(a)
+    pool.give(b)
+    del view, b
+    c = pool.take(1 << 15, np.float32)             # nothing views either one now: reused
+    assert c is a or pool.held_bytes() == a.nbytes
+    pool.give(c)
+    host_memory.malloc_trim()
+    assert pool.held_bytes() == 0 and host_memory.held_bytes() == 0
+
+
+def test_rss_on_the_documented_path_within_15_percent_at_every_stage():
+    """One 4-rank launch, ZeRO 0-3 through parallelize(GPT(cfg, seed)): allocated RSS (held
+    memory split off) within 15% of the formula; right after parallelize at most the formula."""
+    from pathlib import Path
+    from pdist.testing import mpirun, reports
+    worker = Path(__file__).resolve().parent / "workers" / "zero_rss.py"
+    got = {r["case"]: r for r in reports(mpirun(4, worker, "4", "256", timeout=240))}
+    assert set(got) == {f"stage {s}" for s in range(4)}, got

@@ -161,7 +161,7 @@ def is_low(dtype):
         dt = _np.dtype(dtype)
     except TypeError:
         return False
-    return dt == _np.float16 or dt.name == "bfloat16"
+    return dt.itemsize == 2 and (dt == _np.float16 or dt.name == "bfloat16")   # (.name is slow: last)
 
 
 def words(a):

@@ -42,14 +42,16 @@ which ``reset_rss_peak()`` sets back to the current RSS (writing "5" to
 
 Where /proc is missing (macOS) the peak is ``resource.getrusage``'s ``ru_maxrss``
 (since the process began, never reset) and the current RSS is None.
-``pdist.engine.host_memory.malloc_free_bytes()`` is what malloc holds free inside the process.
+``pdist.engine.host_memory.malloc_free_bytes()`` is what malloc holds free inside the process;
+``rss_split()`` splits the RSS into held (free pages malloc and pdist's buffer pools keep for
+the next step) and allocated (live), as PyTorch reports reserved beside allocated.
 """
 import os
 import sys
 import tracemalloc
 
 from pdist.engine.backend import is_gpu
-from pdist.engine.host_memory import malloc_free_bytes
+from pdist.engine.host_memory import malloc_free_bytes, malloc_trim
 
 
 def _root(a):
@@ -236,6 +238,21 @@ class StepRSS:
 
     def row(self):
         return {"rss_bytes": self.rss_bytes, "rss_peak_bytes": self.rss_peak_bytes}
+
+
+def rss_split():
+    """{"rss_bytes", "rss_held_bytes", "rss_allocated_bytes"}: what the process holds now, split
+    as PyTorch reports "reserved" beside "allocated". Held: the pages kept free for the next
+    step, by malloc (its heap) and by pdist's buffer pools (ZeRO's gathered units and gradients,
+    host_memory.BufferPool); allocated = RSS - held, the live memory. Measured by returning
+    them (``host_memory.malloc_trim``: RSS before minus after), so the next step faults those
+    pages in again: call it outside timed steps. Entries None where /proc is missing."""
+    rss = rss_bytes()
+    malloc_trim()
+    after = rss_bytes()
+    if rss is None or after is None:
+        return {"rss_bytes": rss, "rss_held_bytes": None, "rss_allocated_bytes": after}
+    return {"rss_bytes": rss, "rss_held_bytes": max(rss - after, 0), "rss_allocated_bytes": after}
 
 
 def process_row():

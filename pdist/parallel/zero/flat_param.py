@@ -67,6 +67,7 @@ class FlatParamUnit:
         self.full = None            # the gathered flat buffer while materialized
         self._stale = None          # weakref to a freed buffer that autograd views may still pin
         self.gather_work = None     # (buffer, Work) of an all-gather in flight
+        self.pool = None            # a host_memory.BufferPool (ZeRO sets it): freed buffers reused
         if self.meta and not keep_full:
             shard = xp.zeros(self.hi - self.lo, dtype=self.dtype)  # (Ψ_pad/N,)
             self.free()
@@ -102,6 +103,8 @@ class FlatParamUnit:
                 self._stale = weakref.ref(self.full)
             except TypeError:   # an array type without weak references: no reuse
                 self._stale = None
+            if self.pool is not None:
+                self.pool.give(self.full)
         self.full = None
         for p in self.params:
             p.data = xp.empty((0,), dtype=self.dtype)
@@ -109,12 +112,15 @@ class FlatParamUnit:
             hooks.event("free", self.name)
 
     def gather_buffer(self):
-        """Where the next all-gather lands: a fresh (Ψ_pad,) buffer, or the freed
-        one if a graph node still holds a view of it (then it was never really
-        freed, and gathering into it again avoids a second copy)."""
+        """Where the next all-gather lands: the freed buffer if a graph node still holds a
+        view of it (then it was never really freed, and gathering into it again avoids a
+        second copy); else a free one of the pool (pages already mapped: no faults); else a
+        fresh (Ψ_pad,) mapping (its free unmaps it)."""
         old = self._stale() if self._stale is not None else None
         self._stale = None
-        return old if old is not None else mapped_empty(self.padded, self.dtype)   # its free unmaps it
+        if self.pool is not None:
+            return self.pool.take(self.padded, self.dtype, prefer=old)
+        return old if old is not None else mapped_empty(self.padded, self.dtype)
 
     def finish_gather(self, buf):
         self._attach(buf)
@@ -124,7 +130,8 @@ class FlatParamUnit:
         """Give every parameter a ``.grad`` that is a view into ``grad_flat``,
         allocating it (zeros) if needed, so autograd accumulates in place."""
         if self.grad_flat is None:
-            self.grad_flat = mapped_empty(self.padded, self.dtype)   # (Ψ_pad,) zeros; its free unmaps it
+            self.grad_flat = (mapped_empty(self.padded, self.dtype) if self.pool is None else
+                              self.pool.take(self.padded, self.dtype))   # (Ψ_pad,)
             self.grad_flat[...] = 0
             for p in self.params:
                 p.grad = None
@@ -135,7 +142,10 @@ class FlatParamUnit:
                 p.grad = view.reshape(s)
 
     def drop_grads(self):
-        """Forget the full gradient (stages 2, 3): parameters' .grad -> None."""
+        """Forget the full gradient (stages 2, 3): parameters' .grad -> None (its buffer back
+        to the pool, if any)."""
+        if self.pool is not None and self.grad_flat is not None:
+            self.pool.give(self.grad_flat)
         self.grad_flat = None
         for p in self.params:
             p.grad = None

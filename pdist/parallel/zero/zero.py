@@ -35,6 +35,11 @@ gradient once it is reduced. Stage 3 also gathers a unit in a forward pre-hook,
 frees it in the forward hook, gathers it again in a hook on the unit's output
 (it fires before the unit's backward runs), frees it when its gradients are
 done, and with ``prefetch`` starts the next unit's all-gather asynchronously.
+Freed gathered units and full gradients go back to the model's buffer pool
+(host_memory.BufferPool) and the next gather or gradient of that size reuses them, pages
+already mapped (no page faults); ``held_bytes()`` is what the pool holds free, the RSS's
+"held" share beside the formula's (pdist.measure.memory.rss_split). Building the model
+ends with ``malloc_trim``: the full arrays the flattening freed go back to the OS.
 
 Units (units.py): by default the modules the model's plan names (``ModelPlan.zero_units``: GPT-2's
 blocks and final LayerNorm); every parameter in no unit (GPT-2: its two embeddings)
@@ -66,18 +71,20 @@ sharded over that group, reduced after backward (units.py; pdist/parallel/expert
 """
 from pdist.measure import hooks
 from pdist.engine.autograd import is_grad_enabled
+from pdist.engine import host_memory
 from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.deterministic import finish_zero
+from pdist.parallel.zero.accounting import Accounting
 from pdist.parallel.zero.units import (build_units, check_same_on_all_ranks, default_units, shard_pieces,
                                        unused_experts)
 
 STAGES = (0, 1, 2, 3)
 
 
-class ZeRO(ParallelModule):
+class ZeRO(Accounting, ParallelModule):
     """model = ZeRO(GPT(cfg, seed), stage=3, group=dp_group); opt = AdamW(model.parameters())
     each step: loss = model.forward_backward(*model.local_batch(x, y)); opt.step(); opt.zero_grad()
 
@@ -112,6 +119,10 @@ class ZeRO(ParallelModule):
         self._overlap = not self.inner.has_late_grads
         self._stale = stage in (1, 2)  # full params to re-gather before the next forward
         self._install_hooks(unit_modules, experts)
+        self.pool = host_memory.BufferPool()   # freed unit/gradient buffers, reused next time: "held"
+        for u in self.units:
+            u.pool = self.pool
+        host_memory.malloc_trim()      # the model's full arrays, freed by the flattening, back to the OS
 
     # ---------------------------------------------------------------- setup
     def _install_hooks(self, unit_modules, experts=()):
@@ -272,23 +283,4 @@ class ZeRO(ParallelModule):
 
     def _before_backward(self, u):
         self._gather(u, self._bwd_order)
-
-    # ------------------------------------------------------------ accounting
-    def state_arrays(self):
-        """(param arrays, grad arrays) live on this rank, views included
-        (pdist.measure.memory counts each underlying buffer once)."""
-        params = [p.data for u in self.units for p in u.params] + [u.shard.data for u in self.units]
-        grads = [p.grad for u in self.units for p in u.params] + \
-                [a for u in self.units for a in (u.grad_flat, u.shard.grad)]
-        return params, [g for g in grads if g is not None]
-
-    @property
-    def numel(self):
-        """Ψ: the model's parameter count (no padding)."""
-        return sum(u.numel for u in self.units)
-
-    @property
-    def numel_padded(self):
-        """Σ_units Ψ_pad: the elements the flat buffers hold (= Ψ at stage 0)."""
-        return sum(u.padded for u in self.units)
 
