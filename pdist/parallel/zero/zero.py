@@ -283,4 +283,3 @@ class ZeRO(Accounting, ParallelModule):
 
     def _before_backward(self, u):
         self._gather(u, self._bwd_order)
-
