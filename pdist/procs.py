@@ -222,6 +222,7 @@ def die_with_parent_how():
 
 # ------------------------------------------------------------ live launches and signals
 _LIVE, _LOCK, _PREVIOUS = {}, threading.RLock(), {}
+_STOPPED = [False]      # kill_all_live(stop_new=True) was called: no launch may start after it
 CLEANUP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP)
 
 
@@ -235,8 +236,12 @@ def signals_to_main_thread():
 
 
 def track(proc, mark):
+    """A launch is live. After ``kill_all_live(stop_new=True)`` a launch that a thread was
+    already starting is killed as soon as it is tracked (it must not outlive the stop)."""
     with _LOCK:
         _LIVE[proc.pid] = (proc, mark)
+        if _STOPPED[0]:
+            kill_group(proc.pid)
 
 
 def untrack(proc):
@@ -264,9 +269,11 @@ def kill_group(pid, sig=signal.SIGKILL):
         pass
 
 
-def kill_all_live():
-    """SIGKILL every live launch: its process group, then whatever carries its marker."""
+def kill_all_live(stop_new=False):
+    """SIGKILL every live launch: its process group, then whatever carries its marker.
+    ``stop_new``: also every launch tracked from now on (a pool being interrupted)."""
     with _LOCK:
+        _STOPPED[0] = _STOPPED[0] or stop_new
         live = list(_LIVE.values())
     for proc, _ in live:
         kill_group(proc.pid)

@@ -122,6 +122,29 @@ def test_ctrl_c_stops_class_mode_at_once(tmp_path):
             os.kill(pid, signal.SIGKILL)
 
 
+STOPPED = """
+import sys, time
+from pdist import procs
+from pdist.testing import launch
+procs.kill_all_live(stop_new=True)         # the pool was interrupted while a thread was starting this
+t0 = time.monotonic()
+run = launch(1, sys.argv[1], timeout=60, wrap=False)
+print(f"rc={run.rc} after {time.monotonic() - t0:.2f} s")
+"""
+
+
+def test_a_launch_started_after_the_stop_is_killed_at_once(tmp_path):
+    """Class mode's Ctrl-C (kill_all_live(stop_new=True)) races a worker thread that has passed
+    its 'stopped?' check and is starting a launch: that launch is killed as soon as it is
+    tracked, so the interrupted grader never waits for it (it once ran to its cap)."""
+    (tmp_path / "sleep.py").write_text("import time\ntime.sleep(60)\n")
+    (tmp_path / "t.py").write_text(STOPPED)
+    out = subprocess.run([sys.executable, str(tmp_path / "t.py"), str(tmp_path / "sleep.py")], capture_output=True,
+                         text=True, timeout=60)
+    assert out.stdout.startswith("rc=-9 after"), out.stdout + out.stderr
+    assert float(out.stdout.split()[2]) < 10, out.stdout
+
+
 ANOTHER_THREAD = """
 import signal, subprocess, sys, threading, time
 from pdist import procs

@@ -138,7 +138,7 @@ def run_all(work, tasks, workers, stop):
     except BaseException:
         stop.set()
         pool.shutdown(wait=False, cancel_futures=True)
-        procs.kill_all_live()
+        procs.kill_all_live(stop_new=True)     # and a launch a thread is starting right now
         raise
     pool.shutdown()
 
