@@ -113,7 +113,7 @@ def test_llama_microbatches_same_bits(prec):
 
 def test_refusals_name_the_reason():
     det = Deterministic()
-    for kw, match in [(dict(tp=2), "tp"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
+    for kw, match in [(dict(tp=4), "tp <= 2"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
                       (dict(precision="fp16"), "fp16"), (dict(dp=3), "power of two"),
                       (dict(microbatches=3), "power of two"), (dict(dp=4, microbatches=8), "does not divide")]:
         kw = {"dp": 1, **kw}

@@ -38,6 +38,7 @@ import numpy as np
 from pdist.engine.backend import xp
 
 DEFAULT_GRANULES = 16       # the largest dp * microbatches the default mode accepts
+TP_BLOCKS = 2               # every tensor-parallel sum in this many fixed blocks: the largest tp accepted
 
 
 def _pow2(n):
@@ -73,7 +74,9 @@ class GranuleTree:
 
 class Deterministic:
     """The policy a ``Local`` holds in deterministic mode (module docstring): ``granules``
-    G, a power of two; ``shards``: the data-parallel ranks the batch is cut over (set by
+    G, a power of two; ``tp_blocks``: the fixed blocks of every sum tensor parallelism splits
+    (the K-sums of row-parallel layers, column-parallel input gradients, the vocabulary of the
+    cross-entropy; pdist/parallel/tensor/blocks.py); ``shards``: the data-parallel ranks the batch is cut over (set by
     DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
     data-parallel wrapper."""
@@ -82,6 +85,7 @@ class Deterministic:
         if not _pow2(granules):
             raise ValueError(f"deterministic mode: granules must be a power of two, got {granules!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
+        self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
 
     @classmethod
     def of(cls, arg):
@@ -168,4 +172,4 @@ class Deterministic:
         return f"Deterministic(granules={self.granules})"
 
 
-__all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES"]
+__all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]
