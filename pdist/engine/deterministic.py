@@ -86,6 +86,7 @@ class Deterministic:
             raise ValueError(f"deterministic mode: granules must be a power of two, got {granules!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
         self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
+        self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
 
     @classmethod
     def of(cls, arg):

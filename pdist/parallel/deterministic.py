@@ -49,9 +49,6 @@ def check_tp(det, tp, model, sequence_parallel=False):
                "(or cuts experts)")
         raise ValueError(f"deterministic mode cannot give tensor parallelism one process's bits for "
                          f"{type(model).__name__}: {why}. Use tp = 1, or deterministic=False")
-    if sequence_parallel:
-        raise ValueError("deterministic mode does not cover sequence parallelism yet (the norms' token "
-                         "sums are not split in fixed blocks); use sequence_parallel=False")
 
 
 def deterministic_compute(local, x, y, loss_scale=1.0):
@@ -68,6 +65,8 @@ def deterministic_compute(local, x, y, loss_scale=1.0):
             _, loss = local.module(x[rows], y[rows])
         with hooks.span("backward", mb=j // per_mb):
             (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
+        for hook in det.granule_hooks:               # sequence parallelism: the partial grads' tp sum
+            hook()
         tree.add(j, det.leaf(params))
         losses.append(loss.data)
     det.root = tree.root()
@@ -114,6 +113,8 @@ class PipelineTree:
         return loss_scale                       # each granule's own mean loss; 1/G at the root
 
     def after_backward(self, k, mb=None):
+        for hook in self.det.granule_hooks:          # sequence parallelism: the partial grads' tp sum
+            hook()
         leaf, off = self.leaves[mb], 0
         for q, n in zip(self.params, self.det.sizes):
             if q.grad is not None:

@@ -21,6 +21,7 @@ the same in both. Cost: b GEMMs of 1/b the size and the copies of the blocks.
 from pdist.engine import precision
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
+from pdist.engine.reductions import token_col_sums
 from pdist.engine.shape_ops import concat, split
 from pdist.parallel.layout import Cut
 
@@ -77,10 +78,26 @@ def blocked_row(x, w, layout, dim, nb):
                      for k in range(nb)])                                            # (..., out)
 
 
+class _TokenBias(Function):
+    """y = x + b; db = the token sums of g in ``blocks`` blocks of T (``token_col_sums``), the
+    sums a sequence-parallel rank makes over its tokens; dx = g."""
+
+    def forward(self, x, b, blocks):
+        self.blocks = blocks
+        return x + b
+
+    def backward(self, g):
+        return g, token_col_sums(g.reshape(-1, g.shape[-1]), g.shape, self.blocks)
+
+
+def token_bias(x, b, blocks):
+    return _TokenBias.apply(x, b, blocks=blocks)
+
+
 def blocked_row_sums(e, nb):
     """sum over the last axis of e (N, V) as nb blocks of V, each summed as a rank sums its shard."""
     n = e.shape[1] // nb
     return tree_sum([xp.ascontiguousarray(e[:, k * n:(k + 1) * n]).sum(axis=1) for k in range(nb)])
 
 
-__all__ = ["blocked_column", "blocked_row", "blocked_row_sums", "tree_sum", "take"]
+__all__ = ["blocked_column", "blocked_row", "blocked_row_sums", "tree_sum", "take", "token_bias"]

@@ -33,7 +33,7 @@ from pdist.engine.backend import asarray, default_dtype, scatter_add, xp
 from pdist.engine.index_checks import check_indices
 from pdist.comm import default_group
 from pdist.parallel.layout import Cut
-from pdist.parallel.tensor.blocks import _linear, blocked_column, blocked_row, blocked_row_sums
+from pdist.parallel.tensor.blocks import _linear, blocked_column, blocked_row, blocked_row_sums, token_bias
 from pdist.parallel.tensor.regions import (  # noqa: F401  (re-exported: the public API)
     SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
@@ -161,7 +161,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.layout = _check_layout(layout)
         dim = 0 if layout == "in_out" else 1
-        self.dim, self.blocks = dim, blocks
+        self.dim, self.blocks, self.token_blocks = dim, blocks, None
         shape = (in_features, out_features) if dim == 0 else (out_features, in_features)
         rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
         self.weight = _shard(_master(shape, master_weight, _uniform(in_features), rng), Cut(dim, r, t, 1),
@@ -182,6 +182,8 @@ class RowParallelLinear(nn.Module):
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, out)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)  # (..., out)
+        if self.bias is not None and self.token_blocks is not None:   # deterministic: db in token blocks
+            return token_bias(y, precision.weight(self.bias), self.token_blocks)
         return y + precision.weight(self.bias) if self.bias is not None else y
 
 

@@ -83,8 +83,12 @@ class TensorParallel(ParallelModule):
     seq_shards = property(lambda self: self.tp_world_size if self.sequence_parallel else 1)
 
     def _transform(self, model, g, sp):
-        det = self.deterministic
-        transform(model, self.plan, g, sp, 1 if det is None else det.tp_blocks // g.size)
+        det, t = self.deterministic, g.size
+        if det is None:
+            return transform(model, self.plan, g, sp)
+        transform(model, self.plan, g, sp, det.tp_blocks // t, det.tp_blocks // t if sp else det.tp_blocks)
+        if sp:                      # each granule's partial grads, summed over tp before its leaf
+            det.granule_hooks.append(lambda: self._partials.finish(self.group))
 
     _sp_params = None
 
@@ -119,8 +123,8 @@ class TensorParallel(ParallelModule):
         that saw only this rank's tokens (fp32: one flat all-reduce; bf16/fp16: their unrounded
         partials, then one rounding)."""
         self.inner.finish_grad_sync()
-        if self._partials is not None:          # sequence parallel over tp > 1 (zero_grad made it)
-            self._partials.finish(self.group)
+        if self._partials is not None and self.deterministic is None:   # SP over tp > 1 (zero_grad made it)
+            self._partials.finish(self.group)        # (deterministic: per granule, a granule hook)
 
 
 __all__ = ["TensorParallel", "check_tp_config", "ColumnParallelLinear", "RowParallelLinear",

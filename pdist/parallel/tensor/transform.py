@@ -103,10 +103,12 @@ def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1):
     return new
 
 
-def transform(model, plan, g, sp, blocks=1):
+def transform(model, plan, g, sp, blocks=1, token_blocks=None):
     """Every layer the plan names becomes its parallel layer over group ``g`` (a layer tied to
     another after that one); head counts are divided by t; under SP the plan's sequence
-    modules hold this rank's T/t tokens. ``blocks``: the deterministic mode's blocks per rank."""
+    modules hold this rank's T/t tokens. The deterministic mode: ``blocks`` per rank, and the
+    modules of the plan's ``sequence_partial`` parameters (norms, row biases) sum their
+    parameters' gradients over ``token_blocks`` blocks of this rank's tokens (blocks.py)."""
     styles = list(plan.tensor.items())
     styles.sort(key=lambda kv: getattr(kv[1], "tied_to", None) is not None)
     inputs = {}                                      # (parent, name) -> SharedInput
@@ -130,6 +132,10 @@ def transform(model, plan, g, sp, blocks=1):
             if not select(pattern, named):
                 raise ValueError(f"sequence-parallel plan of {type(model).__name__}: {pattern!r} matches no "
                                  "parameter")
+    if token_blocks is not None:
+        named = list(model.named_parameters())
+        for path in {n.rpartition(".")[0] for pattern in plan.sequence_partial for n, _ in select(pattern, named)}:
+            get(model, path).token_blocks = token_blocks
 
 
 def blockable(model, blocks):
@@ -148,7 +154,7 @@ def block_model(model, blocks):
     the tensor-parallel ones over a group of one, each computing ``blocks`` blocks. A model
     ``blockable`` refuses is left as it is (tensor parallelism is then refused in the mode)."""
     if blocks > 1 and blockable(model, blocks):
-        transform(model, plan_of(model), self_group(), False, blocks)
+        transform(model, plan_of(model), self_group(), False, blocks, blocks)
         model.tp_blocks = blocks
     return model
 
