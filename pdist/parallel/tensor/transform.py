@@ -95,9 +95,12 @@ def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1):
         else:
             raise TypeError(f"tensor-parallel plan: {path!r} has style {style!r}; use Column, Row, Vocab or "
                             "VocabLoss (pdist/models/plan.py)")
+    compute = getattr(old.weight, "compute_dtype", None)      # a model cast before the swap keeps it
     for pname, prm in new._params.items():
         if prm is not None and prm is not shared:
             prm.name = f"{path}.{pname}"
+            if compute is not None:
+                prm.compute_dtype = compute
             if meta:
                 prm.data = MetaArray(prm.data.shape, prm.data.dtype)
     return new
