@@ -178,6 +178,8 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
+    token_blocks = 1      # the deterministic mode's token blocks of dw, db (pdist/engine/reductions.py)
+
     def __init__(self, dim, eps=1e-5, dtype=None):
         super().__init__()
         self.eps = eps
@@ -185,7 +187,8 @@ class LayerNorm(Module):
         self.bias = Parameter(_cast(np.zeros(dim), dtype))
 
     def forward(self, x):
-        return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps)
+        return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps,
+                            self.token_blocks)
 
 
 class RMSNorm(Module):

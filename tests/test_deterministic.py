@@ -5,8 +5,8 @@ gives one row's bits whatever the thread count at a fixed shape (what the mode r
 Local(deterministic=True) at microbatches 1, 2, 4 equal bit for bit, where the default mode
 does not; every layout the mode refuses names its reason. Under mpiexec (one launch of 4
 ranks, tests/workers/deterministic.py): dp 2 and 4 with m in {1, 2, 4}, ZeRO 1-3 at dp 2 and
-4, pp 2 under every schedule, dp 2 x pp 2, float32 and bf16, against one process, and the
-default mode's control."""
+4, pp 2 under every schedule, dp 2 x pp 2, tp 2 and tp 2 + SP, float32 and bf16, against one
+process, and the default mode's control; and one launch of 8 ranks: dp 2 x tp 2 x pp 2."""
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
@@ -113,12 +113,15 @@ def test_llama_microbatches_same_bits(prec):
 
 def test_refusals_name_the_reason():
     det = Deterministic()
-    for kw, match in [(dict(tp=2), "tp"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
+    for kw, match in [(dict(tp=4), "tp <= 2"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
                       (dict(precision="fp16"), "fp16"), (dict(dp=3), "power of two"),
                       (dict(microbatches=3), "power of two"), (dict(dp=4, microbatches=8), "does not divide")]:
         kw = {"dp": 1, **kw}
         with pytest.raises(ValueError, match=match):
             check_layout(det, CFG, **kw)
+    llama = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)
+    with pytest.raises(ValueError, match="share an input"):      # Llama's q|k|v, gate|up: another dX order
+        check_layout(det, llama, dp=1, tp=2)
     with pytest.raises(ValueError, match="power of two"):
         Deterministic(12)
     with pytest.raises(ValueError, match="divisible by 16"):
@@ -128,8 +131,8 @@ def test_refusals_name_the_reason():
 
 
 def test_layouts_same_bits_under_mpiexec():
-    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp case equal to one process, float32
-    and bf16. 4 steps, not 20: the 20-step grid costs about 50 CPU-seconds (the suite's budget);
+    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case equal to one
+    process, float32 and bf16. 4 steps, not 20: the 20-step grid costs about 50 CPU-seconds (the suite's budget);
     a step's bits are a function of the state's bits and the batch, so equality at every step
     is an induction (``mpiexec -n 4 python tests/workers/deterministic.py --steps 20`` runs it)."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
@@ -139,8 +142,18 @@ def test_layouts_same_bits_under_mpiexec():
     want = {f"{p}.dp{n}.{c}" for p in precs for n in (2, 4) for c in ("m1", "m2", "m4", "zero1", "zero2", "zero3")}
     want |= {f"{p}.pp2.{s}" for p in precs for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")}
     want |= {f"{p}.dp2xpp2.{c}" for p in precs for c in ("1f1b", "zero1.interleaved")}
+    want |= {f"{p}.tp2{sp}" for p in precs for sp in ("", ".sp")}
     assert want <= cases, sorted(want - cases)
     bad = [r for r in rows if r["case"] in want and not r["equal"]]
     assert not bad, bad
     ctrl = [r for r in rows if r["case"] == "control.default.dp4.m2"]
     assert len(ctrl) == 4 and not any(r["equal"] for r in ctrl), ctrl
+
+
+def test_dp_tp_pp_same_bits_under_mpiexec():
+    """One launch of 8 ranks: dp 2 x tp 2 x pp 2 (1f1b), float32, and bf16 with sequence
+    parallelism, equal to one process bit for bit (2 steps: the induction above)."""
+    rows = reports(mpirun(8, "tests/workers/deterministic.py", "--steps", "2", timeout=300))
+    assert {r["case"] for r in rows} == {"fp32.dp2xtp2xpp2", "bf16.dp2xtp2xpp2.sp"} and len(rows) == 16, rows
+    bad = [r for r in rows if not r["equal"]]
+    assert not bad, bad

@@ -4,7 +4,9 @@
 Contract. After any number of steps, every parameter and every Adam m, v of a run in
 this mode equal, bit for bit (``np.array_equal``), those of one process in this mode on
 the same global batches, in float32 and in bf16 (fp32 masters), for every layout the
-mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0-3.
+mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0-3, pipelines
+(dp * m = G), and tp <= ``tp_blocks`` = 2 with or without sequence parallelism (every sum tp
+splits computed in 2 fixed blocks, one process included: pdist/parallel/tensor/blocks.py).
 
 Why bits differ otherwise. IEEE addition is commutative (a + b == b + a, bit for bit) but
 not associative: (a + b) + c != a + (b + c) in general. So a sum's bits depend only on the
@@ -38,6 +40,7 @@ import numpy as np
 from pdist.engine.backend import xp
 
 DEFAULT_GRANULES = 16       # the largest dp * microbatches the default mode accepts
+TP_BLOCKS = 2               # every tensor-parallel sum in this many fixed blocks: the largest tp accepted
 
 
 def _pow2(n):
@@ -73,7 +76,9 @@ class GranuleTree:
 
 class Deterministic:
     """The policy a ``Local`` holds in deterministic mode (module docstring): ``granules``
-    G, a power of two; ``shards``: the data-parallel ranks the batch is cut over (set by
+    G, a power of two; ``tp_blocks``: the fixed blocks of every sum tensor parallelism splits
+    (the K-sums of row-parallel layers, column-parallel input gradients, the vocabulary of the
+    cross-entropy; pdist/parallel/tensor/blocks.py); ``shards``: the data-parallel ranks the batch is cut over (set by
     DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
     data-parallel wrapper."""
@@ -82,6 +87,8 @@ class Deterministic:
         if not _pow2(granules):
             raise ValueError(f"deterministic mode: granules must be a power of two, got {granules!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
+        self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
+        self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
 
     @classmethod
     def of(cls, arg):
@@ -168,4 +175,4 @@ class Deterministic:
         return f"Deterministic(granules={self.granules})"
 
 
-__all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES"]
+__all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]

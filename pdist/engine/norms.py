@@ -8,7 +8,7 @@ the weights come in upcast (``precision.weight``) and the norm runs in the compu
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
-from pdist.engine.reductions import col_sums, row_dots, row_sums
+from pdist.engine.reductions import col_sums, row_dots, row_sums, token_col_sums
 
 
 class LayerNorm(Function):
@@ -17,8 +17,8 @@ class LayerNorm(Function):
     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw = sum g xhat, db = sum g."""
     fresh_grads = True
 
-    def forward(self, x, w, b, eps=1e-5):
-        C = x.shape[-1]
+    def forward(self, x, w, b, eps=1e-5, token_blocks=1):
+        C, self.token_blocks = x.shape[-1], token_blocks       # token_blocks: deterministic mode (reductions.py)
         x2 = x.reshape(-1, C)  # (N, C)
         mean = row_sums(x2)
         mean /= C
@@ -45,9 +45,9 @@ class LayerNorm(Function):
         gx = gw = gb = None
         gxh = g2 * xhat  # (N, C)
         if nw:
-            gw = col_sums(gxh)
+            gw = token_col_sums(gxh, self.shape, self.token_blocks)
         if nb:
-            gb = col_sums(g2)
+            gb = token_col_sums(g2, self.shape, self.token_blocks)
         if nx:
             a = (g2 @ w)[:, None] / C  # mean(dxhat), (N, 1)
             c = (gxh @ w)[:, None] / C  # mean(dxhat xhat), (N, 1)
@@ -98,7 +98,8 @@ class RMSNorm(Function):
         return gx, gw
 
 
-def layer_norm(x, weight, bias, eps=1e-5): return LayerNorm.apply(x, weight, bias, eps=eps)
+def layer_norm(x, weight, bias, eps=1e-5, token_blocks=1):
+    return LayerNorm.apply(x, weight, bias, eps=eps, token_blocks=token_blocks)
 def rms_norm(x, weight, eps=1e-6): return RMSNorm.apply(x, weight, eps=eps)
 
 

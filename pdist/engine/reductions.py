@@ -29,9 +29,27 @@ def col_sums(a2):
     return _ones(a2.shape[0], a2.dtype) @ a2
 
 
+def token_col_sums(a2, shape, blocks):
+    """``col_sums`` of a2 (N, C), the rows of an activation of ``shape`` (..., T, C), as
+    ``blocks`` blocks of the T axis, each summed alone, then added as a balanced tree: the
+    deterministic mode's token shards (docs/deterministic.md), the sums a sequence-parallel
+    rank makes over its T / blocks tokens. ``blocks`` = 1: ``col_sums``."""
+    if blocks == 1:
+        return col_sums(a2)
+    T, C = shape[-2], a2.shape[1]
+    if T % blocks:
+        raise ValueError(f"deterministic mode: the sequence length T = {T} does not split into {blocks} "
+                         f"token blocks (the token shards of sequence parallelism); use T divisible by {blocks}")
+    a3, n = a2.reshape(-1, T, C), T // blocks                                          # (B, T, C)
+    parts = [col_sums(xp.ascontiguousarray(a3[:, k * n:(k + 1) * n]).reshape(-1, C)) for k in range(blocks)]
+    while len(parts) > 1:
+        parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
+    return parts[0]
+
+
 def row_dots(a, b):
     """sum over the last axis of a * b, keepdims, without the product's temporary (einsum)."""
     return xp.einsum("...i,...i->...", a, b)[..., None]
 
 
-__all__ = ["row_sums", "col_sums", "row_dots"]
+__all__ = ["row_sums", "col_sums", "token_col_sums", "row_dots"]

@@ -36,7 +36,7 @@ from pdist.engine.backend import to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
 from pdist.engine.deterministic import Deterministic
-from pdist.parallel.deterministic import deterministic_compute
+from pdist.parallel.deterministic import deterministic_compute, prepare
 from pdist.engine.precision import policy_of
 from pdist.parallel.layout import whole
 from pdist.parallel.batch_check import BatchCheck, _pending, batch_default
@@ -140,6 +140,7 @@ class Local(Strategy):
         self.deterministic = Deterministic.of(deterministic)    # True / G / a policy: the same bits on any layout
         if self.deterministic is not None:
             self.deterministic.check(1, microbatches)
+            prepare(self.deterministic, module)                # tensor-parallel sums in fixed blocks
             self.deterministic.bind(self.parameters())
         self.check_finite = finite_default() if check_finite is None else bool(check_finite)
         self.check_batch = batch_default()

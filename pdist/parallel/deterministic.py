@@ -18,6 +18,37 @@ import numpy as np
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks, trace
+from pdist.models.plan import plan_of
+from pdist.parallel.tensor.transform import block_model, blockable
+
+
+def prepare(det, module):
+    """``Local(module, deterministic=...)``: the model's tensor-parallel sums in the policy's
+    fixed blocks (``block_model``, pdist/parallel/tensor/blocks.py), so that one process
+    computes them as a tp layout splits them."""
+    return block_model(module, det.tp_blocks)
+
+
+def check_tp(det, tp, model, sequence_parallel=False):
+    """What the mode refuses under tensor parallelism over ``tp`` ranks (``model``: a model or
+    its config), each with its reason; the same on every rank, before any collective."""
+    b = det.tp_blocks
+    if tp > b:
+        raise ValueError(f"deterministic mode computes every tensor-parallel sum in {b} fixed blocks, so it "
+                         f"accepts tp <= {b} (got tp = {tp}): a rank holds whole blocks. Use tp = {b}, or "
+                         f"deterministic=False")
+    if b % tp:
+        raise ValueError(f"deterministic mode: tp = {tp} does not divide the {b} fixed blocks; use tp in "
+                         f"{[d for d in range(1, b + 1) if b % d == 0]}")
+    if not blockable(model, b):
+        plan = plan_of(model)
+        shared = sorted(k for k, s in plan.tensor.items() if getattr(s, "shared_input", None))
+        why = (f"its column layers {shared} share an input (their input gradients would be summed in "
+               f"another order)" if shared else f"its cut sizes {dict(plan.tp_sizes)} must all be "
+               f"divisible by {b}" if plan.tensor and not plan.experts else "its plan cuts no layer "
+               "(or cuts experts)")
+        raise ValueError(f"deterministic mode cannot give tensor parallelism one process's bits for "
+                         f"{type(model).__name__}: {why}. Use tp = 1, or deterministic=False")
 
 
 def deterministic_compute(local, x, y, loss_scale=1.0):
@@ -34,6 +65,8 @@ def deterministic_compute(local, x, y, loss_scale=1.0):
             _, loss = local.module(x[rows], y[rows])
         with hooks.span("backward", mb=j // per_mb):
             (loss * loss_scale).backward() if loss_scale != 1.0 else loss.backward()
+        for hook in det.granule_hooks:               # sequence parallelism: the partial grads' tp sum
+            hook()
         tree.add(j, det.leaf(params))
         losses.append(loss.data)
     det.root = tree.root()
@@ -80,6 +113,8 @@ class PipelineTree:
         return loss_scale                       # each granule's own mean loss; 1/G at the root
 
     def after_backward(self, k, mb=None):
+        for hook in self.det.granule_hooks:          # sequence parallelism: the partial grads' tp sum
+            hook()
         leaf, off = self.leaves[mb], 0
         for q, n in zip(self.params, self.det.sizes):
             if q.grad is not None:
@@ -107,15 +142,18 @@ class PipelineTree:
         pass                                                     # done in finish(), before the dp join
 
 
-def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32"):
+def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32",
+                 sequence_parallel=False):
     """Every layout the deterministic mode refuses, with the reason (docs/deterministic.md)."""
-    split = {"tp": tp, "cp": cp, "ep": ep}
+    split = {"cp": cp, "ep": ep}
     other = {k: v for k, v in split.items() if v > 1}
     if other or getattr(cfg, "n_expert", 0):
-        raise ValueError(f"deterministic mode covers data parallelism, ZeRO 0-3 and pipelines so far; got "
-                         f"{other or {'n_expert': cfg.n_expert}}: the row-parallel K-sums (tp), the token-shard "
-                         f"sums (cp) and the expert routing (ep) are not granule trees yet. Use tp = cp = ep = 1, "
-                         f"or deterministic=False")
+        raise ValueError(f"deterministic mode covers data, tensor (tp <= {det.tp_blocks}) and pipeline "
+                         f"parallelism and ZeRO 0-3 so far; got {other or {'n_expert': cfg.n_expert}}: the "
+                         f"token-shard sums (cp) and the expert routing (ep) are not granule trees yet. Use "
+                         f"cp = ep = 1, or deterministic=False")
+    if tp > 1:
+        check_tp(det, tp, cfg, sequence_parallel)
     if precision not in ("fp32", "bf16"):
         raise ValueError(f"deterministic mode covers precision 'fp32' and 'bf16', got {precision!r} (fp16's "
                          f"dynamic loss scale skips steps on overflow; its bits are not part of the contract)")
@@ -143,4 +181,4 @@ def finish_zero(z):
             u.drop_grads()
 
 
-__all__ = ["join", "check_layout", "deterministic_compute", "PipelineTree", "finish_zero"]
+__all__ = ["join", "check_layout", "check_tp", "prepare", "deterministic_compute", "PipelineTree", "finish_zero"]

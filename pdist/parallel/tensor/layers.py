@@ -33,6 +33,7 @@ from pdist.engine.backend import asarray, default_dtype, scatter_add, xp
 from pdist.engine.index_checks import check_indices
 from pdist.comm import default_group
 from pdist.parallel.layout import Cut
+from pdist.parallel.tensor.blocks import _linear, blocked_column, blocked_row, blocked_row_sums, token_bias
 from pdist.parallel.tensor.regions import (  # noqa: F401  (re-exported: the public API)
     SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
@@ -84,11 +85,6 @@ class SharedInput:
         return self._y()
 
 
-def _linear(x, w, b, layout):
-    """y = x W + b (W stored (in, out)) or x W^T + b (W stored (out, in))."""
-    return precision.linear(x, w if layout == "in_out" else w.T, b)
-
-
 def _check_layout(layout):
     if layout not in ("in_out", "out_in"):
         raise ValueError(f"layout must be 'in_out' (W stored (in, out)) or 'out_in' (W stored (out, in)), "
@@ -112,7 +108,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, gather_output=True, group=None,
                  sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None,
-                 dtype=None, layout="in_out", weight=None, shared_input=None):
+                 dtype=None, layout="in_out", weight=None, shared_input=None, blocks=1):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
@@ -120,6 +116,7 @@ class ColumnParallelLinear(nn.Module):
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.layout, self.shared_input = _check_layout(layout), shared_input
         dim = 1 if layout == "in_out" else 0
+        self.dim, self.stride, self.blocks = dim, stride, blocks  # blocks: deterministic mode
         shape = (in_features, out_features) if dim == 1 else (out_features, in_features)
         rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
         self.weight = weight if weight is not None else _shard(
@@ -136,7 +133,10 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
-        y = _linear(x, self.weight, self.bias, self.layout)  # (..., out/t)
+        if self.blocks > 1:    # the deterministic mode's fixed blocks (blocks.py)
+            y = blocked_column(x, self.weight, self.bias, self.layout, self.dim, self.stride, self.blocks)
+        else:
+            y = _linear(x, self.weight, self.bias, self.layout)  # (..., out/t)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
 
 
@@ -150,7 +150,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=False, group=None,
                  sequence_parallel=False, master_weight=None, master_bias=None, rng=None, dtype=None,
-                 layout="in_out"):
+                 layout="in_out", blocks=1):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
@@ -161,6 +161,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.layout = _check_layout(layout)
         dim = 0 if layout == "in_out" else 1
+        self.dim, self.blocks, self.token_blocks = dim, blocks, None
         shape = (in_features, out_features) if dim == 0 else (out_features, in_features)
         rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
         self.weight = _shard(_master(shape, master_weight, _uniform(in_features), rng), Cut(dim, r, t, 1),
@@ -173,11 +174,16 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)  # (..., in) -> (..., in/t)
-        y = _linear(x, self.weight, None, self.layout)  # (..., out) partial sum
+        if self.blocks > 1:    # the deterministic mode's fixed K blocks, a tree (blocks.py)
+            y = blocked_row(x, self.weight, self.layout, self.dim, self.blocks)  # (..., out) partial sum
+        else:
+            y = _linear(x, self.weight, None, self.layout)  # (..., out) partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, out)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)  # (..., out)
+        if self.bias is not None and self.token_blocks is not None:   # deterministic: db in token blocks
+            return token_bias(y, precision.weight(self.bias), self.token_blocks)
         return y + precision.weight(self.bias) if self.bias is not None else y
 
 
@@ -232,7 +238,7 @@ class _VocabParallelCrossEntropy(Function):
     all-reduce(sum) of the local parts (Megatron issues the two sums as two all-reduces; they
     are stacked into one here). No rank holds the full logits. Backward is local:
     dz_i = (softmax(z)_i - onehot(y)_i) / N on this rank's vocabulary slice."""
-    def forward(self, logits, targets, group, vocab_start):
+    def forward(self, logits, targets, group, vocab_start, blocks=1):
         Vl = logits.shape[-1]
         z = logits.reshape(-1, Vl)  # (N, V/t)
         y = targets.reshape(-1)  # (N,)
@@ -247,7 +253,8 @@ class _VocabParallelCrossEntropy(Function):
         mine = (y >= vocab_start) & (y < vocab_start + Vl)  # (N,) targets in my slice
         local_y = xp.where(mine, y - vocab_start, 0)
         rows = xp.arange(z.shape[0])
-        sums = xp.stack([e.sum(axis=1), s[rows, local_y] * mine])  # (2, N)
+        esum = e.sum(axis=1) if blocks == 1 else blocked_row_sums(e, blocks)  # (N,) blocks: deterministic
+        sums = xp.stack([esum, s[rows, local_y] * mine])  # (2, N)
         if group.size > 1:
             group.all_reduce(sums, op="sum")
         nll = xp.log(sums[0]) - sums[1]  # (N,)
@@ -262,15 +269,17 @@ class _VocabParallelCrossEntropy(Function):
         return d.reshape(self.shape), None
 
 
-def vocab_parallel_cross_entropy(logits, targets, group=None, vocab_start=None):
+def vocab_parallel_cross_entropy(logits, targets, group=None, vocab_start=None, blocks=1):
     """Mean token cross-entropy of vocabulary-sharded logits (..., V/t) on this rank and
-    int targets (...) with ids in [0, V). ``vocab_start`` defaults to rank * V/t."""
+    int targets (...) with ids in [0, V). ``vocab_start`` defaults to rank * V/t. ``blocks``
+    > 1 (the deterministic mode): the sum of exponentials over this rank's vocabulary as
+    that many blocks, a tree (blocks.py)."""
     group = default_group(group)
     targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     Vl = logits.shape[-1]
     check_indices(targets, Vl * group.size, "cross_entropy target")
     start = group.rank * Vl if vocab_start is None else vocab_start
-    return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=start)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=start, blocks=blocks)
 
 
 __all__ = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
