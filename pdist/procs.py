@@ -15,11 +15,11 @@ Contract:
   environment is still found: ``kill_orphans(keep)`` kills and reaps every child of
   this process that is not one of ``keep`` (the launches' own ``mpiexec``).
 * ``track(proc, mark)`` registers a live launch; on SIGTERM, SIGINT or SIGHUP every
-  live launch's process group and marked processes are killed, then the signal takes
-  its previous course (``install_signal_cleanup``). ``die_with_parent`` is a
-  ``preexec_fn`` asking the kernel to SIGKILL the child when its parent thread dies
-  (``PR_SET_PDEATHSIG``), for a parent that is SIGKILLed and runs no handler
-  (``die_with_parent_how`` picks it, or ``setpriv``, where threads run).
+  live launch's process group and marked processes are killed, then the signal takes its
+  previous course (``install_signal_cleanup``); ``kill_all_live(stop_new=True)`` also kills
+  every launch tracked after it. ``die_with_parent`` (a ``preexec_fn``, or ``setpriv`` where
+  threads run: ``die_with_parent_how``) has the kernel SIGKILL the child when its parent
+  thread dies (``PR_SET_PDEATHSIG``), for a parent SIGKILLed before any handler runs.
 Linux only for the /proc and prctl parts; elsewhere they do nothing.
 """
 import collections
@@ -92,12 +92,10 @@ class Capture:
         return self.text()
 
     def text(self):
-        tail = b"".join(self.tail)
+        tail, dropped = b"".join(self.tail), self.dropped
         if self.limit is not None and len(tail) > self.limit - self.limit // 2:
             cut = len(tail) - (self.limit - self.limit // 2)
-            tail, dropped = tail[cut:], self.dropped + cut
-        else:
-            dropped = self.dropped
+            tail, dropped = tail[cut:], dropped + cut
         note = (f"\n[... {dropped} bytes of output dropped (max_output={self.limit}) ...]\n".encode()
                 if dropped else b"")
         return (bytes(self.head) + note + tail).decode("utf-8", errors="replace")
@@ -236,11 +234,9 @@ def signals_to_main_thread():
 
 
 def track(proc, mark):
-    """A launch is live. After ``kill_all_live(stop_new=True)`` a launch that a thread was
-    already starting is killed as soon as it is tracked (it must not outlive the stop)."""
     with _LOCK:
         _LIVE[proc.pid] = (proc, mark)
-        if _STOPPED[0]:
+        if _STOPPED[0]:                # started by a thread as the pool stopped: it must not outlive the stop
             kill_group(proc.pid)
 
 
@@ -270,8 +266,7 @@ def kill_group(pid, sig=signal.SIGKILL):
 
 
 def kill_all_live(stop_new=False):
-    """SIGKILL every live launch: its process group, then whatever carries its marker.
-    ``stop_new``: also every launch tracked from now on (a pool being interrupted)."""
+    """SIGKILL every live launch (its group, then its marker); ``stop_new``: and any tracked later."""
     with _LOCK:
         _STOPPED[0] = _STOPPED[0] or stop_new
         live = list(_LIVE.values())
@@ -287,14 +282,11 @@ def install_signal_cleanup():
     action when that was SIG_DFL). Signals that were ignored stay ignored."""
     if threading.current_thread() is not threading.main_thread():
         return False
-    for sig in CLEANUP_SIGNALS:
-        if sig in _PREVIOUS:
-            continue
+    for sig in [s for s in CLEANUP_SIGNALS if s not in _PREVIOUS]:
         prev = signal.getsignal(sig)
-        if prev is signal.SIG_IGN or prev is None:
-            continue
-        _PREVIOUS[sig] = prev
-        signal.signal(sig, _on_signal)
+        if prev is not signal.SIG_IGN and prev is not None:
+            _PREVIOUS[sig] = prev
+            signal.signal(sig, _on_signal)
     return True
 
 
