@@ -7,9 +7,9 @@ C 16, T 8, 4 AdamW steps, one global batch of 4 rows per step):
     OUT/dp2, dp2b    data parallel over the 2 ranks, twice (the same layout: the same bits)
     OUT/tp2          tensor parallel over the 2 ranks (+SP)
     OUT/dp2_scaled   dp2, op PLANT's output scaled by 1 + 1e-7 on rank 1 at step 2
-    OUT/dp2_splitk   dp2, op PLANT's K-sum computed in two halves on rank 1 at step 2 (a planted
+    OUT/dp2_splitk   dp2, op PLANT's K-sum computed as a quarter plus the rest on rank 1 at step 2 (a planted
                      reduction-order change: the same math, other bits)
-    OUT/local_splitk one process, the K-sum in two halves at step 2 (a planted change on one rank)
+    OUT/local_splitk one process, the K-sum as a quarter plus the rest at step 2 (a planted change on one rank)
     OUT/det_local, det_dp2   one process and dp2 in the deterministic mode (where it is built)
     OUT/det_dp2_splitk       dp2 in the deterministic mode, the split-K plant on rank 1 at step 2
 
@@ -49,7 +49,7 @@ def plant(strategy, how, rank):
         if how == "scale":
             out.data[...] = out.data * (1 + 1e-7)
         else:
-            h = x.shape[-1] // 2
+            h = x.shape[-1] // 4             # a quarter, not a half: the deterministic mode already sums halves
             y = x[..., :h] @ w[:h] + x[..., h:] @ w[h:]
             if module.bias is not None:
                 y = y + to_numpy(module.bias.data)
