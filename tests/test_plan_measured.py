@@ -58,6 +58,16 @@ def test_one_process_plan_matches_the_waterfall_ideal_compute():
     plan = measured.plan_for(model, (4, 8))
     assert plan["layout"]["precision"] == "fp32" and plan["layout"]["micro_batch"] == 4
     assert plan["measured_parts"]["ideal compute"] == pytest.approx(parts["ideal compute"], rel=1e-6)
+    # the per-op host cost: the architecture's op count is what pdist's calibration model applied,
+    # and the planner charges it (ops x cost in the inefficiency, stepped tensors x cost in the overhead)
+    from pdist.plan.arch import arch_of
+    op_s, ops, step_s = measured._op[0]
+    a = arch_of(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=16))
+    assert ops == a.host_ops([0], True, True), (ops, measured._op)
+    assert 1e-7 < op_s < 1e-2 and 0 < step_s < 1e-2 and plan["op_s"] == op_s
+    assert plan["measured_parts"]["kernel inefficiency"] >= a.host_ops([0], True, True) * op_s
+    assert plan["measured_parts"]["framework overhead"] == pytest.approx(
+        a.host_tensors([0], True, True) * step_s, rel=1e-9) == pytest.approx(len(list(model.parameters())) * step_s)
 
 
 def _check(got):
