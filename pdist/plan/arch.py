@@ -62,6 +62,19 @@ class Arch:
         if self.n_expert and not 1 <= self.top_k <= self.n_expert:
             raise ValueError(f"{self.name}: expert_top_k must be in 1..n_expert={self.n_expert}, got {self.top_k}")
 
+    def host_ops(self, layers, first, last, t=1):
+        """pdist Function applications (each one forward op and its backward) of one micro-batch
+        on one GPU: per GPT-2 block ln, linear, attention, linear, add, ln, linear, gelu, linear,
+        add (10; Megatron's f and g add 4 under tp), the embeddings' wte, wpe, add (+ dropout)
+        first, ln_f, head, loss last (pdist.models.gpt; the host's cost per op is
+        pdist.plan.measured.host_op_cost). Llama and MoE blocks are counted as GPT-2's."""
+        return len(layers) * (10 + 4 * (t > 1)) + 4 * first + 3 * last
+
+    def host_tensors(self, layers, first, last):
+        """Parameter tensors one GPU steps (GPT-2: 12 per block, wte and wpe first, ln_f last)."""
+        return len(layers) * (12 if self.bias else 6) + first * (1 + self.learned_pos) + last * (
+            (2 if self.bias else 1) + (not self.tied))
+
     head_dim = property(lambda self: self.h // self.n_head)
     moe = property(lambda self: self.n_expert > 0)
     moe_layers = property(lambda self: self.n_layer - self.n_dense if self.n_expert else 0)

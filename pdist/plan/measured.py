@@ -18,7 +18,14 @@ the step it is compared with:
                        simulated topology (PDIST_TOPOLOGY, pdist/comm/topology.py) the group's
                        charged link is added: alpha + alpha_topo, 1/beta + 1/beta_topo
                        (the charge is slept on top of the real transfer)
-    overhead           0: the planner has no model of the host's optimizer and Python
+    op_s               the host's seconds per pdist op (one Function forward and its backward):
+                       a forward_backward of a 1-layer width-8 GPT (B 2, T 8), best of 5, over
+                       the Function applications it made (host_op_cost); the planner charges
+                       Arch.host_ops per micro-batch at it (pdist.plan.timing)
+    step_s             AdamW's step + zero_grad on that model, per parameter tensor, best of 5
+                       (host_step_cost); the planner's overhead is the tensors a rank steps
+                       (Arch.host_tensors, or ZeRO's units) at it; nothing else of the Python
+                       between the passes is modelled
 
 ``plan_for`` reads the layout off the running strategy's chain (DataParallel, ZeRO-k,
 TensorParallel (SP), PipelineParallel (schedule, m)) and the model's config, and plans it
@@ -36,7 +43,56 @@ from pdist.plan.timing import as_measured
 
 ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 7
 _links = {}               # (group name, world ranks, topology link) -> Link (this process)
-_bw = []
+_bw, _op = [], []
+
+
+def host_op_cost(reps=5):
+    """Seconds of host work per pdist op (module doc: op_s), measured once per process in the
+    current default dtype: pdist's own dispatch (Function.apply, the tape, backward's walk)."""
+    if not _op:
+        from pdist.engine import autograd
+        from pdist.models.gpt import GPT, GPTConfig
+        from pdist.parallel import Local
+        model = Local(GPT(GPTConfig(vocab_size=32, block_size=8, n_layer=1, n_head=2, n_embd=8), 0))
+        x = np.random.default_rng(0).integers(0, 32, (2, 8))
+        orig, n = autograd.Function.__dict__["apply"], [0]
+
+        def counting(cls, *a, **kw):
+            n[0] += 1
+            return orig.__func__(cls, *a, **kw)
+        autograd.Function.apply = classmethod(counting)
+        try:
+            model.forward_backward(x, x)
+        finally:
+            autograd.Function.apply = orig
+        best = float("inf")
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            model.forward_backward(x, x)
+            best = min(best, time.perf_counter() - t0)
+        _op.append((best / max(n[0], 1), n[0], _step_cost(model, x)))
+    return _op[0][0]
+
+
+def _step_cost(model, x, reps=5):
+    """Seconds of AdamW's step and zero_grad per parameter tensor, best of ``reps`` (each after
+    a forward_backward, untimed, so that every tensor has its gradient)."""
+    from pdist.optim import AdamW
+    params = list(model.parameters())
+    opt, best = AdamW(params, lr=1e-3), float("inf")
+    for _ in range(reps):
+        model.forward_backward(x, x)
+        t0 = time.perf_counter()
+        opt.step()
+        opt.zero_grad()
+        best = min(best, time.perf_counter() - t0)
+    return best / len(params)
+
+
+def host_step_cost():
+    """Seconds of the optimizer's host work per tensor it steps (module doc: step_s)."""
+    host_op_cost()
+    return _op[0][2]
 
 
 def memory_bandwidth():
@@ -97,14 +153,15 @@ def group_link(group):
     return Link(1.0 / (1.0 / base.beta + sim.scale / sim.bw), base.alpha + sim.scale * sim.alpha)
 
 
-def this_machine(rate, links=None):
+def this_machine(rate, links=None, op_s=0.0, step_s=0.0):
     """A Cluster of this machine: ``rate`` FLOP/s per rank (the GEMM rate), the measured
-    memory bandwidth, ``links`` {planner group: Link} (each group's own link, module doc)."""
+    memory bandwidth, ``links`` {planner group: Link} (each group's own link, module doc),
+    ``op_s``, ``step_s`` the host's seconds per op and per stepped tensor (host_op_cost)."""
     links = links or {}
     one = next(iter(links.values()), Link(1e30, 0.0))
     return Cluster("this machine (measured: GEMM rate, copy bandwidth, MPI alpha-beta per group)", 1 << 20,
                    float("inf"), {"fp32": rate, "fp64": rate, "mixed": rate, "fp8": rate}, intra=one, inter=one,
-                   efficiency=1.0, mem_bw=memory_bandwidth(), reserve=0.0, overhead=0.0,
+                   efficiency=1.0, mem_bw=memory_bandwidth(), reserve=0.0, overhead=0.0, op_s=op_s, step_s=step_s,
                    source="pdist.plan.measured", extra={"links": links})
 
 
@@ -150,13 +207,16 @@ def plan_for(model, batch, world=None):
     cfg, lay, groups = layout_of(model, batch)
     world = world or (comm.get_world() if comm.is_initialized() else None)
     links = {g: group_link(groups[g]) for g in ("tp", "dp", "pp") if g in groups}   # one order on every rank
-    rate = max(world.all_gather_object(flops.gemm_rate())) if world is not None else flops.gemm_rate()
-    cluster = this_machine(rate, links)
+    rate, op_s, step_s = flops.gemm_rate(), host_op_cost(), host_step_cost()
+    if world is not None:       # the best rank's, as the GEMM rate (load only adds)
+        rate, op_s, step_s = (f(world.all_gather_object(v)) for f, v in ((max, rate), (min, op_s), (min, step_s)))
+    cluster = this_machine(rate, links, op_s, step_s)
     link_of = lambda g: links.get(g, cluster.intra)       # noqa: E731
     out = plan_config(cfg, cluster, lay, link_of=link_of)
     parts = as_measured(out["waterfall"])
     parts["pipeline bubble"] += parts.pop("comm pp")      # the waterfall counts a pipeline's p2p as bubble
     out["measured_parts"] = {k: v for k, v in parts.items() if v or not k.startswith("comm ")}
+    out["op_s"] = op_s
     out["calibration"] = {g: {"alpha_us": lk.alpha * 1e6, "beta_GBps": lk.beta / 1e9,
                               "simulated": getattr(getattr(groups[g], "_link", None), "name", None)}
                           for g, lk in links.items()}
@@ -201,5 +261,5 @@ def compare(measured, step_s, plan, tol=0.15, floor=0.05):
     return rows
 
 
-__all__ = ["plan_for", "layout_of", "this_machine", "calibrate", "group_link", "compare", "counted", "planned_counts",
+__all__ = ["host_op_cost", "host_step_cost", "plan_for", "layout_of", "this_machine", "calibrate", "group_link", "compare", "counted", "planned_counts",
            "memory_bandwidth"]

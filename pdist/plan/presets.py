@@ -89,6 +89,8 @@ class Cluster:
     profile: tuple = (0.72, 192)  # GEMM efficiency e_max·Π g(d), g(d) = d/(d + d_half) (pdist.plan.efficiency)
     reserve: float = 1.5 * 2 ** 30   # bytes the CUDA context, NCCL buffers and the allocator's cache keep
     overhead: float = 0.0         # seconds of framework overhead per step (the waterfall's "overhead")
+    op_s: float = 0.0             # host seconds per op forward + backward (pdist.plan.measured.host_op_cost)
+    step_s: float = 0.0           # host seconds of the optimizer per tensor it steps (the same calibration)
     nodes: int = 0                # 0: as many as the layout needs
     extra: dict = field(default_factory=dict)
 

@@ -2,12 +2,16 @@
 
     ideal_compute   model FLOPs (the MFU's convention) / (GPUs · peak)
     inefficiency    the mean stage's compute (GEMMs by pdist.plan.efficiency's roofline and
-                    profile, attention scores, memory-bound elementwise work) − ideal_compute
+                    profile, attention scores, memory-bound elementwise work, and the host's
+                    m · ops · op_s: Arch.host_ops per micro-batch times the cluster's per-op host
+                    cost, 0 on the GPU presets) − ideal_compute
     recompute       the forward again (full) or the attention scores again (selective)
     bubble          bubble_ratio (pdist.plan.layout) × the slowest stage's compute + recompute
     comm:<group>    what overlap leaves exposed of each group's α–β time (below)
     wait            the slowest pipeline stage's compute − the mean stage's (uneven layers, the head)
-    overhead        the cluster's framework overhead per step (0 unless measured: ``this``)
+    overhead        the cluster's framework overhead per step (0 unless measured: ``this``), plus
+                    the optimizer's host cost: step_s per tensor it steps (Arch.host_tensors; a
+                    ZeRO optimizer steps one flat shard per unit), the slowest stage's
 
 Overlap (``Layout.overlap``; off: every collective exposed, the sum a bound):
 
@@ -75,7 +79,8 @@ def waterfall(a, lay, cluster, stages, comm, ideal, flat=None):
     for st in stages:
         fwd, rec, att = stage_compute(a, lay, cluster, st["layers"], V - 1 in st["ks"], flat)
         st.update(fwd=fwd, att=att)
-        per.append((3 * lay.m * fwd, lay.m * rec))
+        host = lay.m * a.host_ops(st["layers"], 0 in st["ks"], V - 1 in st["ks"], lay.tp) * cluster.op_s
+        per.append((3 * lay.m * fwd + host, lay.m * rec))
     mean = sum(c for c, _ in per) / len(per)
     slow = max(range(len(per)), key=lambda i: per[i][0] + per[i][1])
     c_max, r_max = per[slow]
@@ -87,5 +92,7 @@ def waterfall(a, lay, cluster, stages, comm, ideal, flat=None):
         exposed = {g: max(exposed[g], e[g]) for g in GROUPS}
     parts.update({f"comm:{g}": exposed[g] for g in GROUPS})
     parts["wait"] = c_max - mean
-    parts["overhead"] = cluster.overhead
+    steps = [a.host_tensors(st["layers"], 0 in st["ks"], V - 1 in st["ks"]) if not lay.zero else len(st["units"])
+             for st in stages]
+    parts["overhead"] = cluster.overhead + max(steps) * cluster.step_s
     return parts

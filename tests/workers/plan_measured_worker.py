@@ -72,7 +72,7 @@ def one_layout(world, tokens, vocab, axes, kw, steps):
     mine = dict(rows[len(rows) // 2], ratios=[r["ratio"] for r in rows], counted=count, planned=planned)
     topology.set(None)
     return {"ranks": world.gather_object(mine), "plan": plan["measured_parts"],
-            "calibration": plan["calibration"]}
+            "calibration": plan["calibration"], "op_s": plan["op_s"]}
 
 
 def main(n, steps):
