@@ -36,7 +36,8 @@ def test_expert_memory_and_all_to_all_bytes():
     small = CLUSTERS["a100"].__class__(**dict(vars(CLUSTERS["a100"]), gpus_per_node=2))
     assert plan(MOE, small, dp=8, ep=4)["links"]["ep"] == "inter-node"
     assert plan(MOE, "a100", dp=8, ep=4)["links"]["ep"] == "intra-node"
-    assert any("dp and ep only" in w for w in plan(MOE, "a100", dp=2, ep=2, tp=2)["warnings"])
+    assert not any("mixture of experts" in w for w in plan(MOE, "a100", dp=2, ep=2, tp=2)["warnings"])
+    assert any("mixture of experts with cp > 1" in w for w in plan(MOE, "a100", dp=2, ep=2, cp=2)["warnings"])
 
 
 def test_context_parallel_divides_activations_and_sends_kv():
