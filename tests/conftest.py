@@ -181,6 +181,14 @@ LONG = [
 ]
 
 
+# The tests that import torch or transformers (optional; about 5.5 s of CPU to import, once in
+# each process that does): dealt to one worker, one after another, so the suite imports them
+# once. test_checkpoint.py goes whole: its transformers test shares the module's 4-rank save.
+TORCH = ["tests/test_llama.py::", "tests/test_torch_reference.py::", "tests/test_checkpoint.py::",
+         "tests/test_optim.py::test_clip_matches_torch",
+         "tests/test_precision.py::test_grad_scaler_matches_torch_amp_grad_scaler"]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.nodeid.startswith(p) for p in SLOW):
@@ -199,18 +207,23 @@ def dealt(items, workers):
     LONG ones are dealt one per worker in turn at the head of those first runs: the
     whole-pool tests all run at the start, one after another, while nothing else is in
     flight (the pool drains once, not once for each), and the long ones run side by side,
-    early. The other tests keep their order (and their module fixtures)."""
+    early. The TORCH tests follow in the head of the worker with the fewest of those (torch is
+    imported once per suite, not once per worker). The other tests keep their order (and
+    their module fixtures)."""
     def whole(it):
         m = it.get_closest_marker("cores")
         return m is not None and m.args[0] == "all"
     alone = [it for it in items if whole(it)]
     long_ = [it for it in items if not whole(it) and any(it.nodeid.startswith(p) for p in LONG)]
     picked = {id(it) for it in alone + long_}
+    torch = [it for it in items if id(it) not in picked and any(it.nodeid.startswith(p) for p in TORCH)]
+    picked |= {id(it) for it in torch}
     rest = [it for it in items if id(it) not in picked]
     run = max(2, len(items) // workers // 4)
     heads = [[] for _ in range(workers)]
     for i, it in enumerate(alone + long_):
         heads[i % workers].append(it)
+    heads[len(alone + long_) % workers] += torch           # the next in turn: one of the fewest
     out = []
     for head in heads:
         fill = max(0, run - len(head))
