@@ -135,8 +135,7 @@ SLOW = [
     "tests/test_grade.py::test_reference_gets_full_points",
     "tests/test_comm.py::test_collectives[4]",                       # [1], [2], [3] stay
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
-    "tests/test_recompute.py::test_layouts_train_the_same_with_recompute[n4 --dp 4 --zero 3]",
-    "tests/test_recompute.py::test_layouts_train_the_same_with_recompute[n4 --dp 2 --tp 2 --sp]",
+    "tests/test_recompute.py::test_layouts_train_the_same_with_recompute[n4-2of2]",   # --dp 4 --zero 3; --dp 2 --tp 2 --sp
     "tests/test_checkpoint.py::test_bad_checkpoints_raise_the_same_error_on_every_rank_and_touch_nothing",
     "tests/test_checkpoint.py::test_a_plain_model_saves_and_loads_as_one_process",
     "tests/test_precision.py::test_pipeline_and_sequence_parallel_equal_one_process",
@@ -181,6 +180,14 @@ LONG = [
 ]
 
 
+# The tests that import torch or transformers (optional; about 5.5 s of CPU to import, once in
+# each process that does): dealt to one worker, one after another, so the suite imports them
+# once. test_checkpoint.py goes whole: its transformers test shares the module's 4-rank save.
+TORCH = ["tests/test_llama.py::", "tests/test_torch_reference.py::", "tests/test_checkpoint.py::",
+         "tests/test_optim.py::test_clip_matches_torch",
+         "tests/test_precision.py::test_grad_scaler_matches_torch_amp_grad_scaler"]
+
+
 def pytest_collection_modifyitems(config, items):
     for item in items:
         if any(item.nodeid.startswith(p) for p in SLOW):
@@ -199,18 +206,23 @@ def dealt(items, workers):
     LONG ones are dealt one per worker in turn at the head of those first runs: the
     whole-pool tests all run at the start, one after another, while nothing else is in
     flight (the pool drains once, not once for each), and the long ones run side by side,
-    early. The other tests keep their order (and their module fixtures)."""
+    early. The TORCH tests follow in the head of the worker with the fewest of those (torch is
+    imported once per suite, not once per worker). The other tests keep their order (and
+    their module fixtures)."""
     def whole(it):
         m = it.get_closest_marker("cores")
         return m is not None and m.args[0] == "all"
     alone = [it for it in items if whole(it)]
     long_ = [it for it in items if not whole(it) and any(it.nodeid.startswith(p) for p in LONG)]
     picked = {id(it) for it in alone + long_}
+    torch = [it for it in items if id(it) not in picked and any(it.nodeid.startswith(p) for p in TORCH)]
+    picked |= {id(it) for it in torch}
     rest = [it for it in items if id(it) not in picked]
     run = max(2, len(items) // workers // 4)
     heads = [[] for _ in range(workers)]
     for i, it in enumerate(alone + long_):
         heads[i % workers].append(it)
+    heads[len(alone + long_) % workers] += torch           # the next in turn: one of the fewest
     out = []
     for head in heads:
         fill = max(0, run - len(head))

@@ -30,15 +30,20 @@ def test_lesson_06_at_8_ranks_json(tmp_path, model):
         assert all(g[k] > 0 and abs(g[k] - g["theory"][k]) <= 64 for k in ("dp", "tp", "pp")), g
 
 
-@pytest.mark.parametrize("layout", ["--dp 2 --tp 2", "--tp 2 --pp 2", "--dp 2 --pp 2 --schedule gpipe",
-                                    "--dp 2 --tp 2 --zero 1 --no-sp", "--dp 4 --zero 3",
-                                    "--tp 2 --pp 2 --precision bf16", "--model llama --dp 2 --tp 2 --precision bf16"])
-def test_lesson_06_pairs_at_4_ranks(layout):
+# one launch per batch (tests/workers/lesson_each.py: the lesson run once per layout), each asserted by name
+PAIRS = {"1of2": ["--dp 2 --tp 2", "--tp 2 --pp 2", "--dp 2 --pp 2 --schedule gpipe", "--dp 2 --tp 2 --zero 1 --no-sp"],
+         "2of2": ["--dp 4 --zero 3", "--tp 2 --pp 2 --precision bf16", "--model llama --dp 2 --tp 2 --precision bf16"]}
+
+
+@pytest.mark.parametrize("batch", list(PAIRS))
+def test_lesson_06_pairs_at_4_ranks(batch):
     """Each pair composes and equals one process; a small model (the 8-rank tests above run the
     lesson's own sizes): 2 layers (one per stage at pp 2), width 32, T 16, 2 steps."""
-    out = mpirun(4, L06, "--steps", "2", "--n-layer", "2", "--n-embd", "32", "--block-size", "16",
-                 *layout.split(), timeout=300)
-    assert "PASS: 06_mesh" in out, out
+    out = mpirun(4, "tests/workers/lesson_each.py", L06, ";".join(PAIRS[batch]), "--steps", "2", "--n-layer", "2",
+                 "--n-embd", "32", "--block-size", "16", timeout=300)
+    parts = {p.split("\n", 1)[0]: p for p in out.split("=== case ")[1:]}
+    for layout in PAIRS[batch]:
+        assert "PASS: 06_mesh" in parts.get(layout, ""), (layout, out[-6000:])
 
 
 @pytest.mark.parametrize("args,words", [
