@@ -121,10 +121,11 @@ def test_layout_error_before_mpi_and_one_process_run(tmp_path):
     (before MPI); a short run prints plain progress lines (stdout is a pipe) and writes its files."""
     env = dict(os.environ, PYTHONPATH=ROOT)
     cmd = [sys.executable, "-m", "pdist.train"]
-    bad = subprocess.run(cmd + ["--n-expert", "2", "--zero", "1", "--out", str(tmp_path)], env=env,
+    two = dict(env, PMI_SIZE="2", PMI_RANK="0")       # as rank 0 of a 2-rank job: refused before MPI starts
+    bad = subprocess.run(cmd + ["--n-expert", "2", "--cp", "2", "--out", str(tmp_path)], env=two,
                          capture_output=True, text=True, timeout=60, cwd=str(tmp_path))
-    assert bad.returncode == 2 and "mixture-of-experts model (n_expert=2) runs on data parallelism" in bad.stderr, \
-        bad.stderr
+    assert bad.returncode == 2 and "mixture-of-experts model (n_expert=2) does not run with context parallelism" \
+        in bad.stderr, bad.stderr
     (tmp_path / "run.json").write_text(json.dumps({"steps": 3, "n_layer": 1, "n_embd": 16, "n_head": 2,
                                                    "block_size": 8, "batch_size": 4, "log_every": 1,
                                                    "eval_every": 3, "warmup": 1, "out": str(tmp_path / "o")}))
