@@ -199,6 +199,17 @@ def report(**results):
     sys.stdout.flush()                                                            # interleaving
 
 
+def each_case(spec, run, what="case"):
+    """``run(case)`` for every case of ``spec`` ("--a 1;--b 2": cases split on ';'), in one
+    process: a batched worker's many layouts in one launch. A case that raises ends the job
+    with that case named (the job's failure message shows it on every rank that failed)."""
+    for case in [c.strip() for c in spec.split(";") if c.strip()]:
+        try:
+            run(case)
+        except Exception as e:
+            raise AssertionError(f"{what} {case!r}: {type(e).__name__}: {e}") from e
+
+
 def reports(out):
     """Every JSON object that ``report()`` printed in a run's output, in order (ranks
     printing at once may share a line: each object is decoded where its prefix starts)."""

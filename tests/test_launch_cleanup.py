@@ -39,6 +39,21 @@ def procs_with(needle, where="environ"):
     return found
 
 
+def left_after(mark, within=5.0):
+    """The processes carrying ``mark`` still there after up to ``within`` s (a test asserts [])."""
+    end = time.monotonic() + within
+    while procs_with(mark) and time.monotonic() < end:
+        time.sleep(0.1)
+    return procs_with(mark)
+
+
+def kill_left(p, mark):
+    """A test's cleanup, whatever it asserted: its process, then anything carrying its mark."""
+    p.kill()
+    for pid in procs_with(mark):
+        os.kill(pid, signal.SIGKILL)
+
+
 def test_launch_bounds_its_output_and_reaps_setsid_children(tmp_path):
     secs = f"{600 + random.random():.6f}"       # a setsid child holding the output pipe: found by launch's marker
     (tmp_path / "w.py").write_text(f"import os, subprocess\nsubprocess.Popen(['sleep', '{secs}'], start_new_session=True)\n"
@@ -85,14 +100,9 @@ def test_a_killed_caller_leaves_no_rank(tmp_path, sig, how):
         assert len(procs_with(mark)) >= 5
         p.send_signal(sig)
         p.wait(timeout=30)
-        end = time.monotonic() + 5
-        while procs_with(mark) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert procs_with(mark) == []
+        assert left_after(mark) == []
     finally:
-        p.kill()
-        for pid in procs_with(mark):
-            os.kill(pid, signal.SIGKILL)
+        kill_left(p, mark)
 
 
 def test_ctrl_c_stops_class_mode_at_once(tmp_path):
@@ -117,9 +127,7 @@ def test_ctrl_c_stops_class_mode_at_once(tmp_path):
         assert b"[6/6]" not in err, err                  # the queued students were never started
         assert procs_with(mark) == []
     finally:
-        p.kill()
-        for pid in procs_with(mark):
-            os.kill(pid, signal.SIGKILL)
+        kill_left(p, mark)
 
 
 STOPPED = """

@@ -152,7 +152,7 @@ def test_layout_error_before_mpi_and_one_process_run(tmp_path):
 def test_ctrl_c_stops_every_rank_after_one_step_and_leaves_whole_checkpoints(tmp_path):
     """SIGINT to mpiexec (a terminal's Ctrl-C) while 2 ranks train and save every 2 steps: both stop
     after the same step, exit 130 and clean, every checkpoint verifies, nothing else is left."""
-    from test_launch_cleanup import like_a_terminal, procs_with
+    from test_launch_cleanup import kill_left, left_after, like_a_terminal
     from pdist.testing import mpiexec_path
     tag = uuid.uuid4().hex
     env = dict(os.environ, PYTHONPATH=ROOT, PDIST_TEST_TAG=tag)
@@ -176,11 +176,6 @@ def test_ctrl_c_stops_every_rank_after_one_step_and_leaves_whole_checkpoints(tmp
         assert len(names) >= 2 and all(n.startswith("step-") for n in names), names     # no temporaries left
         for n in names:
             verify(str(tmp_path / "ckpt" / n))
-        end = time.monotonic() + 5
-        while procs_with(mark) and time.monotonic() < end:
-            time.sleep(0.1)
-        assert procs_with(mark) == []
+        assert left_after(mark) == []
     finally:
-        p.kill()
-        for pid in procs_with(mark):
-            os.kill(pid, signal.SIGKILL)
+        kill_left(p, mark)

@@ -32,7 +32,7 @@ from pdist.models.gpt import GPT
 from pdist.engine.grad_scaler import GradScaler
 from pdist.parallel import Local, MixedPrecision, parallelize
 from pdist.parallel.base import ParallelModule
-from pdist.testing import check_shards, report
+from pdist.testing import each_case, check_shards, report
 from pdist.training import train
 
 p = argparse.ArgumentParser()
@@ -127,11 +127,7 @@ def close(a, b):
 def main():
     if ARGS.each is None:
         return run(ARGS, None)
-    for case in [c.strip() for c in ARGS.each.split(";") if c.strip()]:
-        try:
-            run(p.parse_args(case.split()), case)
-        except Exception as e:        # name the layout: the job's failure message shows this line
-            raise AssertionError(f"layout {case!r}: {type(e).__name__}: {e}") from e
+    each_case(ARGS.each, lambda case: run(p.parse_args(case.split()), case), what="layout")
 
 
 main()

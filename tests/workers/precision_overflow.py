@@ -22,7 +22,7 @@ from pdist.engine.grad_scaler import GradScaler
 from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
-from pdist.testing import report
+from pdist.testing import each_case, report
 
 p = argparse.ArgumentParser()
 p.add_argument("--zero", type=int, default=0)
@@ -65,11 +65,7 @@ def run(args, case):
 def main():
     if ARGS.each is None:
         return run(ARGS, None)
-    for case in [c.strip() for c in ARGS.each.split(";") if c.strip()]:
-        try:
-            run(p.parse_args(case.split()), case)
-        except Exception as e:        # name the case: the job's failure message shows this line
-            raise AssertionError(f"case {case!r}: {type(e).__name__}: {e}") from e
+    each_case(ARGS.each, lambda case: run(p.parse_args(case.split()), case), what="case")
 
 
 main()

@@ -22,7 +22,7 @@ from pdist.engine.backend import set_default_dtype, to_numpy
 from pdist.models.gpt import GPT
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
-from pdist.testing import report
+from pdist.testing import each_case, report
 from pdist.training import train
 
 p = argparse.ArgumentParser()
@@ -79,11 +79,7 @@ def layout(args, case):
 def main():
     if ARGS.each is None:
         return layout(ARGS, None)
-    for case in [c.strip() for c in ARGS.each.split(";") if c.strip()]:
-        try:
-            layout(p.parse_args(case.split()), case)
-        except Exception as e:        # name the layout: the job's failure message shows this line
-            raise AssertionError(f"layout {case!r}: {type(e).__name__}: {e}") from e
+    each_case(ARGS.each, lambda case: layout(p.parse_args(case.split()), case), what="layout")
 
 
 main()
