@@ -27,6 +27,8 @@ copy, on the last; each block; the final norm), tensor-parallel tensors divided 
     temporaries  one layer's activations beside the stash (the layer being back-propagated or
                  recomputed), and ZeRO-3's gathered + prefetched unit, 2·k_p·max Ψ_u ("buffers")
     reserve      the cluster's reserve (CUDA context, NCCL, the allocator's cache) + 5% fragmentation
+    offload      ZeRO-Offload (Ren et al. 2021): optimizer and grad_sum on the host (0 here); ZeRO-Infinity
+                 (Rajbhandari et al. 2021): the param and gradient shards too, only ZeRO-3's buffers stay
 
 "paper" counts the paper's states + activations + ZeRO-3's buffers only. Activations per layer
 per micro-batch: Korthikanti et al. 2022, Table 2 (``layer_activations``), generalized in
@@ -87,6 +89,10 @@ def model_states(units, lay, n=None, experts=()):
         out[2] += ko * o
         if lay.precision in ("mixed", "fp8") and kg != 4 and lay.accounting in ("pdist", "deepspeed"):
             out[3] += 4 * o
+    if lay.offload != "none":           # ZeRO-Offload: fp32 masters, Adam and fp32 grads live on the host;
+        out[2] = out[3] = 0             # ZeRO-Infinity: the param and grad shards too (the gather buffers stay)
+        if lay.offload == "params":
+            out[0] = out[1] = 0
     return tuple(round(x) for x in out)
 
 

@@ -42,7 +42,10 @@ def _stages(a, lay, cluster):
     for r in range(lay.pp):
         mem, dense, experts, layers, ks = stage_memory(a, lay, r, cluster)
         sent, calls = group_bytes(a, lay, dense, experts, layers, ks, r)
-        out.append(dict(mem, comm_bytes=sent, comm_calls=calls, units=dense + experts, layers=layers, ks=ks))
+        n = lay.dp * lay.cp                     # the elements this GPU's optimizer steps (its ZeRO shards)
+        shard = sum(dense) / n + sum(experts) / max(1, n // lay.ep)
+        out.append(dict(mem, comm_bytes=sent, comm_calls=calls, units=dense + experts, layers=layers, ks=ks,
+                        shard=shard))
     return out
 
 
@@ -87,7 +90,8 @@ def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_
             "total": total}
     return {
         "memory_per_gpu": {k: worst[k] for k in CATEGORIES + ("total",)},
-        "memory_per_stage": [{k: v for k, v in st.items() if k not in ("units", "layers", "ks")} for st in stages],
+        "memory_per_stage": [{k: v for k, v in st.items() if k not in ("units", "layers", "ks", "shard")}
+                             for st in stages],
         "fits": worst["total"] <= cap, "headroom": cap - worst["total"], "fit_fraction": fit_fraction,
         "time_per_step": time, "waterfall": parts,
         "exposed": {k: parts[f"comm:{k}"] for k in GROUPS},

@@ -46,6 +46,10 @@ def header(cluster, lay, plans, efficiency):
         f"fragmentation{' (not counted)' if lay.accounting == 'paper' else ''}; fits = under {fit:.0%} of "
         f"{gib(cluster.memory)} GiB",
     ]
+    if lay.offload != "none":
+        what = "optimizer, fp32 grads" + (", param and grad shards" if lay.offload == "params" else "")
+        lines.append(f"offload: {lay.offload} to the host ({what}); PCIe {cluster.pcie / 1e9:g} GB/s, CPU Adam "
+                     f"over {cluster.host_bw / 1e9:g} GB/s of host memory per GPU, in the step's overhead")
     return "\n".join(lines)
 
 
