@@ -114,3 +114,39 @@ def test_llama_activations_count_gqa_and_swiglu_tensors():
     flash = plan(cfg, "this", attention="flash")
     assert flash["memory_per_stage"][0]["activations"] == act["selective"]       # FlashAttention keeps no scores
     assert flash["time_per_step"]["total"] < plan(cfg, "this")["time_per_step"]["total"]   # and skips masked blocks
+
+
+def test_mla_offload_causal_cp_and_the_new_presets(capsys):
+    """MLA's parameters as DeepSeek-V3 counts them; causal attention under cp runs (cp+1)/(2cp) of the
+    scores; ZeRO-Offload moves the optimizer (and ZeRO-Infinity the shards) off the GPU and charges
+    PCIe + CPU Adam; the newer GPU presets plan; the CLI expresses all of it and refuses what cannot be."""
+    v3 = MODELS["deepseek-v3"]
+    h, a = 7168, 128
+    mla = h * 1536 + 1536 + 1536 * a * 192 + h * 576 + 512 + 512 * a * 256 + a * 128 * h
+    assert sum(v3.attn()) == mla and v3.score_dims == (192, 128)
+    assert round(v3.num_params() / 1e9) == 671 and round(v3.num_params(active=True) / 1e9, 1) == 37.6
+    from pdist.plan.efficiency import gemm_time, layer_time
+    from pdist.plan.layout import Layout
+    cfg, cl = MODELS["llama3-8b"], CLUSTERS["h100"]
+    lay = Layout(cp=4, seq_len=8192)
+    score = layer_time(arch_of(cfg), lay, 2048, cl)[1]
+    assert score == pytest.approx(5 / 8 * 32 * 2 * gemm_time(2048, 8192, 128, cl, "mixed"))
+    base = plan("gpt2-xl", "a100", dp=8, zero=2)
+    off = plan("gpt2-xl", "a100", dp=8, zero=2, offload="optimizer")
+    assert off["memory_per_gpu"]["optimizer"] == off["memory_per_gpu"]["grad_sum"] == 0 < base["memory_per_gpu"]["optimizer"]
+    shard = arch_of(MODELS["gpt2-xl"]).num_params() / 8
+    extra = (2 + 2) * shard / 25e9 + 28 * shard / 25e9           # grads down, params up (PCIe 4), CPU Adam
+    assert off["waterfall"]["overhead"] - base["waterfall"]["overhead"] == pytest.approx(extra, rel=1e-3)
+    inf = plan("gpt2-xl", "a100", dp=8, zero=3, offload="params")["memory_per_gpu"]
+    assert inf["params"] == inf["grads"] == 0 < inf["buffers"]
+    for c in ("h200", "b200", "mi300x"):
+        assert plan("llama3-70b", c, dp=8, tp=8, pp=4, sp=True, zero=1, m=8)["fits"]
+    assert main(["--model", "deepseek-v2", "--cluster", "h800", "--dp", "8", "--pp", "4", "--ep", "8",
+                 "--zero", "1", "--m", "8", "--offload", "optimizer", "--n-shared-experts", "1", "--mla",
+                 "0,512,128,64,128", "--mlp", "gelu"]) == 0
+    assert "offload: optimizer to the host" in capsys.readouterr().out
+    for argv, msg in ((["--zero", "1", "--offload", "params"], "it needs zero >= 3"),
+                      (["--offload", "optimizer"], "it needs zero >= 1"), (["--mla", "1,2"], "five integers")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv

@@ -54,6 +54,17 @@ def _mla(s):
     return v
 
 
+def _arch_flags(m):
+    """The model flags only an Arch holds (pdist/plan/arch.py)."""
+    m.add_argument("--expert-ffn", type=POS, default=None, help="each routed expert's MLP width (default --ffn)")
+    m.add_argument("--n-shared-experts", type=NONNEG, default=None, help="shared experts per MoE layer (DeepSeek)")
+    m.add_argument("--n-dense-layers", type=NONNEG, default=None, help="first layers with a dense MLP (DeepSeek)")
+    m.add_argument("--mlp", default=None, choices=["gelu", "swiglu"], help="two-matrix (GELU, squared ReLU) or "
+                   "gated three-matrix MLP (default: the family's)")
+    m.add_argument("--mla", type=_mla, default=None, metavar="Q,KV,NOPE,ROPE,V", help="multi-head latent "
+                   "attention ranks and head dims (DeepSeek-V2/V3: 1536,512,128,64,128; Q 0: no q compression)")
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="python -m pdist.plan", description=__doc__, formatter_class=_Fmt)
     m = p.add_argument_group("model (a preset, a size, or Ψ alone)")
@@ -69,13 +80,7 @@ def _parser():
     m.add_argument("--n-expert", type=NONNEG, default=None, help="experts per MoE layer (0: dense; default: the model's)")
     m.add_argument("--expert-top-k", type=POS, default=None, help="experts per token (default: the model's, 2)")
     m.add_argument("--capacity-factor", type=POSF, default=None, help="expert capacity c (default dropless)")
-    m.add_argument("--expert-ffn", type=POS, default=None, help="each routed expert's MLP width (default --ffn)")
-    m.add_argument("--n-shared-experts", type=NONNEG, default=None, help="shared experts per MoE layer (DeepSeek)")
-    m.add_argument("--n-dense-layers", type=NONNEG, default=None, help="first layers with a dense MLP (DeepSeek)")
-    m.add_argument("--mlp", default=None, choices=["gelu", "swiglu"], help="two-matrix (GELU, squared ReLU) or "
-                   "gated three-matrix MLP (default: the family's)")
-    m.add_argument("--mla", type=_mla, default=None, metavar="Q,KV,NOPE,ROPE,V", help="multi-head latent "
-                   "attention ranks and head dims (DeepSeek-V2/V3: 1536,512,128,64,128; Q 0: no q compression)")
+    _arch_flags(m)
     c = p.add_argument_group("cluster (a preset, edited by the flags below)")
     c.add_argument("--cluster", default="a100", choices=sorted(CLUSTERS), help="a preset (pdist/plan/presets.py)")
     c.add_argument("--gpu-memory", type=POSF, default=None, help="GiB per GPU (default: the preset's)")

@@ -26,6 +26,9 @@ copy, on the last; each block; the final norm), tensor-parallel tensors divided 
     logits       the last stage's fp32 logits and their gradient, 2·4·b·s·V/t
     temporaries  one layer's activations beside the stash (the layer being back-propagated or
                  recomputed), and ZeRO-3's gathered + prefetched unit, 2·k_p·max Ψ_u ("buffers")
+    held         pdist only: what ZeRO's buffer pool keeps beyond ``buffers`` between steps (``pool_bytes``:
+                 the full gradients at stages 2-3, the other gathered units at stage 3)
+    baseline     the process before the model: interpreter, libraries, pdist (``this``: measured; 0 on GPUs)
     reserve      the cluster's reserve (CUDA context, NCCL, the allocator's cache) + 5% fragmentation
     offload      ZeRO-Offload (Ren et al. 2021): optimizer and grad_sum on the host (0 here); ZeRO-Infinity
                  (Rajbhandari et al. 2021): the param and gradient shards too, only ZeRO-3's buffers stay
@@ -137,6 +140,23 @@ def activations(a, lay, layers, s):
     return sum(per), big
 
 
+def pool_bytes(units, lay, n):
+    """What pdist's ZeRO buffer pool (host_memory.BufferPool, pdist/parallel/zero/flat_param.py) keeps
+    between steps: per distinct padded unit size, the full gradients (stages 2, 3) and gathered params
+    (stage 3) it handed out, two of a size at once (the one in use and the one in flight or prefetched;
+    every unit's gradient when m > 1, as they are all kept to the step's end)."""
+    if lay.zero < 2 or n <= 1 or lay.accounting != "pdist":
+        return 0
+    kp, kg = BYTES[lay.precision][0], lay.grad_bytes(BYTES[lay.precision][1])
+    sizes = {}
+    for u in units:
+        pad = -(-u // n) * n
+        sizes[pad] = sizes.get(pad, 0) + 1
+    grads = sum(size * (c if lay.m > 1 else min(c, 2)) for size, c in sizes.items())
+    params = sum(size * min(c, 2) for size, c in sizes.items()) if lay.zero == 3 else 0
+    return kg * grads + kp * params
+
+
 def stage_memory(a, lay, r, cluster):
     """Memory of one GPU of pipeline rank r: bytes by category, "total", and "fits"'s input."""
     dense, experts, layers, ks = stage_units(a, lay, r)
@@ -147,11 +167,14 @@ def stage_memory(a, lay, r, cluster):
     n = lay.dp * lay.cp
     mem = {"params": p_, "grads": g_, "optimizer": o_, "grad_sum": gs, "activations": round(acts * stash(lay, r)),
            "buffers": 2 * max(dense + experts) * kp if lay.zero == 3 and n > 1 else 0,
-           "logits": 0, "temporaries": 0, "reserve": 0}
+           "logits": 0, "temporaries": 0, "held": 0, "baseline": 0, "reserve": 0}
     if lay.accounting != "paper":
         last = lay.pp * lay.v - 1 in ks
         mem["logits"] = 2 * 4 * lay.micro_batch * s * math.ceil(a.vocab / lay.tp) if last else 0
         mem["temporaries"] = round(big)
+        mem["held"] = max(0, pool_bytes(dense, lay, n) + pool_bytes(experts, lay, max(1, n // lay.ep)) -
+                          mem["buffers"])
+        mem["baseline"] = round(cluster.baseline)
         held = sum(mem.values())
         mem["reserve"] = round(cluster.reserve + FRAGMENTATION * held)
     mem["total"] = sum(mem.values())

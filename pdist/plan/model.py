@@ -21,7 +21,7 @@ from pdist.plan.timing import waterfall
 
 FIT_FRACTION = 0.9
 CATEGORIES = ("params", "grads", "grad_sum", "optimizer", "activations", "buffers", "logits", "temporaries",
-              "reserve")
+              "held", "baseline", "reserve")
 
 
 def warnings_of(a, lay, link):

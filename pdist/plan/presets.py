@@ -102,6 +102,7 @@ class Cluster:
     step_s: float = 0.0           # host seconds of the optimizer per tensor it steps (the same calibration)
     nodes: int = 0                # 0: as many as the layout needs
     pcie: float = 25e9            # host <-> GPU bytes/s per GPU each way (PCIe Gen4 x16 as measured, ~25 GB/s)
+    baseline: float = 0.0         # bytes a rank's process holds before the model (interpreter, libraries)
     host_bw: float = 25e9         # host memory bytes/s per GPU for an offloaded optimizer (CPU Adam)
     extra: dict = field(default_factory=dict)
 
@@ -117,6 +118,8 @@ GiB = 2 ** 30
 #  * link: bench/collectives.py, n = 2, pdist "mpi" all-reduce: busbw 5.37 GB/s at 16 MiB
 #    and 16.7 µs per call at 8 B (docs/collectives.md).
 #  * memory: 23 GiB of RAM for both ranks (as `free` reported), 11.5 GiB each.
+#  * baseline: 61 MB, the RSS of a rank of a 4-rank job before its model (Python, NumPy, MPI, pdist
+#    imported, comm.init() done; tests/workers/zero_rss.py measures 61.3-61.5 MB, 2026-12-02).
 _FLOOR_CFG = GPTConfig(vocab_size=96, block_size=256, n_layer=4, n_head=8, n_embd=512)
 _FLOOR_S = 1.19810
 _PDIST_S = 1.42792
@@ -182,7 +185,7 @@ CLUSTERS = {
         "this machine: 2 CPU cores, one rank per core", 2, 23 * GiB / 2,
         {"fp32": _CPU_PEAK, "fp64": _CPU_PEAK / 2, "mixed": _CPU_PEAK},
         intra=Link(5.37e9, 16.7e-6), inter=Link(5.37e9, 16.7e-6), efficiency=_FLOOR_S / _PDIST_S,
-        mem_bw=10e9, reserve=0.0,
+        mem_bw=10e9, reserve=0.0, baseline=61e6,
         source="README 'Measured' (Intel Xeon, 2 cores, 2026-11-30): bench/step_time.py large GPT, "
                "BLAS floor 1198.10 ms vs pdist 1427.92 ms -> peak fp32 %.0f GFLOP/s per core, "
                "efficiency 0.84; bench/collectives.py n = 2: busbw 5.37 GB/s (16 MiB), 16.7 µs "

@@ -8,6 +8,10 @@ preset's constant (the GEMM profile), so it is not an independent check.
 
     python -m pdist.plan.published            # the table docs/planning.md holds, recomputed
     python -m pdist.plan.published --check    # exit 1 when the stored verdicts are stale
+    python -m pdist.plan.published --update   # store the planner's values and verdicts in cases.json
+
+``added``: the date a case joined the table (its tolerance fixed then, before its prediction was read);
+the table counts those added after the planner's constants were set separately.
 
 Quantities: ``params_b``/``active_params_b`` (10⁹), ``states_gb`` (params + grads + fp32 grad sum +
 optimizer + ZeRO-3 buffers per GPU, 10⁹ bytes), ``tflops_eq3`` (Narayanan et al. 2021, Eq. 3
@@ -79,6 +83,9 @@ def markdown(rows):
     ind = [r for r in rows if not r[0].get("fitted")]
     lines.append(f"\nWithin tolerance: {hit} of {n}; of the {len(ind)} not used to fit anything, "
                  f"{sum(ok for *_, ok in ind)}.")
+    for day in sorted({r[0]["added"] for r in rows if r[0].get("added")}):
+        new = [r for r in rows if r[0].get("added") == day]
+        lines[-1] += f" Of the {len(new)} added {day}, {sum(ok for *_, ok in new)}."
     return "\n".join(lines)
 
 
@@ -89,9 +96,23 @@ def stale(rows):
             1e-9 * max(1, abs(v))]
 
 
+def update(rows, path=PATH):
+    """Write each case's ``planned`` (4 significant digits) and ``verdict`` into cases.json."""
+    with open(path) as f:
+        data = json.load(f)
+    got = {c["id"]: (float(f"{v:.4g}"), "hit" if ok else "miss") for c, v, _, ok in rows}
+    for c in data["cases"]:
+        c["planned"], c["verdict"] = got[c["id"]]
+    with open(path, "w") as f:
+        json.dump(data, f, indent=1, ensure_ascii=False)
+        f.write("\n")
+
+
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     rows = verdicts()
+    if "--update" in argv:
+        update(rows)
     if "--check" in argv:
         bad = stale(rows)
         print("stale: " + ", ".join(bad) if bad else "cases.json is up to date")

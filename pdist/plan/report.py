@@ -3,7 +3,7 @@ from pdist.plan.comm import GROUPS
 
 CATS = ("params", "grads", "optimizer", "activations", "buffers")
 BAR = {"params": "P", "grads": "G", "grad_sum": "g", "optimizer": "O", "activations": "A", "buffers": "B",
-       "logits": "L", "temporaries": "T", "reserve": "R"}
+       "logits": "L", "temporaries": "T", "held": "H", "baseline": "b", "reserve": "R"}
 
 
 def gib(b):
@@ -60,7 +60,8 @@ def table(plans):
     rows = []
     for p in plans:
         m, t = p["memory_per_gpu"], p["time_per_step"]
-        other = sum(m.get(k) or 0 for k in ("grad_sum", "buffers", "logits", "temporaries", "reserve"))
+        other = sum(m.get(k) or 0 for k in ("grad_sum", "buffers", "logits", "temporaries", "held", "baseline",
+                                                "reserve"))
         row = [name(p["layout"])] + [gib(m[k]) for k in ("params", "grads", "optimizer", "activations")]
         row += [gib(other), gib(m["total"]), "yes" if p["fits"] else "NO"]
         if t is None:
