@@ -225,5 +225,6 @@ def main(argv=None):
         print(f"wrote {args.png}")
     else:
         print(text_chart(plans, cl.memory))
-    print(f"(GiB per GPU; 'other' = fp32 grad sum + buffers + logits + temporaries + reserve; {gib(cl.memory)} GiB)")
+    print("(GiB per GPU; 'other' = fp32 grad sum + buffers + logits + temporaries + held + baseline + reserve; "
+          f"{gib(cl.memory)} GiB)")
     return 0

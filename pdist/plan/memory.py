@@ -27,7 +27,7 @@ copy, on the last; each block; the final norm), tensor-parallel tensors divided 
     temporaries  one layer's activations beside the stash (the layer being back-propagated or
                  recomputed), and ZeRO-3's gathered + prefetched unit, 2·k_p·max Ψ_u ("buffers")
     held         pdist only: what ZeRO's buffer pool keeps beyond ``buffers`` between steps (``pool_bytes``:
-                 the full gradients at stages 2-3, the other gathered units at stage 3)
+                 two full gradients per unit size at stages 2-3, two gathered units per size at stage 3)
     baseline     the process before the model: interpreter, libraries, pdist (``this``: measured; 0 on GPUs)
     reserve      the cluster's reserve (CUDA context, NCCL, the allocator's cache) + 5% fragmentation
     offload      ZeRO-Offload (Ren et al. 2021): optimizer and grad_sum on the host (0 here); ZeRO-Infinity
@@ -143,8 +143,9 @@ def activations(a, lay, layers, s):
 def pool_bytes(units, lay, n):
     """What pdist's ZeRO buffer pool (host_memory.BufferPool, pdist/parallel/zero/flat_param.py) keeps
     between steps: per distinct padded unit size, the full gradients (stages 2, 3) and gathered params
-    (stage 3) it handed out, two of a size at once (the one in use and the one in flight or prefetched;
-    every unit's gradient when m > 1, as they are all kept to the step's end)."""
+    (stage 3) it handed out, two of a size at once (the one in use and the one in flight or prefetched).
+    Measured at m = 1 (tests/workers/zero_rss.py). ZeRO-2 at m > 1 keeps every full gradient to the
+    step's end: those are already in "grads", and the pool's buffers are the same ones (none added)."""
     if lay.zero < 2 or n <= 1 or lay.accounting != "pdist":
         return 0
     kp, kg = BYTES[lay.precision][0], lay.grad_bytes(BYTES[lay.precision][1])
@@ -152,7 +153,7 @@ def pool_bytes(units, lay, n):
     for u in units:
         pad = -(-u // n) * n
         sizes[pad] = sizes.get(pad, 0) + 1
-    grads = sum(size * (c if lay.m > 1 else min(c, 2)) for size, c in sizes.items())
+    grads = 0 if lay.zero == 2 and lay.m > 1 else sum(size * min(c, 2) for size, c in sizes.items())
     params = sum(size * min(c, 2) for size, c in sizes.items()) if lay.zero == 3 else 0
     return kg * grads + kp * params
 
