@@ -97,7 +97,7 @@ def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_
         "exposed": {k: parts[f"comm:{k}"] for k in GROUPS},
         "links": {k: ("inter-node" if v else "intra-node") for k, v in link.items() if k in GROUPS},
         "mfu": model_flops / lay.gpus / (peak * total),
-        "tflops_per_gpu": (hw + rec_flops) / lay.gpus / total / 1e12,
+        "tflops_per_gpu": (hw + rec_flops) / lay.gpus / total / 1e12, "peak": peak,
         "tokens_per_s": tokens / total,
         "global_batch": lay.dp * lay.m * lay.micro_batch, "seq_len": s, "params": a.num_params(),
         "active_params": a.num_params(active=True), "layout": asdict(lay), "gpus": lay.gpus,

@@ -149,6 +149,19 @@ CLUSTERS = {
         intra=Link(300e9, 5e-6), inter=Link(12.5e9 / 8, 30e-6), mem_bw=2.0e12,
         source="as a100, but 100 Gb/s = 12.5 GB/s per node shared by its 8 GPUs (1.56 GB/s each); "
                "α 30 µs assumed"),
+    "a100-40gb": Cluster(
+        "8 x A100-40GB (NVLink 600 GB/s, 8 x 200 Gb/s InfiniBand)", 8, 40 * GiB,
+        {"mixed": 312e12, "fp8": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(25e9, 10e-6), mem_bw=1.555e12,
+        source="NVIDIA A100 datasheet, 40 GB SXM: the 80 GB part's compute and links, HBM2 1.555 TB/s; "
+               "α assumed"),
+    "v100": Cluster(
+        "16 x V100-32GB per DGX-2 node (NVSwitch, 8 x 100 Gb/s InfiniBand per node)", 16, 32 * GiB,
+        {"mixed": 125e12, "fp8": 125e12, "fp32": 15.7e12, "fp64": 7.8e12},
+        intra=Link(150e9, 5e-6), inter=Link(6.25e9, 10e-6), mem_bw=0.9e12, pcie=12e9,
+        source="NVIDIA V100 SXM3 datasheet: fp16 tensor 125 TFLOP/s, fp32 15.7, fp64 7.8, HBM2 900 GB/s; six "
+               "NVLink 2 links of 25 GB/s each way (150 GB/s) through NVSwitch; 8 x 100 Gb/s for 16 GPUs = "
+               "6.25 GB/s per GPU; PCIe Gen3; α assumed"),
     "h100": Cluster(
         "8 x H100-80GB SXM (NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
         {"mixed": 989e12, "fp8": 1979e12, "fp32": 67e12, "fp64": 67e12},
