@@ -150,3 +150,25 @@ def test_mla_offload_causal_cp_and_the_new_presets(capsys):
         with pytest.raises(SystemExit) as e:
             main(argv)
         assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_parallel_blocks_and_sliding_windows():
+    """A parallel block (one norm, attention and MLP summed: GPT-J, PaLM, Falcon) has one f and one g
+    under tp: 4 all-reduce halves a layer instead of 8; a sliding window of w keys counts w per
+    query in the attention's FLOPs, its score matmuls and its stored scores."""
+    from dataclasses import replace
+    a = arch_of(LlamaConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    par = replace(a, parallel=True)
+    assert a.num_params() - par.num_params() == 2 * 32                   # one RMSNorm weight less a layer
+    tp = {x.parallel: plan(x, "a100", tp=4, m=2, precision="fp32")["memory_per_stage"][0]["comm_bytes"]["tp"]
+          for x in (a, par)}
+    S = 1 * 64 * 32 * 4
+    assert tp[False] - tp[True] == pytest.approx(2 * 2 * 4 * 3 / 4 * S)   # m 2, L 2, 4 halves, (t-1)/t
+    win = replace(a, window=16)
+    assert a.flops_per_token() - win.flops_per_token() == 12 * 2 * (64 - 16) * 32
+    from pdist.plan.efficiency import gemm_time, layer_time
+    from pdist.plan.layout import Layout
+    cl = CLUSTERS["a100"]
+    assert layer_time(win, Layout(), 64, cl)[1] == pytest.approx(4 * 2 * gemm_time(64, 16, 8, cl, "mixed"))
+    acts = {x.window: plan(x, "a100")["memory_per_stage"][0]["activations"] for x in (a, win)}
+    assert acts[0] - acts[16] == 2 * 2 * 4 * 64 * (64 - 16)            # 2 layers, 2as·keys·b bytes of scores

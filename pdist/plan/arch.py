@@ -48,6 +48,8 @@ class Arch:
     n_shared: int = 0             # shared experts (DeepSeek)
     n_dense: int = 0              # the first n_dense layers keep a dense MLP (DeepSeek-V3: 3)
     mla: tuple = ()               # multi-head latent attention (DeepSeek-V2/V3): (q_rank, kv_rank, nope, rope, v)
+    window: int = 0               # sliding-window attention: keys per query (Mistral; MegaScale); 0: all
+    parallel: bool = False        # attention and MLP side by side from one norm (GPT-J, PaLM, Falcon, MegaScale)
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -106,7 +108,11 @@ class Arch:
         return w // t, (self.h if self.bias else 0)
 
     def norms(self):
-        return (4 if self.bias else 2) * self.h                                 # two norms per block
+        """A block's norm elements: two norms (one for a parallel block), weight (+ bias)."""
+        return (1 if self.parallel else 2) * self.final_norm()
+
+    def final_norm(self):
+        return (2 if self.bias else 1) * self.h
 
     def block(self, i=0, t=1, ep=1, active=False):
         """Elements of block i on one tp rank holding E/ep experts (``active``: k + S of them)."""
@@ -132,7 +138,7 @@ class Arch:
 
     def num_params(self, active=False):
         emb, head = self.embeddings()
-        return emb + head + sum(self.block(i, active=active) for i in range(self.n_layer)) + self.norms() // 2
+        return emb + head + sum(self.block(i, active=active) for i in range(self.n_layer)) + self.final_norm()
 
     def matmul_params(self):
         """Active parameters that multiply a token (the head counted once, lookups left out)."""
@@ -142,7 +148,8 @@ class Arch:
         if convention not in FLOP_CONVENTIONS:
             raise ValueError(f"FLOP convention must be one of {FLOP_CONVENTIONS}, got {convention!r}")
         s = s or self.seq
-        attn = 6 * self.n_layer * s * self.n_head * sum(self.score_dims)      # 12·L·s·a·d without MLA
+        keys = min(s, self.window) if self.window else s                      # keys each query scores
+        attn = 6 * self.n_layer * keys * self.n_head * sum(self.score_dims)   # 12·L·s·a·d without MLA
         return 6 * self.matmul_params() + {"6N+12LhT": attn, "6N": 0, "causal": attn / 2}[convention]
 
     def gemms(self, tokens, t=1):

@@ -61,6 +61,9 @@ def _arch_flags(m):
     m.add_argument("--n-dense-layers", type=NONNEG, default=None, help="first layers with a dense MLP (DeepSeek)")
     m.add_argument("--mlp", default=None, choices=["gelu", "swiglu"], help="two-matrix (GELU, squared ReLU) or "
                    "gated three-matrix MLP (default: the family's)")
+    m.add_argument("--window", type=POS, default=None, help="sliding-window attention: keys per query (Mistral)")
+    m.add_argument("--parallel-block", action="store_true", help="attention and MLP side by side from one norm "
+                   "(GPT-J, PaLM, Falcon): half the tp all-reduces")
     m.add_argument("--mla", type=_mla, default=None, metavar="Q,KV,NOPE,ROPE,V", help="multi-head latent "
                    "attention ranks and head dims (DeepSeek-V2/V3: 1536,512,128,64,128; Q 0: no q compression)")
 
@@ -154,7 +157,8 @@ def _model(args, p):
 def _arch_edits(args, cfg):
     """The flags only an Arch holds (shared experts, dense first layers, the MLP's kind, MLA)."""
     edits = {k: v for k, v in (("expert_ffn", args.expert_ffn), ("n_shared", args.n_shared_experts),
-                               ("n_dense", args.n_dense_layers), ("mla", args.mla)) if v is not None}
+                               ("n_dense", args.n_dense_layers), ("mla", args.mla), ("window", args.window),
+                               ("parallel", args.parallel_block or None)) if v is not None}
     if args.mlp:
         edits["gated"] = args.mlp == "swiglu"
     return replace(arch_of(cfg), **edits) if edits else cfg

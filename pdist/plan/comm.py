@@ -75,12 +75,12 @@ def group_bytes(a, lay, dense, experts, layers, ks, pp_rank):
     calls["pp"] = 2 * m * hops                  # each boundary: m sends and m receives on this rank
     if t > 1:
         S, ring = b * s * C * ka, (t - 1) / t
-        per_layer = 8 + 4 * (lay.recompute == "full")
+        per_layer = (8 + 4 * (lay.recompute == "full")) // (2 if a.parallel else 1)   # a parallel block: one f, one g
         per_mb = (per_layer * L + 2 * first + 2 * last) * ring * S + last * 2 * ring * 3 * b * s * ka
         sent["tp"] = m * per_mb
         if lay.sp:
             unsplit = a.attn()[1] + a.mlp(a.ffn)[1] + a.norms()
-            sent["tp"] += 2 * ring * (L * unsplit + a.norms() // 2 * last + (s * C if a.learned_pos else 0) * first) * kp
+            sent["tp"] += 2 * ring * (L * unsplit + a.final_norm() * last + (s * C if a.learned_pos else 0) * first) * kp
         calls["tp"] = m * (per_layer * L + 2 * first + 2 * last + 4 * last) * (t - 1)   # loss: 2 all-reduces
     kvd = a.n_kv_head * a.head_dim // t
     if cp > 1 and lay.cp_mode == "ring":

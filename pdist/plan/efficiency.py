@@ -59,7 +59,10 @@ def layer_time(a, lay, tokens, cluster, flat=None, moe_layer=False):
     # FlashAttention skips the masked blocks; context parallelism (ring or all-gather, load-balanced
     # chunks) skips the key/value blocks wholly in a query chunk's future: cp(cp+1)/2 of cp² blocks run
     causal = 0.5 if lay.attention == "flash" else (lay.cp + 1) / (2 * lay.cp)
-    score = causal * b * heads * sum(gemm_time(sl, s if lay.cp > 1 else sl, d, cluster, lay.precision, flat, itemsize)
+    keys = s if lay.cp > 1 else sl
+    if a.window and a.window < keys:       # a sliding window: each query scores `window` keys, no causal halving
+        causal, keys = 1.0, a.window
+    score = causal * b * heads * sum(gemm_time(sl, keys, d, cluster, lay.precision, flat, itemsize)
                                      for d in a.score_dims)           # QKᵀ and AV
     elem = ELEMENTWISE * tokens * a.h / (lay.tp if lay.sp else 1) * itemsize / cluster.mem_bw
     return gemm, score, elem

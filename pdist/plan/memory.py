@@ -59,7 +59,7 @@ def stage_units(a, lay, r):
     dense = [root] + [a.block(i, t, lay.ep) - a.expert_elements(i, t, lay.ep) for i in layers]
     experts = [a.expert_elements(i, t, lay.ep) for i in layers if a.expert_elements(i, t, lay.ep)]
     if last:
-        dense.append(a.norms() // 2)
+        dense.append(a.final_norm())
     return dense, experts, layers, ks
 
 
@@ -126,8 +126,9 @@ def arch_activations(a, lay, s, moe_layer=False):
     if moe_layer:
         mlp = a.top_k * (a.capacity or 1.0) * (2 + per_f * a.expert_ffn) + a.n_shared * per_f * a.expert_ffn
     split = 2 + 4 * kvr + 2 + mlp
-    unsplit = 8 + (2 if a.dropout_masks else 0)
-    scores = 0 if lay.recompute == "selective" or lay.attention == "flash" else (5 if a.dropout_masks else 2) * a.n_head * s / h
+    unsplit = (4 if a.parallel else 8) + (2 if a.dropout_masks else 0)     # a parallel block: one norm, one input
+    keys = min(s, a.window) if a.window else s
+    scores = 0 if lay.recompute == "selective" or lay.attention == "flash" else (5 if a.dropout_masks else 2) * a.n_head * keys / h
     return sbh * ((unsplit + split) / t + scores / t if sp else unsplit + split / t + scores / t)
 
 
