@@ -139,6 +139,9 @@ def test_mla_offload_causal_cp_and_the_new_presets(capsys):
     assert off["waterfall"]["overhead"] - base["waterfall"]["overhead"] == pytest.approx(extra, rel=1e-3)
     inf = plan("gpt2-xl", "a100", dp=8, zero=3, offload="params")["memory_per_gpu"]
     assert inf["params"] == inf["grads"] == 0 < inf["buffers"]
+    act = {pr: plan("gpt2-xl", "h100", precision=pr, recompute="selective")["memory_per_stage"][0]["activations"]
+           for pr in ("mixed", "fp8")}     # FP8 inputs of QKV, proj, fc, fc2: 1 + 1 + 1 + 4 of Table 2's 34 sbh
+    assert act["fp8"] == pytest.approx(act["mixed"] * 27 / 34, rel=1e-6)
     for c in ("h200", "b200", "mi300x"):
         assert plan("llama3-70b", c, dp=8, tp=8, pp=4, sp=True, zero=1, m=8)["fits"]
     assert main(["--model", "deepseek-v2", "--cluster", "h800", "--dp", "8", "--pp", "4", "--ep", "8",

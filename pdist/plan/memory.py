@@ -115,7 +115,8 @@ def arch_activations(a, lay, s, moe_layer=False):
     the MLP's 2sb·f per GELU tensor (2: input, output) or SwiGLU tensor (3: gate, up, product);
     scores 5as²b (2as²b without dropout), none under selective recompute (FlashAttention keeps
     none either). An MoE layer holds k·c copies of a token's MLP tensors (+ its input, permuted)
-    and the shared experts'. Context parallelism: s is this rank's s/cp. GPT-2 gives Table 2."""
+    and the shared experts'. Context parallelism: s is this rank's s/cp. GPT-2 gives Table 2. FP8
+    keeps the GEMMs' saved inputs (attention's, MLP's, projection's, down's) in 1 byte, not 2."""
     b, h, t, sp = lay.micro_batch, a.h, lay.tp, lay.sp and lay.tp > 1
     sbh = s * b * h
     if lay.recompute == "full":
@@ -127,6 +128,11 @@ def arch_activations(a, lay, s, moe_layer=False):
         mlp = a.top_k * (a.capacity or 1.0) * (2 + per_f * a.expert_ffn) + a.n_shared * per_f * a.expert_ffn
     split = 2 + 4 * kvr + 2 + mlp
     unsplit = (4 if a.parallel else 8) + (2 if a.dropout_masks else 0)     # a parallel block: one norm, one input
+    if lay.precision == "fp8":      # the GEMMs' saved inputs in FP8, 1 byte (Transformer Engine; DeepSeek-V3 §3.3)
+        down = (a.top_k * (a.capacity or 1.0) * (2 + 2 * a.expert_ffn / h) + a.n_shared * 2 * a.expert_ffn / h
+                if moe_layer else 2 * a.ffn / h)
+        unsplit -= 1 if a.parallel else 2                                  # the attention's and the MLP's inputs
+        split -= (2 + down) / 2                                            # the projection's and down's inputs
     keys = min(s, a.window) if a.window else s
     scores = 0 if lay.recompute == "selective" or lay.attention == "flash" else (5 if a.dropout_masks else 2) * a.n_head * keys / h
     return sbh * ((unsplit + split) / t + scores / t if sp else unsplit + split / t + scores / t)
