@@ -46,6 +46,8 @@ def header(cluster, lay, plans, efficiency):
         f"fragmentation{' (not counted)' if lay.accounting == 'paper' else ''}; fits = under {fit:.0%} of "
         f"{gib(cluster.memory)} GiB",
     ]
+    if cluster.baseline and lay.accounting != "paper":
+        lines[-1] += f"; + the process's baseline {cluster.baseline / 2 ** 20:.1f} MiB and ZeRO's pool (held)"
     if lay.offload != "none":
         what = "optimizer, fp32 grads" + (", param and grad shards" if lay.offload == "params" else "")
         lines.append(f"offload: {lay.offload} to the host ({what}); PCIe {cluster.pcie / 1e9:g} GB/s, CPU Adam "
