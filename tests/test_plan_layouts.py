@@ -175,3 +175,20 @@ def test_parallel_blocks_and_sliding_windows():
     assert layer_time(win, Layout(), 64, cl)[1] == pytest.approx(4 * 2 * gemm_time(64, 16, 8, cl, "mixed"))
     acts = {x.window: plan(x, "a100")["memory_per_stage"][0]["activations"] for x in (a, win)}
     assert acts[0] - acts[16] == 2 * 2 * 4 * 64 * (64 - 16)            # 2 layers, 2as·keys·b bytes of scores
+
+
+def test_hybrid_sharding_shards_inside_and_all_reduces_across():
+    """HSDP (shard = n): ZeRO's states divide by n, not dp; the shard's gradient is all-reduced over
+    the dp/n replicas, 2(R−1)/R·k_g·Ψ_pad/n bytes, priced on the replicas' (inter-node) link."""
+    full, hsdp = (plan("llama3-8b", "h100", dp=32, zero=3, shard=s, m=1) for s in (0, 8))
+    psi = arch_of(MODELS["llama3-8b"]).num_params()
+    assert hsdp["memory_per_gpu"]["params"] == pytest.approx(2 * psi / 8, rel=1e-3)
+    assert full["memory_per_gpu"]["params"] == pytest.approx(2 * psi / 32, rel=1e-3)
+    sent = hsdp["memory_per_stage"][0]["comm_bytes"]
+    assert sent["dp_rep"] == pytest.approx(2 * 3 / 4 * 2 * psi / 8, rel=1e-3)
+    assert hsdp["links"]["dp"] == "inter-node" and full["links"]["dp"] == "inter-node"
+    inside = plan("llama3-8b", "h100", dp=8, zero=3, m=1)           # one node: the same shard group alone
+    assert hsdp["time_per_step"]["comm_dp"] > inside["time_per_step"]["comm_dp"]
+    for bad in (dict(shard=3), dict(shard=8, zero=0)):
+        with pytest.raises(ValueError, match="hybrid sharding"):
+            plan("llama3-8b", "h100", dp=32, **bad)

@@ -112,6 +112,8 @@ def _parser():
     lay.add_argument("--no-overlap", action="store_true", help="expose every collective (a bound)")
     lay.add_argument("--attention", default="full", choices=["full", "flash"],
                      help="full: s x s scores computed and kept; flash: causal blocks only, none kept")
+    lay.add_argument("--shard", type=NONNEG, default=0, help="ZeRO's shard group size (hybrid sharding, HSDP: "
+                     "shards inside, replicas all-reduce across); 0: all of dp·cp")
     lay.add_argument("--offload", default="none", choices=["none", "optimizer", "params"],
                      help="ZeRO-Offload (optimizer, zero >= 1) or ZeRO-Infinity (params too, zero 3) to the host")
     lay.add_argument("--flops", default="6N+12LhT", choices=list(FLOP_CONVENTIONS), help="the MFU's FLOPs")
@@ -207,7 +209,7 @@ def main(argv=None):
                      schedule=args.schedule, m=args.m, v=args.v, recompute=args.recompute, precision=args.precision,
                      micro_batch=args.micro_batch, seq_len=args.seq_len, cp_mode=args.cp_mode,
                      grad_dtype=args.grad_dtype, accounting=args.accounting, overlap=not args.no_overlap,
-                     flops=args.flops, attention=args.attention, offload=args.offload)
+                     flops=args.flops, attention=args.attention, offload=args.offload, shard=args.shard)
         plans = _plans(args, p, model, cl, lay)
     except (ValueError, KeyError) as e:
         p.error(str(e))

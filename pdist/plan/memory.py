@@ -80,7 +80,7 @@ def model_states(units, lay, n=None, experts=()):
     kp, kg, ko, _ = BYTES[lay.precision]
     kg = lay.grad_bytes(kg)
     out = [0, 0, 0, 0]
-    n = n or lay.dp * lay.cp
+    n = n or lay.zero_n
     for us, N in ((units, n), (experts, max(1, n // lay.ep))):
         if not us:
             continue
@@ -172,7 +172,7 @@ def stage_memory(a, lay, r, cluster):
     p_, g_, o_, gs = model_states(dense, lay, experts=experts)
     acts, big = activations(a, lay, layers, s)
     kp = BYTES[lay.precision][0]
-    n = lay.dp * lay.cp
+    n = lay.zero_n
     mem = {"params": p_, "grads": g_, "optimizer": o_, "grad_sum": gs, "activations": round(acts * stash(lay, r)),
            "buffers": 2 * max(dense + experts) * kp if lay.zero == 3 and n > 1 else 0,
            "logits": 0, "temporaries": 0, "held": 0, "baseline": 0, "reserve": 0}
