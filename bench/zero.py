@@ -108,10 +108,11 @@ def formula_bytes(stage, psi, n, b=4):
 
 def rss_row(cfg, stage, world, tokens, steps=2):
     """The documented path, ``parallelize(GPT(cfg, seed), DeviceMesh(dp=N), zero_stage=stage)``,
-    one row per rank: this rank's {stage, rank, formula, built, rss, held, allocated} in bytes,
+    one row per rank: this rank's {stage, rank, formula, built, rss, held, allocated, pool, base} in bytes,
     each RSS minus the RSS before the model (after malloc returned its free pages). built: just
     after parallelize; rss, held, allocated: after ``steps`` steps (memory.rss_split: held is
-    what malloc and ZeRO's buffer pool keep free for the next step, allocated = rss - held)."""
+    what malloc and ZeRO's buffer pool keep free for the next step, allocated = rss - held; pool: the
+    pool's part of held; base: the RSS before the model, the process's baseline)."""
     from pdist.comm.mesh import DeviceMesh
     from pdist.parallel.parallelize import parallelize
     n = world.size
@@ -123,11 +124,12 @@ def rss_row(cfg, stage, world, tokens, steps=2):
     opt = lesson.make_adamw(model.parameters())
     batches = [data.get_batch(tokens, n, cfg.block_size, 0, s) for s in range(steps)]
     train(model, opt, lambda s: batches[s], steps)
+    pool = host_memory.held_bytes()          # ZeRO's buffer pool alone (rss_split empties it)
     split = memory.rss_split()
     psi = model.numel_padded if stage else cfg.num_params()
     row = {"stage": stage, "rank": world.rank, "formula": formula_bytes(stage, psi, n), "built": built,
            "rss": split["rss_bytes"] - base, "held": split["rss_held_bytes"],
-           "allocated": split["rss_allocated_bytes"] - base}
+           "allocated": split["rss_allocated_bytes"] - base, "pool": pool, "base": base}
     del model, opt
     return row
 

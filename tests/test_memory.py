@@ -178,9 +178,12 @@ def test_buffer_pool_reuses_only_unviewed_buffers_and_malloc_trim_empties_it():
 
 def test_rss_on_the_documented_path_within_15_percent_at_every_stage():
     """One 4-rank launch, ZeRO 0-3 through parallelize(GPT(cfg, seed)): allocated RSS (held
-    memory split off) within 15% of the formula; right after parallelize at most the formula."""
+    memory split off) within 15% of the formula; right after parallelize at most the formula; the
+    planner's model states, ZeRO pool and baseline within 15% of allocated, the pool, the RSS before."""
     from pathlib import Path
     from pdist.testing import mpirun, reports
     worker = Path(__file__).resolve().parent / "workers" / "zero_rss.py"
     got = {r["case"]: r for r in reports(mpirun(4, worker, "4", "256", timeout=240))}
     assert set(got) == {f"stage {s}" for s in range(4)}, got
+    for r in got.values():              # the planner's memory (pdist.plan, ``this``) was set beside each row
+        assert {"planned_allocated", "planned_pool", "planned_base"} <= set(r), r

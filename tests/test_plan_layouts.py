@@ -114,3 +114,81 @@ def test_llama_activations_count_gqa_and_swiglu_tensors():
     flash = plan(cfg, "this", attention="flash")
     assert flash["memory_per_stage"][0]["activations"] == act["selective"]       # FlashAttention keeps no scores
     assert flash["time_per_step"]["total"] < plan(cfg, "this")["time_per_step"]["total"]   # and skips masked blocks
+
+
+def test_mla_offload_causal_cp_and_the_new_presets(capsys):
+    """MLA's parameters as DeepSeek-V3 counts them; causal attention under cp runs (cp+1)/(2cp) of the
+    scores; ZeRO-Offload moves the optimizer (and ZeRO-Infinity the shards) off the GPU and charges
+    PCIe + CPU Adam; the newer GPU presets plan; the CLI expresses all of it and refuses what cannot be."""
+    v3 = MODELS["deepseek-v3"]
+    h, a = 7168, 128
+    mla = h * 1536 + 1536 + 1536 * a * 192 + h * 576 + 512 + 512 * a * 256 + a * 128 * h
+    assert sum(v3.attn()) == mla and v3.score_dims == (192, 128)
+    assert round(v3.num_params() / 1e9) == 671 and round(v3.num_params(active=True) / 1e9, 1) == 37.6
+    from pdist.plan.efficiency import gemm_time, layer_time
+    from pdist.plan.layout import Layout
+    cfg, cl = MODELS["llama3-8b"], CLUSTERS["h100"]
+    lay = Layout(cp=4, seq_len=8192)
+    score = layer_time(arch_of(cfg), lay, 2048, cl)[1]
+    assert score == pytest.approx(5 / 8 * 32 * 2 * gemm_time(2048, 8192, 128, cl, "mixed"))
+    base = plan("gpt2-xl", "a100", dp=8, zero=2)
+    off = plan("gpt2-xl", "a100", dp=8, zero=2, offload="optimizer")
+    assert off["memory_per_gpu"]["optimizer"] == off["memory_per_gpu"]["grad_sum"] == 0 < base["memory_per_gpu"]["optimizer"]
+    shard = arch_of(MODELS["gpt2-xl"]).num_params() / 8
+    extra = (2 + 2) * shard / 25e9 + 28 * shard / 25e9           # grads down, params up (PCIe 4), CPU Adam
+    assert off["waterfall"]["overhead"] - base["waterfall"]["overhead"] == pytest.approx(extra, rel=1e-3)
+    inf = plan("gpt2-xl", "a100", dp=8, zero=3, offload="params")["memory_per_gpu"]
+    assert inf["params"] == inf["grads"] == 0 < inf["buffers"]
+    act = {pr: plan("gpt2-xl", "h100", precision=pr, recompute="selective")["memory_per_stage"][0]["activations"]
+           for pr in ("mixed", "fp8")}     # FP8 inputs of QKV, proj, fc, fc2: 1 + 1 + 1 + 4 of Table 2's 34 sbh
+    assert act["fp8"] == pytest.approx(act["mixed"] * 27 / 34, rel=1e-6)
+    for c in ("h200", "b200", "mi300x"):
+        assert plan("llama3-70b", c, dp=8, tp=8, pp=4, sp=True, zero=1, m=8)["fits"]
+    assert main(["--model", "deepseek-v2", "--cluster", "h800", "--dp", "8", "--pp", "4", "--ep", "8",
+                 "--zero", "1", "--m", "8", "--offload", "optimizer", "--n-shared-experts", "1", "--mla",
+                 "0,512,128,64,128", "--mlp", "gelu"]) == 0
+    assert "offload: optimizer to the host" in capsys.readouterr().out
+    for argv, msg in ((["--zero", "1", "--offload", "params"], "it needs zero >= 3"),
+                      (["--offload", "optimizer"], "it needs zero >= 1"), (["--mla", "1,2"], "five integers")):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 2 and msg in capsys.readouterr().err, argv
+
+
+def test_parallel_blocks_and_sliding_windows():
+    """A parallel block (one norm, attention and MLP summed: GPT-J, PaLM, Falcon) has one f and one g
+    under tp: 4 all-reduce halves a layer instead of 8; a sliding window of w keys counts w per
+    query in the attention's FLOPs, its score matmuls and its stored scores."""
+    from dataclasses import replace
+    a = arch_of(LlamaConfig(vocab_size=96, block_size=64, n_layer=2, n_head=4, n_kv_head=2, n_embd=32))
+    par = replace(a, parallel=True)
+    assert a.num_params() - par.num_params() == 2 * 32                   # one RMSNorm weight less a layer
+    tp = {x.parallel: plan(x, "a100", tp=4, m=2, precision="fp32")["memory_per_stage"][0]["comm_bytes"]["tp"]
+          for x in (a, par)}
+    S = 1 * 64 * 32 * 4
+    assert tp[False] - tp[True] == pytest.approx(2 * 2 * 4 * 3 / 4 * S)   # m 2, L 2, 4 halves, (t-1)/t
+    win = replace(a, window=16)
+    assert a.flops_per_token() - win.flops_per_token() == 12 * 2 * (64 - 16) * 32
+    from pdist.plan.efficiency import gemm_time, layer_time
+    from pdist.plan.layout import Layout
+    cl = CLUSTERS["a100"]
+    assert layer_time(win, Layout(), 64, cl)[1] == pytest.approx(4 * 2 * gemm_time(64, 16, 8, cl, "mixed"))
+    acts = {x.window: plan(x, "a100")["memory_per_stage"][0]["activations"] for x in (a, win)}
+    assert acts[0] - acts[16] == 2 * 2 * 4 * 64 * (64 - 16)            # 2 layers, 2as·keys·b bytes of scores
+
+
+def test_hybrid_sharding_shards_inside_and_all_reduces_across():
+    """HSDP (shard = n): ZeRO's states divide by n, not dp; the shard's gradient is all-reduced over
+    the dp/n replicas, 2(R−1)/R·k_g·Ψ_pad/n bytes, priced on the replicas' (inter-node) link."""
+    full, hsdp = (plan("llama3-8b", "h100", dp=32, zero=3, shard=s, m=1) for s in (0, 8))
+    psi = arch_of(MODELS["llama3-8b"]).num_params()
+    assert hsdp["memory_per_gpu"]["params"] == pytest.approx(2 * psi / 8, rel=1e-3)
+    assert full["memory_per_gpu"]["params"] == pytest.approx(2 * psi / 32, rel=1e-3)
+    sent = hsdp["memory_per_stage"][0]["comm_bytes"]
+    assert sent["dp_rep"] == pytest.approx(2 * 3 / 4 * 2 * psi / 8, rel=1e-3)
+    assert hsdp["links"]["dp"] == "inter-node" and full["links"]["dp"] == "inter-node"
+    inside = plan("llama3-8b", "h100", dp=8, zero=3, m=1)           # one node: the same shard group alone
+    assert hsdp["time_per_step"]["comm_dp"] > inside["time_per_step"]["comm_dp"]
+    for bad in (dict(shard=3), dict(shard=8, zero=0)):
+        with pytest.raises(ValueError, match="hybrid sharding"):
+            plan("llama3-8b", "h100", dp=32, **bad)

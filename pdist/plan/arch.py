@@ -47,6 +47,9 @@ class Arch:
     expert_ffn: int = 0           # 0: ffn
     n_shared: int = 0             # shared experts (DeepSeek)
     n_dense: int = 0              # the first n_dense layers keep a dense MLP (DeepSeek-V3: 3)
+    mla: tuple = ()               # multi-head latent attention (DeepSeek-V2/V3): (q_rank, kv_rank, nope, rope, v)
+    window: int = 0               # sliding-window attention: keys per query (Mistral; MegaScale); 0: all
+    parallel: bool = False        # attention and MLP side by side from one norm (GPT-J, PaLM, Falcon, MegaScale)
 
     def __post_init__(self):
         self.n_kv_head = self.n_kv_head or self.n_head
@@ -76,11 +79,25 @@ class Arch:
             (2 if self.bias else 1) + (not self.tied))
 
     head_dim = property(lambda self: self.h // self.n_head)
+    # per head: the dims QKᵀ and AV contract over (MLA: nope + rope and v; else d and d)
+    score_dims = property(lambda self: (self.mla[2] + self.mla[3], self.mla[4]) if self.mla else
+                          (self.head_dim, self.head_dim))
     moe = property(lambda self: self.n_expert > 0)
     moe_layers = property(lambda self: self.n_layer - self.n_dense if self.n_expert else 0)
 
+    def _mla(self, t):
+        """MLA (DeepSeek-AI 2024, DeepSeek-V2 §2.1): down-projections h·r_q and h·(r_kv + rope) and
+        their norms (unsplit), up-projections r_q·a(nope + rope), r_kv·a(nope + v), out a·v·h (split)."""
+        rq, rkv, nope, rope, v = self.mla
+        a, h = self.n_head, self.h
+        up_q = rq * a * (nope + rope) if rq else h * a * (nope + rope)
+        down = (h * rq + rq if rq else 0) + h * (rkv + rope) + rkv
+        return (up_q + rkv * a * (nope + v) + a * v * h) // t, down
+
     def attn(self, t=1):
         """(split by t, unsplit) elements of one attention block on one tensor-parallel rank."""
+        if self.mla:
+            return self._mla(t)
         q, kv, h = self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.h
         w = h * q + 2 * h * kv + q * h + (q + 2 * kv if self.bias else 0)       # q, k, v, o (+ qkv bias)
         return w // t, (h if self.bias else 0)                                  # o's bias is not split
@@ -91,7 +108,11 @@ class Arch:
         return w // t, (self.h if self.bias else 0)
 
     def norms(self):
-        return (4 if self.bias else 2) * self.h                                 # two norms per block
+        """A block's norm elements: two norms (one for a parallel block), weight (+ bias)."""
+        return (1 if self.parallel else 2) * self.final_norm()
+
+    def final_norm(self):
+        return (2 if self.bias else 1) * self.h
 
     def block(self, i=0, t=1, ep=1, active=False):
         """Elements of block i on one tp rank holding E/ep experts (``active``: k + S of them)."""
@@ -117,7 +138,7 @@ class Arch:
 
     def num_params(self, active=False):
         emb, head = self.embeddings()
-        return emb + head + sum(self.block(i, active=active) for i in range(self.n_layer)) + self.norms() // 2
+        return emb + head + sum(self.block(i, active=active) for i in range(self.n_layer)) + self.final_norm()
 
     def matmul_params(self):
         """Active parameters that multiply a token (the head counted once, lookups left out)."""
@@ -127,7 +148,8 @@ class Arch:
         if convention not in FLOP_CONVENTIONS:
             raise ValueError(f"FLOP convention must be one of {FLOP_CONVENTIONS}, got {convention!r}")
         s = s or self.seq
-        attn = 12 * self.n_layer * s * self.n_head * self.head_dim
+        keys = min(s, self.window) if self.window else s                      # keys each query scores
+        attn = 6 * self.n_layer * keys * self.n_head * sum(self.score_dims)   # 12·L·s·a·d without MLA
         return 6 * self.matmul_params() + {"6N+12LhT": attn, "6N": 0, "causal": attn / 2}[convention]
 
     def gemms(self, tokens, t=1):
@@ -135,6 +157,11 @@ class Arch:
         (tokens), N outputs, K inputs; the experts' rows assume uniform routing."""
         q, kv, h = self.n_head * self.head_dim, self.n_kv_head * self.head_dim, self.h
         out = [(tokens, (q + 2 * kv) // t, h, 1, False), (tokens, h, q // t, 1, False)]
+        if self.mla:
+            rq, rkv, nope, rope, v = self.mla
+            a = self.n_head
+            out = [(tokens, rq + rkv + rope, h, 1, False), (tokens, a * (nope + rope) // t, rq or h, 1, False),
+                   (tokens, a * (nope + v) // t, rkv, 1, False), (tokens, h, a * v // t, 1, False)]
         f, rows, n = self.ffn, tokens, 1
         if self.moe:
             f, n = self.expert_ffn, self.n_expert

@@ -44,6 +44,30 @@ def _num(kind, low):
 POS, NONNEG, POSF = _num(int, 1), _num(int, 0), _num(float, 1e-12)
 
 
+def _mla(s):
+    try:
+        v = tuple(int(x) for x in s.split(","))
+    except ValueError:
+        v = ()
+    if len(v) != 5 or min(v) < 0 or min(v[1:]) < 1:
+        raise argparse.ArgumentTypeError(f"{s!r}: give five integers q_rank,kv_rank,nope,rope,v (q_rank may be 0)")
+    return v
+
+
+def _arch_flags(m):
+    """The model flags only an Arch holds (pdist/plan/arch.py)."""
+    m.add_argument("--expert-ffn", type=POS, default=None, help="each routed expert's MLP width (default --ffn)")
+    m.add_argument("--n-shared-experts", type=NONNEG, default=None, help="shared experts per MoE layer (DeepSeek)")
+    m.add_argument("--n-dense-layers", type=NONNEG, default=None, help="first layers with a dense MLP (DeepSeek)")
+    m.add_argument("--mlp", default=None, choices=["gelu", "swiglu"], help="two-matrix (GELU, squared ReLU) or "
+                   "gated three-matrix MLP (default: the family's)")
+    m.add_argument("--window", type=POS, default=None, help="sliding-window attention: keys per query (Mistral)")
+    m.add_argument("--parallel-block", action="store_true", help="attention and MLP side by side from one norm "
+                   "(GPT-J, PaLM, Falcon): half the tp all-reduces")
+    m.add_argument("--mla", type=_mla, default=None, metavar="Q,KV,NOPE,ROPE,V", help="multi-head latent "
+                   "attention ranks and head dims (DeepSeek-V2/V3: 1536,512,128,64,128; Q 0: no q compression)")
+
+
 def _parser():
     p = argparse.ArgumentParser(prog="python -m pdist.plan", description=__doc__, formatter_class=_Fmt)
     m = p.add_argument_group("model (a preset, a size, or Ψ alone)")
@@ -59,6 +83,7 @@ def _parser():
     m.add_argument("--n-expert", type=NONNEG, default=None, help="experts per MoE layer (0: dense; default: the model's)")
     m.add_argument("--expert-top-k", type=POS, default=None, help="experts per token (default: the model's, 2)")
     m.add_argument("--capacity-factor", type=POSF, default=None, help="expert capacity c (default dropless)")
+    _arch_flags(m)
     c = p.add_argument_group("cluster (a preset, edited by the flags below)")
     c.add_argument("--cluster", default="a100", choices=sorted(CLUSTERS), help="a preset (pdist/plan/presets.py)")
     c.add_argument("--gpu-memory", type=POSF, default=None, help="GiB per GPU (default: the preset's)")
@@ -87,6 +112,10 @@ def _parser():
     lay.add_argument("--no-overlap", action="store_true", help="expose every collective (a bound)")
     lay.add_argument("--attention", default="full", choices=["full", "flash"],
                      help="full: s x s scores computed and kept; flash: causal blocks only, none kept")
+    lay.add_argument("--shard", type=NONNEG, default=0, help="ZeRO's shard group size (hybrid sharding, HSDP: "
+                     "shards inside, replicas all-reduce across); 0: all of dp·cp")
+    lay.add_argument("--offload", default="none", choices=["none", "optimizer", "params"],
+                     help="ZeRO-Offload (optimizer, zero >= 1) or ZeRO-Infinity (params too, zero 3) to the host")
     lay.add_argument("--flops", default="6N+12LhT", choices=list(FLOP_CONVENTIONS), help="the MFU's FLOPs")
     lay.add_argument("--global-batch", type=NONNEG, default=0, help="rows per step: sets m = B/(dp·micro-batch)")
     o = p.add_argument_group("output")
@@ -112,17 +141,29 @@ def _model(args, p):
         kw = dict(vocab_size=args.vocab_size, block_size=args.seq_len or 1024, n_layer=args.n_layer,
                   n_head=args.n_head, n_embd=args.n_embd, **moe)
         if args.arch == "llama":
-            return LlamaConfig(n_kv_head=args.n_kv_head, intermediate_size=args.ffn, **kw)
-        if args.n_kv_head or args.ffn:
+            cfg = LlamaConfig(n_kv_head=args.n_kv_head, intermediate_size=args.ffn, **kw)
+        elif args.n_kv_head or args.ffn:
             p.error("--n-kv-head and --ffn need --arch llama (GPT-2 has MHA and a 4h MLP)")
-        return GPTConfig(**kw)
-    cfg = MODELS[args.model]
-    if moe and isinstance(cfg, (GPTConfig, LlamaConfig)):
-        cfg = replace(cfg, **moe)
-    elif moe:
-        cfg = replace(cfg, **{{"expert_top_k": "top_k", "capacity_factor": "capacity"}.get(k, k): v
-                              for k, v in moe.items()})
-    return cfg
+        else:
+            cfg = GPTConfig(**kw)
+    else:
+        cfg = MODELS[args.model]
+        if moe and isinstance(cfg, (GPTConfig, LlamaConfig)):
+            cfg = replace(cfg, **moe)
+        elif moe:
+            cfg = replace(cfg, **{{"expert_top_k": "top_k", "capacity_factor": "capacity"}.get(k, k): v
+                                  for k, v in moe.items()})
+    return _arch_edits(args, cfg)
+
+
+def _arch_edits(args, cfg):
+    """The flags only an Arch holds (shared experts, dense first layers, the MLP's kind, MLA)."""
+    edits = {k: v for k, v in (("expert_ffn", args.expert_ffn), ("n_shared", args.n_shared_experts),
+                               ("n_dense", args.n_dense_layers), ("mla", args.mla), ("window", args.window),
+                               ("parallel", args.parallel_block or None)) if v is not None}
+    if args.mlp:
+        edits["gated"] = args.mlp == "swiglu"
+    return replace(arch_of(cfg), **edits) if edits else cfg
 
 
 def _cluster(args):
@@ -168,7 +209,7 @@ def main(argv=None):
                      schedule=args.schedule, m=args.m, v=args.v, recompute=args.recompute, precision=args.precision,
                      micro_batch=args.micro_batch, seq_len=args.seq_len, cp_mode=args.cp_mode,
                      grad_dtype=args.grad_dtype, accounting=args.accounting, overlap=not args.no_overlap,
-                     flops=args.flops, attention=args.attention)
+                     flops=args.flops, attention=args.attention, offload=args.offload, shard=args.shard)
         plans = _plans(args, p, model, cl, lay)
     except (ValueError, KeyError) as e:
         p.error(str(e))
@@ -190,5 +231,6 @@ def main(argv=None):
         print(f"wrote {args.png}")
     else:
         print(text_chart(plans, cl.memory))
-    print(f"(GiB per GPU; 'other' = fp32 grad sum + buffers + logits + temporaries + reserve; {gib(cl.memory)} GiB)")
+    print("(GiB per GPU; 'other' = fp32 grad sum + buffers + logits + temporaries + held + baseline + reserve; "
+          f"{gib(cl.memory)} GiB)")
     return 0

@@ -14,6 +14,8 @@ bytes per activation element, S = b·(s/cp)·h·k_a one micro-batch's hidden sta
     cp   ring (Liu et al. 2023): K and V blocks passed cp−1 times forward, K, V and their
          gradients twice back: 3·(cp−1)·2·b·(s/cp)·a_kv·d·k_a per layer; Ulysses (Jacobs et al.
          2023): all-to-alls of q, k, v, out forward and back, 2·(2h + 2·a_kv·d)·b·(s/cp)·k_a·(cp−1)/cp
+    dp_rep  HSDP (``shard``): ZeRO's collectives inside the shard group of n ranks, then each gradient
+         shard all-reduced over the R = dp·cp/n replicas, 2(R−1)/R·k_g·Ψ_pad/n, on that group's link
     ep   per MoE layer 4 all-to-alls (dispatch, combine; forward and back) of
          tokens·k·h·k_a·(ep−1)/ep, tokens = b·s/cp (GShard; issue 26's count)
 
@@ -62,12 +64,16 @@ def group_bytes(a, lay, dense, experts, layers, ks, pp_rank):
     kp, kg, _, ka = BYTES[lay.precision]
     kg = lay.grad_bytes(kg)
     t, m, cp, ep, V = lay.tp, lay.m, lay.cp, lay.ep, lay.pp * lay.v
-    n = lay.dp * cp
+    n = lay.zero_n
     sent, calls = {g: 0.0 for g in GROUPS}, {g: 0 for g in GROUPS}
     for us, N in ((dense, n), (experts, n // ep)):
         b, c = _dp_bytes(us, N, lay, kp, kg)
         sent["dp"] += b
         calls["dp"] += c
+    R = lay.dp * cp // n
+    if R > 1 and dense:                # HSDP: the gradient shard all-reduced across the R replicas
+        sent["dp_rep"] = 2 * (R - 1) / R * kg * _pad(dense, n) / n
+        calls["dp_rep"] = 2 * (R - 1) * len(dense)
     s, C, b = (lay.seq_len or a.seq) // cp, a.h, lay.micro_batch
     first, last, L = 0 in ks, V - 1 in ks, len(layers)
     hops = sum((k < V - 1) + (k > 0) for k in ks) - 2 * (lay.schedule in V_SHAPED and pp_rank == lay.pp - 1)
@@ -75,12 +81,12 @@ def group_bytes(a, lay, dense, experts, layers, ks, pp_rank):
     calls["pp"] = 2 * m * hops                  # each boundary: m sends and m receives on this rank
     if t > 1:
         S, ring = b * s * C * ka, (t - 1) / t
-        per_layer = 8 + 4 * (lay.recompute == "full")
+        per_layer = (8 + 4 * (lay.recompute == "full")) // (2 if a.parallel else 1)   # a parallel block: one f, one g
         per_mb = (per_layer * L + 2 * first + 2 * last) * ring * S + last * 2 * ring * 3 * b * s * ka
         sent["tp"] = m * per_mb
         if lay.sp:
             unsplit = a.attn()[1] + a.mlp(a.ffn)[1] + a.norms()
-            sent["tp"] += 2 * ring * (L * unsplit + a.norms() // 2 * last + (s * C if a.learned_pos else 0) * first) * kp
+            sent["tp"] += 2 * ring * (L * unsplit + a.final_norm() * last + (s * C if a.learned_pos else 0) * first) * kp
         calls["tp"] = m * (per_layer * L + 2 * first + 2 * last + 4 * last) * (t - 1)   # loss: 2 all-reduces
     kvd = a.n_kv_head * a.head_dim // t
     if cp > 1 and lay.cp_mode == "ring":

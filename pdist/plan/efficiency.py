@@ -12,6 +12,8 @@ The cluster's ``profile`` (e_max, d_half) is that software profile; the GPU pres
 (0.72, 192), set once from Narayanan et al. 2021 Table 1 (their best runs, A100 + Megatron-LM,
 which therefore is not an independent check: docs/planning.md says which cases are). A flat
 ``efficiency`` (the cluster's, or ``--efficiency``) replaces e(M, N, K) for every shape.
+Causal attention under context parallelism computes (cp+1)/(2cp) of the s × s scores (whole
+blocks on and below the diagonal); `attention="flash"` half.
 Everything else a layer runs (norms, activations, softmax, residuals) is memory-bound: its bytes
 are counted as 16 reads/writes of sbh elements per layer forward, 32 backward, over the
 memory bandwidth.
@@ -54,9 +56,14 @@ def layer_time(a, lay, tokens, cluster, flat=None, moe_layer=False):
     b = max(1, tokens * lay.cp // s)
     heads = a.n_head // lay.tp
     sl = s // lay.cp
-    causal = 0.5 if lay.attention == "flash" else 1.0        # FlashAttention skips the masked blocks
-    score = causal * 2 * b * heads * gemm_time(sl, s if lay.cp > 1 else sl, a.head_dim, cluster, lay.precision, flat,
-                                      itemsize)
+    # FlashAttention skips the masked blocks; context parallelism (ring or all-gather, load-balanced
+    # chunks) skips the key/value blocks wholly in a query chunk's future: cp(cp+1)/2 of cp² blocks run
+    causal = 0.5 if lay.attention == "flash" else (lay.cp + 1) / (2 * lay.cp)
+    keys = s if lay.cp > 1 else sl
+    if a.window and a.window < keys:       # a sliding window: each query scores `window` keys, no causal halving
+        causal, keys = 1.0, a.window
+    score = causal * b * heads * sum(gemm_time(sl, keys, d, cluster, lay.precision, flat, itemsize)
+                                     for d in a.score_dims)           # QKᵀ and AV
     elem = ELEMENTWISE * tokens * a.h / (lay.tp if lay.sp else 1) * itemsize / cluster.mem_bw
     return gemm, score, elem
 

@@ -14,6 +14,7 @@ SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 V_SHAPED = ("zb-v", "dualpipev")    # chunk 0 of rank r is stage r, chunk 1 stage 2p-1-r
 ACCOUNTING = ("pdist", "paper", "deepspeed", "megatron")
 CP_MODES = ("ring", "ulysses")
+OFFLOAD = ("none", "optimizer", "params")
 # pdist's own refusal, word for word (pdist.parallel.parallelize.check_layout; tests/test_plan.py
 # checks that the two stay equal: the planner does not import pdist.parallel, which starts MPI)
 ZERO3_PIPELINE = ("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it would gather "
@@ -43,6 +44,8 @@ class Layout:
     overlap: bool = True          # dp, ZeRO-3, pp, cp (ring) overlap compute as the docs say
     flops: str = "6N+12LhT"       # the model-FLOP convention of the MFU (pdist.plan.arch)
     attention: str = "full"       # full: s x s scores computed and kept; flash: causal blocks only, none kept
+    offload: str = "none"         # none | optimizer (ZeRO-Offload) | params (ZeRO-Infinity): to host memory
+    shard: int = 0                # ZeRO's shard group (HSDP: shard inside, replicas across); 0: all of dp·cp
 
     def __post_init__(self):
         if self.schedule in V_SHAPED and self.v == 1:
@@ -55,7 +58,7 @@ class Layout:
                 raise ValueError(f"{k} must be an integer >= 1, got {getattr(self, k)!r}")
         choices = {"zero": (0, 1, 2, 3), "schedule": SCHEDULES, "recompute": ("none", "selective", "full"),
                    "precision": tuple(BYTES), "cp_mode": CP_MODES, "grad_dtype": ("auto", "param", "fp32"),
-                   "accounting": ACCOUNTING, "attention": ("full", "flash")}
+                   "accounting": ACCOUNTING, "attention": ("full", "flash"), "offload": OFFLOAD}
         for k, ok in choices.items():
             if getattr(self, k) not in ok:
                 raise ValueError(f"{k} must be one of {', '.join(map(str, ok))}, got {getattr(self, k)!r}")
@@ -69,9 +72,16 @@ class Layout:
                              f"micro-batches (pp = {self.pp}), got m = {self.m}")
         if self.zero == 3 and self.pp > 1:
             raise ValueError(ZERO3_PIPELINE)
+        if self.offload != "none" and self.zero < (3 if self.offload == "params" else 1):
+            raise ValueError(f"offload {self.offload!r} moves ZeRO's shards to the host: it needs zero >= "
+                             f"{3 if self.offload == 'params' else 1}, got zero = {self.zero}")
         if self.accounting == "deepspeed" and self.zero >= 2 and self.pp > 1:
             raise ValueError(f"DeepSpeed's pipeline engine runs ZeRO stage 0 or 1 only: zero = {self.zero} with "
                              f"pp = {self.pp}; use --zero 1 (or another --accounting)")
+        if self.shard and (not isinstance(self.shard, int) or self.shard < 1 or (self.dp * self.cp) % self.shard
+                           or self.zero < 1 or self.ep > 1):
+            raise ValueError(f"shard = {self.shard!r} (hybrid sharding) must be an integer dividing dp·cp = "
+                             f"{self.dp * self.cp}, with zero >= 1 and ep = 1 (got zero {self.zero}, ep {self.ep})")
         if self.dp % self.ep:
             raise ValueError(f"ep = {self.ep} must divide dp = {self.dp} (expert parallelism is carved out of "
                              f"data parallelism)")
@@ -92,6 +102,11 @@ class Layout:
         if self.ep > 1 and (not a.moe or a.n_expert % self.ep):
             raise ValueError(f"ep = {self.ep} needs a mixture-of-experts model whose n_expert "
                              f"({a.n_expert}) it divides: set --n-expert")
+
+    @property
+    def zero_n(self):
+        """The ranks a dense unit is sharded over: the shard group (HSDP), else dp·cp."""
+        return self.shard or self.dp * self.cp
 
     @property
     def gpus(self):
@@ -145,7 +160,10 @@ def bubble_ratio(lay):
 def strides(lay):
     """(stride, size) of each group in the rank order tp, cp, dp (ep its first factor), pp."""
     t, c, d = lay.tp, lay.cp, lay.dp
-    return {"tp": (1, t), "cp": (t, c), "dp": (t * c, d), "ep": (t * c, lay.ep), "pp": (t * c * d, lay.pp)}
+    out = {"tp": (1, t), "cp": (t, c), "dp": (t * c, d), "ep": (t * c, lay.ep), "pp": (t * c * d, lay.pp)}
+    if lay.shard:                      # HSDP: the shard group is the first `shard` of the dp·cp ranks
+        out.update(dp=(t, lay.shard), dp_rep=(t * lay.shard, d * c // lay.shard))
+    return out
 
 
 def crosses(stride, size, gpus_per_node):

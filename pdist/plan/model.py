@@ -21,7 +21,7 @@ from pdist.plan.timing import waterfall
 
 FIT_FRACTION = 0.9
 CATEGORIES = ("params", "grads", "grad_sum", "optimizer", "activations", "buffers", "logits", "temporaries",
-              "reserve")
+              "held", "baseline", "reserve")
 
 
 def warnings_of(a, lay, link):
@@ -42,7 +42,10 @@ def _stages(a, lay, cluster):
     for r in range(lay.pp):
         mem, dense, experts, layers, ks = stage_memory(a, lay, r, cluster)
         sent, calls = group_bytes(a, lay, dense, experts, layers, ks, r)
-        out.append(dict(mem, comm_bytes=sent, comm_calls=calls, units=dense + experts, layers=layers, ks=ks))
+        n = lay.zero_n                          # the elements this GPU's optimizer steps (its ZeRO shards)
+        shard = sum(dense) / n + sum(experts) / max(1, n // lay.ep)
+        out.append(dict(mem, comm_bytes=sent, comm_calls=calls, units=dense + experts, layers=layers, ks=ks,
+                        shard=shard))
     return out
 
 
@@ -72,6 +75,10 @@ def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_
         def link_of(grp):
             return cluster.inter if link[grp] else cluster.intra
     comm = [comm_time(st["comm_bytes"], st["comm_calls"], link_of) for st in stages]
+    for st, c in zip(stages, comm):    # HSDP: the replicas' all-reduce of the shard, on its own link, in dp
+        if st["comm_calls"].get("dp_rep"):
+            lk = cluster.inter if link["dp_rep"] else cluster.intra
+            c["dp"] += st["comm_calls"]["dp_rep"] * lk.alpha + st["comm_bytes"]["dp_rep"] / lk.beta
     flat = efficiency if efficiency is not None else (cluster.efficiency or None)
     peak = cluster.peak[lay.precision]
     model_flops = a.flops_per_token(s, lay.flops) * tokens
@@ -87,13 +94,15 @@ def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_
             "total": total}
     return {
         "memory_per_gpu": {k: worst[k] for k in CATEGORIES + ("total",)},
-        "memory_per_stage": [{k: v for k, v in st.items() if k not in ("units", "layers", "ks")} for st in stages],
+        "memory_per_stage": [{k: v for k, v in st.items() if k not in ("units", "layers", "ks", "shard")}
+                             for st in stages],
         "fits": worst["total"] <= cap, "headroom": cap - worst["total"], "fit_fraction": fit_fraction,
         "time_per_step": time, "waterfall": parts,
         "exposed": {k: parts[f"comm:{k}"] for k in GROUPS},
-        "links": {k: ("inter-node" if v else "intra-node") for k, v in link.items() if k in GROUPS},
+        "links": {k: ("inter-node" if v or (k == "dp" and link.get("dp_rep")) else "intra-node")
+                  for k, v in link.items() if k in GROUPS},
         "mfu": model_flops / lay.gpus / (peak * total),
-        "tflops_per_gpu": (hw + rec_flops) / lay.gpus / total / 1e12,
+        "tflops_per_gpu": (hw + rec_flops) / lay.gpus / total / 1e12, "peak": peak,
         "tokens_per_s": tokens / total,
         "global_batch": lay.dp * lay.m * lay.micro_batch, "seq_len": s, "params": a.num_params(),
         "active_params": a.num_params(active=True), "layout": asdict(lay), "gpus": lay.gpus,

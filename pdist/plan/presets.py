@@ -60,10 +60,19 @@ MODELS = {
     "mixtral-8x7b": _llama(32000, 4096, 32, 32, 8, 4096, 14336, n_expert=8, expert_top_k=2),
     # DeepSeek-AI 2024 (DeepSeek-V3 Technical Report), §4.2: 61 layers, h 7168, 128 heads, the
     # first 3 dense (FFN 18432), then 1 shared + 256 routed experts of width 2048, top-8, V 129280.
-    # MLA is planned as multi-head attention of the same width (its parameters differ by ~10%).
+    # MLA (q rank 1536, kv rank 512, nope 128, rope 64, v 128; the released config) counted as such.
     "deepseek-v3": Arch("deepseek-v3", 129280, 4096, 61, 7168, 128, ffn=18432, gated=True, tied=False,
                         learned_pos=False, bias=False, dropout_masks=False, n_expert=256, top_k=8,
-                        expert_ffn=2048, n_shared=1, n_dense=3),
+                        expert_ffn=2048, n_shared=1, n_dense=3, mla=(1536, 512, 128, 64, 128)),
+    # DeepSeek-AI 2024 (DeepSeek-V2), §2 and §3.1.2: 60 layers, h 5120, 128 heads, MLA as V3, the first
+    # layer dense (FFN 12288), then 2 shared + 160 routed experts of width 1536, top-6, V 102400
+    "deepseek-v2": Arch("deepseek-v2", 102400, 4096, 60, 5120, 128, ffn=12288, gated=True, tied=False,
+                        learned_pos=False, bias=False, dropout_masks=False, n_expert=160, top_k=6,
+                        expert_ffn=1536, n_shared=2, n_dense=1, mla=(1536, 512, 128, 64, 128)),
+    # NVIDIA 2024 (Nemotron-4 340B Technical Report), Table 1: 96 layers, h 18432, 96 heads, 8 kv heads,
+    # squared-ReLU MLP of 73728 (two matrices, not gated), RoPE, untied, no biases, V 256000, s 4096
+    "nemotron4-340b": Arch("nemotron4-340b", 256000, 4096, 96, 18432, 96, n_kv_head=8, ffn=73728, gated=False,
+                           tied=False, learned_pos=False, bias=False, dropout_masks=False),
 }
 
 
@@ -92,6 +101,9 @@ class Cluster:
     op_s: float = 0.0             # host seconds per op forward + backward (pdist.plan.measured.host_op_cost)
     step_s: float = 0.0           # host seconds of the optimizer per tensor it steps (the same calibration)
     nodes: int = 0                # 0: as many as the layout needs
+    pcie: float = 25e9            # host <-> GPU bytes/s per GPU each way (PCIe Gen4 x16 as measured, ~25 GB/s)
+    baseline: float = 0.0         # bytes a rank's process holds before the model (interpreter, libraries)
+    host_bw: float = 25e9         # host memory bytes/s per GPU for an offloaded optimizer (CPU Adam)
     extra: dict = field(default_factory=dict)
 
 
@@ -106,6 +118,8 @@ GiB = 2 ** 30
 #  * link: bench/collectives.py, n = 2, pdist "mpi" all-reduce: busbw 5.37 GB/s at 16 MiB
 #    and 16.7 µs per call at 8 B (docs/collectives.md).
 #  * memory: 23 GiB of RAM for both ranks (as `free` reported), 11.5 GiB each.
+#  * baseline: 61 MB, the RSS of a rank of a 4-rank job before its model (Python, NumPy, MPI, pdist
+#    imported, comm.init() done; tests/workers/zero_rss.py measures 61.3-61.5 MB, 2026-12-02).
 _FLOOR_CFG = GPTConfig(vocab_size=96, block_size=256, n_layer=4, n_head=8, n_embd=512)
 _FLOOR_S = 1.19810
 _PDIST_S = 1.42792
@@ -135,23 +149,56 @@ CLUSTERS = {
         intra=Link(300e9, 5e-6), inter=Link(12.5e9 / 8, 30e-6), mem_bw=2.0e12,
         source="as a100, but 100 Gb/s = 12.5 GB/s per node shared by its 8 GPUs (1.56 GB/s each); "
                "α 30 µs assumed"),
+    "a100-40gb": Cluster(
+        "8 x A100-40GB (NVLink 600 GB/s, 8 x 200 Gb/s InfiniBand)", 8, 40 * GiB,
+        {"mixed": 312e12, "fp8": 312e12, "fp32": 19.5e12, "fp64": 19.5e12},
+        intra=Link(300e9, 5e-6), inter=Link(25e9, 10e-6), mem_bw=1.555e12,
+        source="NVIDIA A100 datasheet, 40 GB SXM: the 80 GB part's compute and links, HBM2 1.555 TB/s; "
+               "α assumed"),
+    "v100": Cluster(
+        "16 x V100-32GB per DGX-2 node (NVSwitch, 8 x 100 Gb/s InfiniBand per node)", 16, 32 * GiB,
+        {"mixed": 125e12, "fp8": 125e12, "fp32": 15.7e12, "fp64": 7.8e12},
+        intra=Link(150e9, 5e-6), inter=Link(6.25e9, 10e-6), mem_bw=0.9e12, pcie=12e9,
+        source="NVIDIA V100 SXM3 datasheet: fp16 tensor 125 TFLOP/s, fp32 15.7, fp64 7.8, HBM2 900 GB/s; six "
+               "NVLink 2 links of 25 GB/s each way (150 GB/s) through NVSwitch; 8 x 100 Gb/s for 16 GPUs = "
+               "6.25 GB/s per GPU; PCIe Gen3; α assumed"),
     "h100": Cluster(
         "8 x H100-80GB SXM (NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
         {"mixed": 989e12, "fp8": 1979e12, "fp32": 67e12, "fp64": 67e12},
-        intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=3.35e12,
+        intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=3.35e12, pcie=50e9,
         source="NVIDIA H100 SXM datasheet: bf16 dense 989 TFLOP/s, fp8 1979, fp32 67, fp64 tensor 67, "
                "HBM3 3.35 TB/s; NVLink 900 GB/s both ways = 450 GB/s each way; 400 Gb/s = 50 GB/s per GPU; "
                "α 5 µs / 10 µs assumed"),
     "h800": Cluster(
         "8 x H800-80GB (NVLink 400 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 80 * GiB,
         {"mixed": 989e12, "fp8": 1979e12, "fp32": 67e12, "fp64": 67e12},
-        intra=Link(200e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=3.35e12,
+        intra=Link(200e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=3.35e12, pcie=50e9,
         source="as h100 with NVLink 400 GB/s both ways (the DeepSeek-V3 report, §3.1); α assumed"),
+    "h200": Cluster(
+        "8 x H200-141GB SXM (NVLink 900 GB/s, 8 x 400 Gb/s InfiniBand)", 8, 140 * GiB,
+        {"mixed": 989e12, "fp8": 1979e12, "fp32": 67e12, "fp64": 67e12},
+        intra=Link(450e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=4.8e12, pcie=50e9,
+        source="NVIDIA H200 SXM datasheet: the H100's compute (bf16 dense 989, fp8 1979), HBM3e 141 GB at "
+               "4.8 TB/s; NVLink 900 GB/s both ways; 400 Gb/s per GPU; α assumed"),
+    "b200": Cluster(
+        "8 x B200-180GB (NVLink 5 1.8 TB/s, 8 x 400 Gb/s InfiniBand)", 8, 179 * GiB,
+        {"mixed": 2250e12, "fp8": 4500e12, "fp32": 75e12, "fp64": 37e12},
+        intra=Link(900e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=8.0e12, pcie=50e9,
+        source="NVIDIA HGX B200 datasheet per GPU (dense, half the sparse figures): bf16 2.25 PFLOP/s, fp8 4.5, "
+               "fp32 75 TFLOP/s, fp64 37; HBM3e 180 GB at 8 TB/s; NVLink 5 1.8 TB/s both ways; "
+               "400 Gb/s per GPU; α assumed"),
+    "mi300x": Cluster(
+        "8 x MI300X-192GB (Infinity Fabric 7 x 64 GB/s, 8 x 400 Gb/s)", 8, 192 * GiB,
+        {"mixed": 1307e12, "fp8": 2615e12, "fp32": 163e12, "fp64": 163e12},
+        intra=Link(448e9, 5e-6), inter=Link(50e9, 10e-6), mem_bw=5.3e12, pcie=50e9,
+        source="AMD Instinct MI300X datasheet: bf16 dense 1307 TFLOP/s, fp8 2615, fp32/fp64 matrix 163, "
+               "HBM3 192 GB at 5.3 TB/s; 7 Infinity Fabric links of 64 GB/s each way to the node's other "
+               "GPUs (448 GB/s); 400 Gb/s per GPU; α assumed"),
     "this": Cluster(
         "this machine: 2 CPU cores, one rank per core", 2, 23 * GiB / 2,
         {"fp32": _CPU_PEAK, "fp64": _CPU_PEAK / 2, "mixed": _CPU_PEAK},
         intra=Link(5.37e9, 16.7e-6), inter=Link(5.37e9, 16.7e-6), efficiency=_FLOOR_S / _PDIST_S,
-        mem_bw=10e9, reserve=0.0,
+        mem_bw=10e9, reserve=0.0, baseline=61e6,
         source="README 'Measured' (Intel Xeon, 2 cores, 2026-11-30): bench/step_time.py large GPT, "
                "BLAS floor 1198.10 ms vs pdist 1427.92 ms -> peak fp32 %.0f GFLOP/s per core, "
                "efficiency 0.84; bench/collectives.py n = 2: busbw 5.37 GB/s (16 MiB), 16.7 µs "

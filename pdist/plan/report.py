@@ -3,7 +3,7 @@ from pdist.plan.comm import GROUPS
 
 CATS = ("params", "grads", "optimizer", "activations", "buffers")
 BAR = {"params": "P", "grads": "G", "grad_sum": "g", "optimizer": "O", "activations": "A", "buffers": "B",
-       "logits": "L", "temporaries": "T", "reserve": "R"}
+       "logits": "L", "temporaries": "T", "held": "H", "baseline": "b", "reserve": "R"}
 
 
 def gib(b):
@@ -46,6 +46,12 @@ def header(cluster, lay, plans, efficiency):
         f"fragmentation{' (not counted)' if lay.accounting == 'paper' else ''}; fits = under {fit:.0%} of "
         f"{gib(cluster.memory)} GiB",
     ]
+    if cluster.baseline and lay.accounting != "paper":
+        lines[-1] += f"; + the process's baseline {cluster.baseline / 2 ** 20:.1f} MiB and ZeRO's pool (held)"
+    if lay.offload != "none":
+        what = "optimizer, fp32 grads" + (", param and grad shards" if lay.offload == "params" else "")
+        lines.append(f"offload: {lay.offload} to the host ({what}); PCIe {cluster.pcie / 1e9:g} GB/s, CPU Adam "
+                     f"over {cluster.host_bw / 1e9:g} GB/s of host memory per GPU, in the step's overhead")
     return "\n".join(lines)
 
 
@@ -56,7 +62,8 @@ def table(plans):
     rows = []
     for p in plans:
         m, t = p["memory_per_gpu"], p["time_per_step"]
-        other = sum(m.get(k) or 0 for k in ("grad_sum", "buffers", "logits", "temporaries", "reserve"))
+        other = sum(m.get(k) or 0 for k in ("grad_sum", "buffers", "logits", "temporaries", "held", "baseline",
+                                                "reserve"))
         row = [name(p["layout"])] + [gib(m[k]) for k in ("params", "grads", "optimizer", "activations")]
         row += [gib(other), gib(m["total"]), "yes" if p["fits"] else "NO"]
         if t is None:

@@ -11,7 +11,8 @@
     wait            the slowest pipeline stage's compute − the mean stage's (uneven layers, the head)
     overhead        the cluster's framework overhead per step (0 unless measured: ``this``), plus
                     the optimizer's host cost: step_s per tensor it steps (Arch.host_tensors; a
-                    ZeRO optimizer steps one flat shard per unit), the slowest stage's
+                    ZeRO optimizer steps one flat shard per unit), the slowest stage's; and an offloaded
+                    optimizer's PCIe transfers and CPU Adam (``offload_time``)
 
 Overlap (``Layout.overlap``; off: every collective exposed, the sum a bound):
 
@@ -28,6 +29,9 @@ Overlap (``Layout.overlap``; off: every collective exposed, the sum a bound):
 from pdist.plan.comm import GROUPS
 from pdist.plan.efficiency import head_time, layer_time
 from pdist.plan.layout import bubble_ratio
+from pdist.plan.presets import BYTES
+
+ADAM_HOST_BYTES = 28      # CPU Adam per element: read fp32 param, grad, m, v (16), write param, m, v (12)
 
 # the measured waterfall's labels (pdist/measure/waterfall.py) for the planner's keys
 MEASURED_LABELS = {"ideal_compute": "ideal compute", "inefficiency": "kernel inefficiency",
@@ -52,6 +56,18 @@ def stage_compute(a, lay, cluster, layers, last, flat):
     if last:
         fwd += head_time(a, lay, tokens, cluster, flat)
     return fwd, rec, att
+
+
+def offload_time(lay, cluster, shard):
+    """Seconds per step an offloaded optimizer adds (ZeRO-Offload, Ren et al. 2021, §4: the gradient shard
+    to the host and the updated params back over PCIe, then CPU Adam, memory-bound: 28 bytes per element
+    over the host's memory bandwidth; not overlapped). ZeRO-Infinity (offload "params") also fetches the
+    param shard over PCIe for each micro-batch's forward and backward: 2m·k_p per element more."""
+    if lay.offload == "none":
+        return 0.0
+    kp, kg = BYTES[lay.precision][0], lay.grad_bytes(BYTES[lay.precision][1])
+    pcie = (kg + kp + (2 * lay.m * kp if lay.offload == "params" else 0)) * shard
+    return pcie / cluster.pcie + ADAM_HOST_BYTES * shard / cluster.host_bw
 
 
 def _exposed(lay, t, calls, st, compute, n_units):
@@ -94,5 +110,6 @@ def waterfall(a, lay, cluster, stages, comm, ideal, flat=None):
     parts["wait"] = c_max - mean
     steps = [a.host_tensors(st["layers"], 0 in st["ks"], V - 1 in st["ks"]) if not lay.zero else len(st["units"])
              for st in stages]
-    parts["overhead"] = cluster.overhead + max(steps) * cluster.step_s
+    parts["overhead"] = cluster.overhead + max(steps) * cluster.step_s + max(
+        offload_time(lay, cluster, st.get("shard", 0)) for st in stages)
     return parts

@@ -8,7 +8,11 @@ RSS before the model:
 * built (just after parallelize, before the optimizer's states exist) is at most the
   formula: the full model the flattening freed went back to the OS (ZeRO trims after it);
 * at stages 2 and 3 the pool holds buffers after the step (the gathers and gradients reuse
-  mapped pages), and rss_split reports them as held, and empties the pool.
+  mapped pages), and rss_split reports them as held, and empties the pool;
+* the planner on the ``this`` preset (pdist.plan, fp32, dp = N, the same rows and T) predicts the
+  same process: its model states within 15% of allocated, its ZeRO buffers + "held" (the pool,
+  pdist.plan.memory.pool_bytes) within 15% of the pool's bytes, its "baseline" within 15% of the
+  RSS before the model.
 Reports one JSON object per stage (pdist.testing.report); a failed assert fails the mpirun.
 """
 import importlib.util
@@ -18,6 +22,7 @@ import sys
 from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine import host_memory
+from pdist.plan import plan
 from pdist.testing import report
 
 ROOT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..")
@@ -52,4 +57,11 @@ for stage in (0, 1, 2, 3):
     if stage >= 2:
         assert any(pooled), f"stage {stage}: no buffer was reused from the pool"
     assert host_memory.held_bytes() == 0, "rss_split left buffers in the pools"
+    m = plan(cfg, "this", dp=world.size, zero=stage, precision="fp32", seq_len=cfg.block_size)["memory_per_gpu"]
+    states = m["params"] + m["grads"] + m["optimizer"] + m["grad_sum"]
+    planned = {"allocated": states, "pool": m["buffers"] + m["held"], "base": m["baseline"]}
+    for k, v in planned.items():
+        assert abs(v - r[k]) <= TOL * max(r[k], 1 << 20), (f"stage {stage} rank {world.rank}: the planner's {k} "
+                                                           f"{v} B vs measured {r[k]} B", m, r)
+    r.update({f"planned_{k}": v for k, v in planned.items()})
     report(case=f"stage {stage}", reused=sum(pooled), err=err, **{k: v for k, v in r.items() if k != "stage"})
