@@ -44,8 +44,9 @@ def render(name, result, tol=0.15, floor=0.05):
         lines.append(f"  {k:28s} {m * 1e3:12.3f} {p * 1e3:11.3f} {e:>8s}  {'ok' if ok else 'MISS'} ({note})")
     if "op_s" in result:
         lines.append(f"  host cost per op (calibrated): {result['op_s'] * 1e6:.1f} us")
-    lines.append("  sum of parts / step per rank: "
-                 + ", ".join(f"{sum(r['parts'].values()) / r['step_s']:.4f}" for r in result["ranks"]))
+    med = lambda xs: sorted(xs)[len(xs) // 2]      # noqa: E731
+    lines.append("  sum of parts / step per rank (median over its steps): "
+                 + ", ".join(f"{med(r['ratios']):.4f}" for r in result["ranks"]))
     for g, (cb, pb, cs, ps, ok) in counts_agree(result).items():
         link = result.get("calibration", {}).get(g, {})
         lines.append(f"  {g}: bytes/step counted {cb:.0f}, planned {pb:.0f} ({'equal' if ok else 'DIFFER'}); "
