@@ -30,7 +30,8 @@ from pdist.testing import mpirun, reports
 
 ROOT = Path(__file__).resolve().parent.parent
 W = ROOT / "tests" / "workers" / "plan_measured_worker.py"
-STEPS = "3"
+STEPS = "15"
+QUIET = 1       # other runnable tasks (median) from which the machine counts as busy
 
 
 def test_compare_verdicts_and_layout_errors():
@@ -71,13 +72,25 @@ def test_one_process_plan_matches_the_waterfall_ideal_compute():
         a.host_tensors([0], True, True) * step_s, rel=1e-9) == pytest.approx(len(list(model.parameters())) * step_s)
 
 
+def test_anchor_and_part_medians():
+    # part_k = measured_tiny_k + planned_k - planned_tiny_k: the planner's difference on the calibration
+    got = measured.anchor({"a": 1.0, "b": 2.0}, {"a": 0.5, "b": 2.5}, {"a": 0.7, "c": 0.1})
+    assert got == pytest.approx({"a": 1.2, "b": 0.0, "c": 0.1})            # b: 0 - 0.5 clipped at 0
+    assert measured.part_medians([{"a": 1.0}, {"a": 3.0, "b": 1.0}, {"a": 2.0}]) == {"a": 2.0, "b": 0.0}
+
+
+# the worker's layouts, in its order (an index list reruns some of them)
+NAMES = {2: ["dp2", "zero-1", "zero-2", "zero-3", "tp2", "pp2 1f1b m4"],
+         4: ["dp2xtp2", "2 nodes, tp inside", "2 nodes, tp across"]}
+
+
 def _check(got):
+    """What load cannot move: the sum, ideal compute, bytes and ring steps, the simulated charge."""
     for name, res in got.items():
-        _, step, rows = measured_table.side_by_side(res)
         for rank, r in enumerate(res["ranks"]):
             ratios = sorted(r["ratios"])
             assert abs(ratios[len(ratios) // 2] - 1) <= waterfall_table.CHECK, (name, rank, ratios)
-            assert res["plan"]["ideal compute"] == pytest.approx(r["parts"]["ideal compute"], rel=1e-6), name
+            assert res["model"]["ideal compute"] == pytest.approx(r["parts"]["ideal compute"], rel=1e-6), name
             for g, c in r["counted"].items():
                 p = r["planned"][g]
                 assert c["bytes"] == pytest.approx(p["bytes"], rel=1e-9), (name, rank, g, c, p)
@@ -85,28 +98,70 @@ def _check(got):
         if "tp across" in name:
             r = res["ranks"][0]
             assert r["counted"]["tp"]["charged_s"] >= 0.85 * r["planned"]["tp"]["charged_s"], (name, r)
-        assert sum(res["plan"].values()) <= 1.25 * step, (name, measured_table.render(name, res))
 
 
-@pytest.mark.cores(2)
-def test_plan_beside_the_waterfall_2_ranks():
-    got = reports(mpirun(2, W, 2, STEPS, timeout=240))[0]
+def _misses(got):
+    """{layout: [the parts outside 15% (relative) or 5% of the step (absolute)]}."""
+    out = {}
+    for name, res in got.items():
+        bad = [row for row in measured_table.side_by_side(res)[2] if not row[5]]
+        if bad:
+            out[name] = bad
+    return out
+
+
+def _launch(n, only=None):
+    got = reports(mpirun(n, W, n, STEPS, *([",".join(map(str, only))] if only else []), timeout=300))[0]
     print("cpu_s", got.pop("cpu_s"))
-    assert set(got) == {"dp2", "zero-1", "zero-2", "zero-3", "tp2", "pp2 1f1b m4"}, got.keys()
     _check(got)
+    return got
+
+
+def _busy(res):
+    """Other processes wanted the cores while the layout ran: the median count of runnable tasks
+    beside the job's ranks (sampled before each step) is at least QUIET."""
+    b = res.get("others_runnable")
+    return b is not None and b >= QUIET
+
+
+def _timed(n):
+    """Every part of every layout within 15% of the measured one (compare's rule); a layout whose
+    timings miss is measured once more, and says so, before it counts (lesson 08). A miss counts
+    as a failure where the machine was quiet; where other processes wanted the cores both times,
+    the claim is not assessed there (the second value returned names those layouts)."""
+    got = _launch(n)
+    assert set(got) == set(NAMES[n]), got.keys()
+    miss = _misses(got)
+    if miss:
+        print(f"(the timings of {sorted(miss)} may be disturbed by other processes; measuring again)")
+        for name in miss:
+            print(measured_table.render(name, got[name]), "\nother runnable tasks:", got[name]["others_runnable"])
+        got.update(_launch(n, [NAMES[n].index(k) for k in miss]))
+        miss = _misses({k: got[k] for k in miss})
     for name in got:
-        print(measured_table.render(name, got[name]))
+        print(measured_table.render(name, got[name]), "\nother runnable tasks:", got[name]["others_runnable"])
+    quiet = {k: v for k, v in miss.items() if not _busy(got[k])}
+    assert not quiet, "\n".join(measured_table.render(k, got[k]) for k in quiet)
+    return got, {k: got[k]["others_runnable"] for k in miss}
 
 
-@pytest.mark.cores(2)
+def _unassessed(busy):
+    if busy:
+        pytest.skip(f"the 15% timing claim not assessed on {sorted(busy)}: their timings missed twice while "
+                    f"other processes wanted the cores (median runnable tasks beside the job: {busy}); the "
+                    f"sum, ideal compute, bytes and ring steps held")
+
+
+@pytest.mark.cores("all")
+def test_plan_beside_the_waterfall_2_ranks():
+    _unassessed(_timed(2)[1])
+
+
+@pytest.mark.cores("all")
 def test_plan_beside_the_waterfall_4_ranks_and_2_nodes():
-    got = reports(mpirun(4, W, 4, STEPS, timeout=300))[0]
-    print("cpu_s", got.pop("cpu_s"))
-    assert set(got) == {"dp2xtp2", "2 nodes, tp inside", "2 nodes, tp across"}, got.keys()
-    _check(got)
+    got, busy = _timed(4)
     # the planner's count on each group's simulated link: tp pays the inter-node link only across
     inside, across = (got[k]["ranks"][0]["planned"] for k in ("2 nodes, tp inside", "2 nodes, tp across"))
     sim = lambda lay, g: lay[g]["charged_s"]         # noqa: E731
     assert sim(across, "tp") > 5 * sim(inside, "tp") and sim(inside, "dp") > 5 * sim(across, "dp"), (inside, across)
-    for name in got:
-        print(measured_table.render(name, got[name]))
+    _unassessed(busy)

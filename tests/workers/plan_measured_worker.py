@@ -52,6 +52,15 @@ def _step(model, opt, wf, tokens, rows, seed, s):
     return {"parts": parts, "step_s": wf.records[-1]["step_s"], "ratio": sum(parts.values()) / t}
 
 
+def _runnable():
+    """Tasks running or runnable on the machine now (/proc/loadavg's 4th field; None where absent)."""
+    try:
+        with open("/proc/loadavg") as f:
+            return int(f.read().split()[3].split("/")[0])
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 def _add(acc, groups):
     """Add each group's stats (and the simulated link's charge) of the step just run into ``acc``."""
     for g, pg in groups.items():
@@ -68,12 +77,15 @@ def one_layout(world, tokens, vocab, axes, kw, steps):
     wf = waterfall.Waterfall(model)
     _, lay, groups = measured.layout_of(model, (B, T))
     tiny = lay.dp * lay.m                   # the calibration pass: one row per micro-batch
-    runs, acc = {B: [], tiny: []}, {g: {} for g in groups}
+    runs, acc, busy = {B: [], tiny: []}, {g: {} for g in groups}, []
     for s in range(steps + 1):              # the first pair is a warm-up; the order alternates
         for rows in ((B, tiny) if s % 2 else (tiny, B)):
             for g in groups.values():
                 g.reset_stats()
                 g._link_s = 0.0             # the simulated link's charge (pdist/comm/topology.py)
+            n = _runnable()
+            if n is not None:           # other processes that want a core beside the job's ranks
+                busy.append(max(0, n - world.size))
             r = _step(model, opt, wf, tokens, rows, 1 + (rows == tiny), s)
             if s:
                 runs[rows].append(r)
@@ -95,14 +107,16 @@ def one_layout(world, tokens, vocab, axes, kw, steps):
     med = lambda rs: (measured.part_medians([r["parts"] for r in rs]), float(np.median([r["step_s"] for r in rs])))  # noqa: E731
     (parts, step), (tparts, tstep) = med(runs[B]), med(runs[tiny])
     mine = dict(parts=parts, step_s=step, tiny=tparts, tiny_step_s=tstep, counted=count, planned=planned,
-                ratios=[r["ratio"] for r in runs[B] + runs[tiny]])
+                ratios=[r["ratio"] for r in runs[B] + runs[tiny]],
+                raw=[[r["parts"] for r in runs[B]], [r["parts"] for r in runs[tiny]]])
     topology.set(None)
     ranks = world.all_gather_object(mine)
     names = list(dict.fromkeys(k for r in ranks for k in r["tiny"]))
     tiny_mean = {k: sum(r["tiny"].get(k, 0.0) for r in ranks) / len(ranks) for k in names}
     return {"ranks": ranks, "plan": measured.anchor(plan["measured_parts"], plan_tiny["measured_parts"], tiny_mean),
             "model": plan["measured_parts"], "model_tiny": plan_tiny["measured_parts"], "tiny": tiny_mean,
-            "tiny_rows": tiny, "calibration": plan["calibration"], "op_s": plan["op_s"]}
+            "tiny_rows": tiny, "calibration": plan["calibration"], "op_s": plan["op_s"],
+            "others_runnable": float(np.median(busy)) if busy else None}
 
 
 def main(n, steps, only=None):
