@@ -2,13 +2,9 @@
 layout: dp2, ZeRO-1..3 at dp2, tp2, pp2 1f1b m4 (one 2-rank launch); dp2 x tp2, and on the
 simulated 2-node topology with tp inside vs across the nodes (one 4-rank launch).
 
-What is held here, and why these tolerances (docs/planning.md, "Predicted vs measured on this
-machine"). On a loaded 2-core machine (the suite runs beside other work; 4 ranks share 2
-cores) host scheduling, not the link or the GEMMs, sets the time of every collective and of
-the Python around the kernels; the per-part 15% claim is the bench's (bench/plan_vs_measured.py),
-reported with its misses. The test holds what load cannot move, and what load can only add to:
+Held always (what load cannot move):
 
-    the waterfall's parts sum to the measured step within 3% (median step, every rank)
+    the waterfall's parts sum to the measured step within 3% (median over steps, every rank)
     ideal compute: the planner's equals the waterfall's (rel 1e-6): same FLOPs, same rate,
                    the layout (dp, tp, pp, m, rows) read right off the running strategy
     bytes and ring steps per group per step: the planner's equal what pdist's groups count
@@ -16,9 +12,19 @@ reported with its misses. The test holds what load cannot move, and what load ca
                    receives, tp's 4 all-reduces per layer + embedding, head and the loss's 2)
     the simulated link: what the transport charged the crossing tp group is at least 85% of
                    the planner's count on that link (sleeps only overshoot under load)
-    the planner's step is a lower bound of the measured one, within 25% (load only adds; the
-                   calibration and the steps are timed at different moments of the load)
+
+The timing claim (docs/planning.md, "Predicted vs measured on this machine"): the planner's
+parts, anchored on a calibration pass of the same strategy at one row per micro-batch timed
+step by step beside the compared steps (the same load on both: a ratio of two measurements
+under the same conditions, not a time against a constant), agree with the measured parts
+within 15% (compare's rule), as measured_table.held_rows holds them: waiting in absolute time
+(5% of the step) where each rank has a core; waiting and comm as one (the time blocked in
+collectives) where 4 ranks share 2 cores. A layout that misses is measured once more, and says
+so, before it counts (lesson 08); where other processes wanted the cores during both
+measurements (the median count of runnable tasks beside the job's ranks at least QUIET), the
+claim is not assessed there and the test says so (skip) after the checks above held.
 """
+import os
 from pathlib import Path
 
 import numpy as np
@@ -31,6 +37,7 @@ from pdist.testing import mpirun, reports
 ROOT = Path(__file__).resolve().parent.parent
 W = ROOT / "tests" / "workers" / "plan_measured_worker.py"
 STEPS = "15"
+CORES = len(os.sched_getaffinity(0))
 QUIET = 1       # other runnable tasks (median) from which the machine counts as busy
 
 
@@ -100,11 +107,14 @@ def _check(got):
             assert r["counted"]["tp"]["charged_s"] >= 0.85 * r["planned"]["tp"]["charged_s"], (name, r)
 
 
-def _misses(got):
-    """{layout: [the parts outside 15% (relative) or 5% of the step (absolute)]}."""
+def _misses(got, n):
+    """{layout: [the rows outside the tolerance]}, as measured_table.held_rows holds them: every
+    part within 15% (relative) or 5% of the step (absolute, compare's rule), except waiting: in
+    absolute time where each rank has a core, and with the comm groups as the time blocked in
+    collectives where the job's ranks share the cores (docs/planning.md says why)."""
     out = {}
     for name, res in got.items():
-        bad = [row for row in measured_table.side_by_side(res)[2] if not row[5]]
+        bad = [row for row in measured_table.held_rows(res, n > CORES) if not row[5]]
         if bad:
             out[name] = bad
     return out
@@ -131,13 +141,13 @@ def _timed(n):
     the claim is not assessed there (the second value returned names those layouts)."""
     got = _launch(n)
     assert set(got) == set(NAMES[n]), got.keys()
-    miss = _misses(got)
+    miss = _misses(got, n)
     if miss:
         print(f"(the timings of {sorted(miss)} may be disturbed by other processes; measuring again)")
         for name in miss:
             print(measured_table.render(name, got[name]), "\nother runnable tasks:", got[name]["others_runnable"])
         got.update(_launch(n, [NAMES[n].index(k) for k in miss]))
-        miss = _misses({k: got[k] for k in miss})
+        miss = _misses({k: got[k] for k in miss}, n)
     for name in got:
         print(measured_table.render(name, got[name]), "\nother runnable tasks:", got[name]["others_runnable"])
     quiet = {k: v for k, v in miss.items() if not _busy(got[k])}

@@ -12,12 +12,12 @@ the step it is compared with:
                        library GEMMs on a device; the host's per-op Python cost is not in it)
     mem_bw             one large array copy, bytes read + written per second (the roofline's
                        slope for the elementwise work)
-    links, per group   a small all-reduce calibration on that very group (8 B and 1 MiB, the
-                       best of 7, as the GEMM rate is a best): alpha = t(8 B) / ring steps,
-                       beta = ring bytes / (t(1 MiB) - steps alpha), cached per group; with a
+    links, per group   an all-reduce calibration on that very group at two sizes (8 B and 1 MiB,
+                       or the layout's own: tp's activations at both batches), the median of 15
+                       under the job's own concurrency: beta = ring bytes / (t(big) - t(small)),
+                       alpha = the rest of t(small) / ring steps, cached per group; with a
                        simulated topology (PDIST_TOPOLOGY, pdist/comm/topology.py) the group's
                        charged link is added: alpha + alpha_topo, 1/beta + 1/beta_topo
-                       (the charge is slept on top of the real transfer)
     op_s               the host's seconds per pdist op (one Function forward and its backward):
                        a forward_backward of a 1-layer width-8 GPT (B 2, T 8), best of 5, over
                        the Function applications it made (host_op_cost); the planner charges
@@ -30,6 +30,11 @@ the step it is compared with:
 ``plan_for`` reads the layout off the running strategy's chain (DataParallel, ZeRO-k,
 TensorParallel (SP), PipelineParallel (schedule, m)) and the model's config, and plans it
 with pdist.plan.model.plan_config on that profile, each group on its own calibrated link.
+``anchor`` sets the plan at the compared batch on a calibration pass of the same strategy at a
+tiny batch (one row per micro-batch), timed beside the compared steps: each part is the pass's
+measured part plus the planner's difference between the two batches. On a host where Python
+between the ops, each call's cost and the scheduler set most of the step, those are the pass's
+(a constant of the strategy); what grows with the batch is the planner's (docs/planning.md).
 ``compare`` sets the two waterfalls side by side: a part is compared relatively (within
 ``tol``, default 15%) when either side is at least ``floor`` (default 5%) of the measured
 step, else in absolute time (within ``floor`` x step).
@@ -41,7 +46,7 @@ import numpy as np
 from pdist.plan.presets import Cluster, Link
 from pdist.plan.timing import as_measured
 
-ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 7
+ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 15
 _links = {}               # (group name, world ranks, topology link) -> Link (this process)
 _bw, _op = [], []
 

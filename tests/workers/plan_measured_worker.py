@@ -5,13 +5,21 @@ every lesson layout of one world size in one launch.
     mpirun -n 4 python tests/workers/plan_measured_worker.py 4 [STEPS]   # dp2 x tp2; on 2 simulated nodes
                                                                          # with tp inside vs across them
 
-Per layout: STEPS steps (default 5) timed by the Waterfall and by an independent clock; per rank
-the median step (by its measured time); then pdist.plan.measured.plan_for on the same model and
-batch. Rank 0 prints one ``report``: {layout: {"ranks": [per rank: {"parts", "step_s", "ratio",
-"ratios", "counted", "planned"}], "plan": the planner's parts under the waterfall's labels,
-"calibration"}, "cpu_s"}; "counted"/"planned": per group the bytes and ring steps per step that
-pdist's groups counted / the planner counts, and on a simulated link the seconds the transport
-charged / the planner's count on that link alone ("charged_s").
+Per layout: STEPS pairs of steps (default 5) after one warm-up pair, each timed by the Waterfall
+and by an independent clock: one at the compared batch B, one calibration pass of the same
+strategy at one row per micro-batch, in alternating order (the same load on both); the stats
+(bytes, ring steps, the simulated link's charge) of the B steps only. Per rank each part's
+median over its steps (pdist.plan.measured.part_medians) on both; then plan_for at both batches
+(tp's link calibrated at its two activation sizes) and the plan at B anchored on the calibration
+pass (measured.anchor: the mean over ranks of its medians). Rank 0 prints one ``report``:
+{layout: {"ranks": [per rank: {"parts", "step_s", "tiny", "tiny_step_s", "ratios", "counted",
+"planned", "raw"}], "plan": the anchored parts, "model"/"model_tiny": the planner's own at B and
+at the calibration batch, "tiny": the calibration's measured parts, "tiny_rows", "calibration",
+"op_s", "others_runnable": the median count of other runnable tasks beside the job's ranks,
+sampled before each step}, "cpu_s"}; "counted"/"planned": per group the bytes and ring steps per
+step that pdist's groups counted / the planner counts, and on a simulated link the seconds the
+transport charged / the planner's count on that link alone ("charged_s"). An optional third
+argument, indices into the layouts (``0,2``), runs only those.
 """
 import sys
 import time
