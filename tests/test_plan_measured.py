@@ -86,6 +86,21 @@ def test_anchor_and_part_medians():
     assert measured.part_medians([{"a": 1.0}, {"a": 3.0, "b": 1.0}, {"a": 2.0}]) == {"a": 2.0, "b": 0.0}
 
 
+def test_held_rows_hold_waiting_apart_or_with_comm():
+    W8 = measured_table.WAIT
+    rank = {"parts": {"kernel inefficiency": 1.0, "comm tp": 0.5, W8: 0.3}, "step_s": 2.0}
+    res = {"ranks": [rank], "plan": {"kernel inefficiency": 1.1, "comm tp": 0.38, W8: 0.38}}
+    own = {r[0]: r for r in measured_table.held_rows(res, shared=False)}
+    assert own[W8][4] == "abs" and own[W8][5]                  # +27%, but 0.08 s off: within 5% of the 2 s step
+    assert not own["comm tp"][5] and own["kernel inefficiency"][5] and measured_table.BLOCKED not in own
+    shared = {r[0]: r for r in measured_table.held_rows(res, shared=True)}
+    assert set(shared) == {"kernel inefficiency", measured_table.BLOCKED}
+    assert shared[measured_table.BLOCKED][3] == pytest.approx(-0.04 / 0.8) and shared[measured_table.BLOCKED][5]
+    res["plan"][W8] = 0.1                                        # 0.2 off: a miss both ways
+    assert not {r[0]: r for r in measured_table.held_rows(res, shared=False)}[W8][5]
+    assert not {r[0]: r for r in measured_table.held_rows(res, shared=True)}[measured_table.BLOCKED][5]
+
+
 # the worker's layouts, in its order (an index list reruns some of them)
 NAMES = {2: ["dp2", "zero-1", "zero-2", "zero-3", "tp2", "pp2 1f1b m4"],
          4: ["dp2xtp2", "2 nodes, tp inside", "2 nodes, tp across"]}
