@@ -85,6 +85,8 @@ def one_layout(world, tokens, vocab, axes, kw, steps):
     wf = waterfall.Waterfall(model)
     _, lay, groups = measured.layout_of(model, (B, T))
     tiny = lay.dp * lay.m                   # the calibration pass: one row per micro-batch
+    if tiny >= B:
+        sys.exit(f"plan_measured_worker: the calibration batch dp*m = {tiny} must be under B = {B} (axes {axes})")
     runs, acc, busy = {B: [], tiny: []}, {g: {} for g in groups}, []
     for s in range(steps + 1):              # the first pair is a warm-up; the order alternates
         for rows in ((B, tiny) if s % 2 else (tiny, B)):
