@@ -49,6 +49,11 @@ def test_compare_verdicts_and_layout_errors():
     with pytest.raises(ValueError, match="no GPT/Llama config"):
         measured.layout_of(object(), (8, 16))
 
+    class Pair:                                  # a 2-rank group's name, ranks and size: refused before any call
+        name, ranks, size = "tp", [0, 1], 2
+    with pytest.raises(ValueError, match="two different byte counts"):
+        measured.calibrate(Pair(), (4096, 4096))
+
 
 def test_one_process_plan_matches_the_waterfall_ideal_compute():
     from pdist.engine.backend import set_default_dtype

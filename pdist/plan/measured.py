@@ -135,6 +135,8 @@ def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES)):
     key = (group.name, tuple(group.ranks))
     if group.size < 2:
         return Link(float("inf"), 0.0)
+    if len(set(sizes)) != 2 or min(sizes) < 8:
+        raise ValueError(f"calibrate: sizes must be two different byte counts >= 8, got {sizes}")
     if key not in _links:
         saved, group._link = getattr(group, "_link", None), None
         try:
