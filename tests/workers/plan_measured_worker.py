@@ -21,6 +21,7 @@ step that pdist's groups counted / the planner counts, and on a simulated link t
 transport charged / the planner's count on that link alone ("charged_s"). An optional third
 argument, indices into the layouts (``0,2``), runs only those.
 """
+import os
 import sys
 import time
 
@@ -60,11 +61,17 @@ def _step(model, opt, wf, tokens, rows, seed, s):
     return {"parts": parts, "step_s": wf.records[-1]["step_s"], "ratio": sum(parts.values()) / t}
 
 
-def _runnable():
-    """Tasks running or runnable on the machine now (/proc/loadavg's 4th field; None where absent)."""
+def _others_runnable(pids):
+    """Tasks running or runnable on the machine now (/proc/loadavg's 4th field) that are not one of
+    the job's ranks ``pids`` in state R (/proc/<pid>/stat); None where /proc is absent."""
     try:
         with open("/proc/loadavg") as f:
-            return int(f.read().split()[3].split("/")[0])
+            n = int(f.read().split()[3].split("/")[0])
+        ours = 0
+        for pid in pids:
+            with open(f"/proc/{pid}/stat") as f:
+                ours += f.read().rsplit(")", 1)[1].split()[0] == "R"
+        return max(0, n - ours)
     except (OSError, ValueError, IndexError):
         return None
 
@@ -88,14 +95,15 @@ def one_layout(world, tokens, vocab, axes, kw, steps):
     if tiny >= B:
         sys.exit(f"plan_measured_worker: the calibration batch dp*m = {tiny} must be under B = {B} (axes {axes})")
     runs, acc, busy = {B: [], tiny: []}, {g: {} for g in groups}, []
+    pids = world.all_gather_object(os.getpid())
     for s in range(steps + 1):              # the first pair is a warm-up; the order alternates
         for rows in ((B, tiny) if s % 2 else (tiny, B)):
             for g in groups.values():
                 g.reset_stats()
                 g._link_s = 0.0             # the simulated link's charge (pdist/comm/topology.py)
-            n = _runnable()
+            n = _others_runnable(pids)
             if n is not None:           # other processes that want a core beside the job's ranks
-                busy.append(max(0, n - world.size))
+                busy.append(n)
             r = _step(model, opt, wf, tokens, rows, 1 + (rows == tiny), s)
             if s:
                 runs[rows].append(r)
