@@ -2,13 +2,9 @@
 layout: dp2, ZeRO-1..3 at dp2, tp2, pp2 1f1b m4 (one 2-rank launch); dp2 x tp2, and on the
 simulated 2-node topology with tp inside vs across the nodes (one 4-rank launch).
 
-What is held here, and why these tolerances (docs/planning.md, "Predicted vs measured on this
-machine"). On a loaded 2-core machine (the suite runs beside other work; 4 ranks share 2
-cores) host scheduling, not the link or the GEMMs, sets the time of every collective and of
-the Python around the kernels; the per-part 15% claim is the bench's (bench/plan_vs_measured.py),
-reported with its misses. The test holds what load cannot move, and what load can only add to:
+Held always (what load cannot move):
 
-    the waterfall's parts sum to the measured step within 3% (median step, every rank)
+    the waterfall's parts sum to the measured step within 3% (median over steps, every rank)
     ideal compute: the planner's equals the waterfall's (rel 1e-6): same FLOPs, same rate,
                    the layout (dp, tp, pp, m, rows) read right off the running strategy
     bytes and ring steps per group per step: the planner's equal what pdist's groups count
@@ -16,9 +12,19 @@ reported with its misses. The test holds what load cannot move, and what load ca
                    receives, tp's 4 all-reduces per layer + embedding, head and the loss's 2)
     the simulated link: what the transport charged the crossing tp group is at least 85% of
                    the planner's count on that link (sleeps only overshoot under load)
-    the planner's step is a lower bound of the measured one, within 25% (load only adds; the
-                   calibration and the steps are timed at different moments of the load)
+
+The timing claim (docs/planning.md, "Predicted vs measured on this machine"): the planner's
+parts, anchored on a calibration pass of the same strategy at one row per micro-batch timed
+step by step beside the compared steps (the same load on both: a ratio of two measurements
+under the same conditions, not a time against a constant), agree with the measured parts
+within 15% (compare's rule), as measured_table.held_rows holds them: waiting in absolute time
+(5% of the step) where each rank has a core; waiting and comm as one (the time blocked in
+collectives) where 4 ranks share 2 cores. A layout that misses on a quiet machine is measured
+once more, and says so, before it counts (lesson 08); one that misses while other processes
+wanted the cores (the median count of runnable tasks beside the job's ranks at least QUIET) is
+not assessed, and the test says so (skip) after the checks above held.
 """
+import os
 from pathlib import Path
 
 import numpy as np
@@ -30,7 +36,9 @@ from pdist.testing import mpirun, reports
 
 ROOT = Path(__file__).resolve().parent.parent
 W = ROOT / "tests" / "workers" / "plan_measured_worker.py"
-STEPS = "3"
+STEPS = "13"
+CORES = len(os.sched_getaffinity(0))
+QUIET = 1       # other runnable tasks (median) from which the machine counts as busy
 
 
 def test_compare_verdicts_and_layout_errors():
@@ -40,6 +48,11 @@ def test_compare_verdicts_and_layout_errors():
     assert rows["c"][4] == "rel" and not rows["c"][5] and rows["c"][3] == float("inf")
     with pytest.raises(ValueError, match="no GPT/Llama config"):
         measured.layout_of(object(), (8, 16))
+
+    class Pair:                                  # a 2-rank group's name, ranks and size: refused before any call
+        name, ranks, size = "tp", [0, 1], 2
+    with pytest.raises(ValueError, match="two different byte counts"):
+        measured.calibrate(Pair(), (4096, 4096))
 
 
 def test_one_process_plan_matches_the_waterfall_ideal_compute():
@@ -71,13 +84,40 @@ def test_one_process_plan_matches_the_waterfall_ideal_compute():
         a.host_tensors([0], True, True) * step_s, rel=1e-9) == pytest.approx(len(list(model.parameters())) * step_s)
 
 
+def test_anchor_and_part_medians():
+    # part_k = measured_tiny_k + planned_k - planned_tiny_k: the planner's difference on the calibration
+    got = measured.anchor({"a": 1.0, "b": 2.0}, {"a": 0.5, "b": 2.5}, {"a": 0.7, "c": 0.1})
+    assert got == pytest.approx({"a": 1.2, "b": 0.0, "c": 0.1})            # b: 0 - 0.5 clipped at 0
+    assert measured.part_medians([{"a": 1.0}, {"a": 3.0, "b": 1.0}, {"a": 2.0}]) == {"a": 2.0, "b": 0.0}
+
+
+def test_held_rows_hold_waiting_apart_or_with_comm():
+    W8 = measured_table.WAIT
+    rank = {"parts": {"kernel inefficiency": 1.0, "comm tp": 0.5, W8: 0.3}, "step_s": 2.0}
+    res = {"ranks": [rank], "plan": {"kernel inefficiency": 1.1, "comm tp": 0.38, W8: 0.38}}
+    own = {r[0]: r for r in measured_table.held_rows(res, shared=False)}
+    assert own[W8][4] == "abs" and own[W8][5]                  # +27%, but 0.08 s off: within 5% of the 2 s step
+    assert not own["comm tp"][5] and own["kernel inefficiency"][5] and measured_table.BLOCKED not in own
+    shared = {r[0]: r for r in measured_table.held_rows(res, shared=True)}
+    assert set(shared) == {"kernel inefficiency", measured_table.BLOCKED}
+    assert shared[measured_table.BLOCKED][3] == pytest.approx(-0.04 / 0.8) and shared[measured_table.BLOCKED][5]
+    res["plan"][W8] = 0.1                                        # 0.2 off: a miss both ways
+    assert not {r[0]: r for r in measured_table.held_rows(res, shared=False)}[W8][5]
+    assert not {r[0]: r for r in measured_table.held_rows(res, shared=True)}[measured_table.BLOCKED][5]
+
+
+# the worker's layouts, in its order (an index list reruns some of them)
+NAMES = {2: ["dp2", "zero-1", "zero-2", "zero-3", "tp2", "pp2 1f1b m4"],
+         4: ["dp2xtp2", "2 nodes, tp inside", "2 nodes, tp across"]}
+
+
 def _check(got):
+    """What load cannot move: the sum, ideal compute, bytes and ring steps, the simulated charge."""
     for name, res in got.items():
-        _, step, rows = measured_table.side_by_side(res)
         for rank, r in enumerate(res["ranks"]):
             ratios = sorted(r["ratios"])
             assert abs(ratios[len(ratios) // 2] - 1) <= waterfall_table.CHECK, (name, rank, ratios)
-            assert res["plan"]["ideal compute"] == pytest.approx(r["parts"]["ideal compute"], rel=1e-6), name
+            assert res["model"]["ideal compute"] == pytest.approx(r["parts"]["ideal compute"], rel=1e-6), name
             for g, c in r["counted"].items():
                 p = r["planned"][g]
                 assert c["bytes"] == pytest.approx(p["bytes"], rel=1e-9), (name, rank, g, c, p)
@@ -85,28 +125,74 @@ def _check(got):
         if "tp across" in name:
             r = res["ranks"][0]
             assert r["counted"]["tp"]["charged_s"] >= 0.85 * r["planned"]["tp"]["charged_s"], (name, r)
-        assert sum(res["plan"].values()) <= 1.25 * step, (name, measured_table.render(name, res))
 
 
-@pytest.mark.cores(2)
-def test_plan_beside_the_waterfall_2_ranks():
-    got = reports(mpirun(2, W, 2, STEPS, timeout=240))[0]
+def _misses(got, n):
+    """{layout: [the rows outside the tolerance]}, as measured_table.held_rows holds them: every
+    part within 15% (relative) or 5% of the step (absolute, compare's rule), except waiting: in
+    absolute time where each rank has a core, and with the comm groups as the time blocked in
+    collectives where the job's ranks share the cores (docs/planning.md says why)."""
+    out = {}
+    for name, res in got.items():
+        bad = [row for row in measured_table.held_rows(res, n > CORES) if not row[5]]
+        if bad:
+            out[name] = bad
+    return out
+
+
+def _launch(n, only=None):
+    got = reports(mpirun(n, W, n, STEPS, *([",".join(map(str, only))] if only else []), timeout=300))[0]
     print("cpu_s", got.pop("cpu_s"))
-    assert set(got) == {"dp2", "zero-1", "zero-2", "zero-3", "tp2", "pp2 1f1b m4"}, got.keys()
     _check(got)
+    return got
+
+
+def _busy(res):
+    """Other processes wanted the cores while the layout ran: the median count of runnable tasks
+    beside the job's ranks (sampled before each step) is at least QUIET."""
+    b = res.get("others_runnable")
+    return b is not None and b >= QUIET
+
+
+def _timed(n):
+    """Every part of every layout within 15% of the measured one (as held_rows holds them); a layout
+    whose timings miss on a quiet machine is measured once more, and says so, before it counts
+    (lesson 08). A miss while other processes wanted the cores is not assessed (not measured again:
+    the load that made it is still there): the second value returned names those layouts."""
+    got = _launch(n)
+    assert set(got) == set(NAMES[n]), got.keys()
+    miss = _misses(got, n)
+    again = [k for k in miss if not _busy(got[k])]
+    if again:
+        print(f"(the timings of {again} may be disturbed by other processes; measuring again)")
+        for name in again:
+            print(measured_table.render(name, got[name]))
+        got.update(_launch(n, [NAMES[n].index(k) for k in again]))
+        miss = {**{k: v for k, v in miss.items() if k not in again}, **_misses({k: got[k] for k in again}, n)}
     for name in got:
         print(measured_table.render(name, got[name]))
+    quiet = {k: v for k, v in miss.items() if not _busy(got[k])}
+    assert not quiet, "\n".join(measured_table.render(k, got[k]) for k in quiet)
+    return got, {k: got[k]["others_runnable"] for k in miss}
 
 
-@pytest.mark.cores(2)
+def _unassessed(busy):
+    if busy:
+        pytest.skip(f"the 15% timing claim not assessed on {sorted(busy)}: their timings missed while "
+                    f"other processes wanted the cores (median runnable tasks beside the job: {busy}); the "
+                    f"sum, ideal compute, bytes and ring steps held")
+
+
+@pytest.mark.cores("all")
+def test_plan_beside_the_waterfall_2_ranks():
+    _unassessed(_timed(2)[1])
+
+
+@pytest.mark.cores("all")
 def test_plan_beside_the_waterfall_4_ranks_and_2_nodes():
-    got = reports(mpirun(4, W, 4, STEPS, timeout=300))[0]
-    print("cpu_s", got.pop("cpu_s"))
-    assert set(got) == {"dp2xtp2", "2 nodes, tp inside", "2 nodes, tp across"}, got.keys()
-    _check(got)
+    got, busy = _timed(4)
     # the planner's count on each group's simulated link: tp pays the inter-node link only across
     inside, across = (got[k]["ranks"][0]["planned"] for k in ("2 nodes, tp inside", "2 nodes, tp across"))
     sim = lambda lay, g: lay[g]["charged_s"]         # noqa: E731
     assert sim(across, "tp") > 5 * sim(inside, "tp") and sim(inside, "dp") > 5 * sim(across, "dp"), (inside, across)
-    for name in got:
-        print(measured_table.render(name, got[name]))
+    _unassessed(busy)

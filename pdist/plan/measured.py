@@ -12,12 +12,12 @@ the step it is compared with:
                        library GEMMs on a device; the host's per-op Python cost is not in it)
     mem_bw             one large array copy, bytes read + written per second (the roofline's
                        slope for the elementwise work)
-    links, per group   a small all-reduce calibration on that very group (8 B and 1 MiB, the
-                       best of 7, as the GEMM rate is a best): alpha = t(8 B) / ring steps,
-                       beta = ring bytes / (t(1 MiB) - steps alpha), cached per group; with a
+    links, per group   an all-reduce calibration on that very group at two sizes (8 B and 1 MiB,
+                       or the layout's own: tp's activations at both batches), the median of 15
+                       under the job's own concurrency: beta = ring bytes / (t(big) - t(small)),
+                       alpha = the rest of t(small) / ring steps, cached per group; with a
                        simulated topology (PDIST_TOPOLOGY, pdist/comm/topology.py) the group's
                        charged link is added: alpha + alpha_topo, 1/beta + 1/beta_topo
-                       (the charge is slept on top of the real transfer)
     op_s               the host's seconds per pdist op (one Function forward and its backward):
                        a forward_backward of a 1-layer width-8 GPT (B 2, T 8), best of 5, over
                        the Function applications it made (host_op_cost); the planner charges
@@ -30,6 +30,11 @@ the step it is compared with:
 ``plan_for`` reads the layout off the running strategy's chain (DataParallel, ZeRO-k,
 TensorParallel (SP), PipelineParallel (schedule, m)) and the model's config, and plans it
 with pdist.plan.model.plan_config on that profile, each group on its own calibrated link.
+``anchor`` sets the plan at the compared batch on a calibration pass of the same strategy at a
+tiny batch (one row per micro-batch), timed beside the compared steps: each part is the pass's
+measured part plus the planner's difference between the two batches. On a host where Python
+between the ops, each call's cost and the scheduler set most of the step, those are the pass's
+(a constant of the strategy); what grows with the batch is the planner's (docs/planning.md).
 ``compare`` sets the two waterfalls side by side: a part is compared relatively (within
 ``tol``, default 15%) when either side is at least ``floor`` (default 5%) of the measured
 step, else in absolute time (within ``floor`` x step).
@@ -41,7 +46,7 @@ import numpy as np
 from pdist.plan.presets import Cluster, Link
 from pdist.plan.timing import as_measured
 
-ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 7
+ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 15
 _links = {}               # (group name, world ranks, topology link) -> Link (this process)
 _bw, _op = [], []
 
@@ -109,44 +114,46 @@ def memory_bandwidth():
     return _bw[0]
 
 
-def _best_allreduce(group, n_elems):
-    """Fastest seconds of one blocking all-reduce of ``n_elems`` float64 (a barrier before each;
-    load from other processes only adds, so the best is the link's)."""
+def _allreduce_s(group, n_elems):
+    """Median seconds of one blocking all-reduce of ``n_elems`` float64 (a barrier before each),
+    the statistic the compared steps use, under the job's own concurrency (every member calls)."""
     from pdist.engine.backend import xp
-    buf = xp.ones(n_elems, dtype="float64")
+    buf = xp.ones(max(1, n_elems), dtype="float64")
     ts = []
     for _ in range(REPS):
         group.barrier()
         t0 = time.perf_counter()
         group.all_reduce(buf)
         ts.append(time.perf_counter() - t0)
-    return min(ts)
+    return float(np.median(ts))
 
 
-def calibrate(group):
-    """The plain transport's Link of ``group`` (alpha-beta of its all-reduce, module doc):
+def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES)):
+    """The plain transport's Link of ``group`` (alpha-beta of its all-reduce, module doc) from two
+    message sizes in bytes (default 8 B and 1 MiB; a layout's own sizes where it passes them):
     collective over the group, cached per group; the simulated link is off while measuring."""
     key = (group.name, tuple(group.ranks))
     if group.size < 2:
         return Link(float("inf"), 0.0)
+    if len(set(sizes)) != 2 or min(sizes) < 8:
+        raise ValueError(f"calibrate: sizes must be two different byte counts >= 8, got {sizes}")
     if key not in _links:
         saved, group._link = getattr(group, "_link", None), None
         try:
             steps, ring = 2 * (group.size - 1), 2 * (group.size - 1) / group.size
-            small = _best_allreduce(group, ALPHA_BYTES // 8)
-            big = _best_allreduce(group, BETA_BYTES // 8)
+            (s0, t_s), (s1, t_b) = ((n, _allreduce_s(group, n // 8)) for n in sorted(sizes))
         finally:
             group._link = saved
-        alpha = small / steps
-        beta = ring * BETA_BYTES / max(big - steps * alpha, 0.5 * big)   # alpha's noise: beta at most 2x t(1 MiB)'s
+        beta = ring * (s1 - s0) / max(t_b - t_s, 0.5 * t_b)     # noise: beta at most 2x t(big)'s
+        alpha = max(0.0, t_s - ring * s0 / beta) / steps
         _links[key] = Link(beta, alpha)
     return _links[key]
 
 
-def group_link(group):
-    """The Link the planner charges ``group``: the calibrated transport plus the simulated
-    topology's link of that group, when one is set (module doc)."""
-    base = calibrate(group)
+def group_link(group, sizes=None):
+    """The Link the planner charges ``group``: the calibrated transport (at ``sizes``, calibrate)
+    plus the simulated topology's link of that group, when one is set (module doc)."""
+    base = calibrate(group, *([sizes] if sizes else []))
     sim = getattr(group, "_link", None)
     if sim is None or group.size < 2:
         return base
@@ -198,15 +205,18 @@ def layout_of(model, batch):
     return cfg, lay, groups
 
 
-def plan_for(model, batch, world=None):
+def plan_for(model, batch, world=None, sizes=None):
     """The planner's plan of the running strategy ``model`` on global ``batch`` (B, T), on the
-    measured profile of this machine (module doc). Collective: every rank of the model calls it."""
+    measured profile of this machine (module doc); ``sizes`` {planner group: (small, big) bytes}:
+    the all-reduce sizes its link is calibrated at (the first plan of a group sets it). Collective:
+    every rank of the model calls it."""
     from pdist import comm
     from pdist.measure import flops
     from pdist.plan.model import plan_config
     cfg, lay, groups = layout_of(model, batch)
     world = world or (comm.get_world() if comm.is_initialized() else None)
-    links = {g: group_link(groups[g]) for g in ("tp", "dp", "pp") if g in groups}   # one order on every rank
+    sizes = sizes or {}
+    links = {g: group_link(groups[g], sizes.get(g)) for g in ("tp", "dp", "pp") if g in groups}   # one order, every rank
     rate, op_s, step_s = flops.gemm_rate(), host_op_cost(), host_step_cost()
     if world is not None:       # the best rank's, as the GEMM rate (load only adds)
         rate, op_s, step_s = (f(world.all_gather_object(v)) for f, v in ((max, rate), (min, op_s), (min, step_s)))
@@ -223,14 +233,15 @@ def plan_for(model, batch, world=None):
     return out
 
 
-def counted(groups, steps):
-    """{planner group: {"bytes", "steps"}} per step that pdist's groups counted (ProcessGroup.stats:
-    the ring accounting's bytes; ring steps per call as pdist/comm/topology.ring_steps) over
-    ``steps`` steps since their stats were reset: what the planner's comm.group_bytes predicts."""
+def counted(groups, steps, stats=None):
+    """{planner group: {"bytes", "steps"}} per step that pdist's groups counted (ProcessGroup.stats,
+    or ``stats`` {group: such a dict} gathered over the steps: the ring accounting's bytes; ring
+    steps per call as pdist/comm/topology.ring_steps) over ``steps`` steps since their stats were
+    reset: what the planner's comm.group_bytes predicts."""
     from pdist.comm.topology import ring_steps
     out = {}
     for g, pg in groups.items():
-        st = pg.stats.items()
+        st = (stats[g] if stats is not None else pg.stats).items()
         out[g] = {"bytes": sum(v["bytes"] for _, v in st) / steps,
                   "steps": sum(v["calls"] * ring_steps(op, 2 if "send" in op or "recv" in op else pg.size)
                                for op, v in st) / steps}
@@ -242,6 +253,27 @@ def planned_counts(plan, pp_rank=0):
     st = plan["memory_per_stage"][pp_rank]
     return {g: {"bytes": st["comm_bytes"][g], "steps": st["comm_calls"][g]} for g in st["comm_bytes"]
             if st["comm_bytes"][g] or st["comm_calls"][g]}
+
+
+def part_medians(steps):
+    """{part: median over ``steps`` (each a {part: seconds} of one step) of that part}: every part's
+    own median (a part missing from a step counts as 0 there), the statistic both sides use."""
+    names = [k for k in dict.fromkeys(k for s in steps for k in s)]
+    return {k: float(np.median([s.get(k, 0.0) for s in steps])) for k in names}
+
+
+def anchor(planned, planned_tiny, measured_tiny):
+    """The planner's parts at the compared batch, anchored on a calibration pass of the same strategy
+    at a tiny batch: part_k = measured_tiny_k + planned_k - planned_tiny_k, never negative.
+
+    What the planner's model cannot know on this host (the Python per op at these shapes, each
+    collective's call cost and scheduling under the job's own concurrency, the private .step
+    groups, the rank skew that waiting is, the Python between the passes) is the calibration's
+    residual measured_tiny_k - planned_tiny_k, a constant of the strategy; what changes with the
+    batch (GEMM FLOPs at the GEMM rate, elementwise bytes at the copy bandwidth, tp's activation
+    bytes at the group's beta, the bubble's share of compute) is the planner's own difference."""
+    names = list(dict.fromkeys(list(measured_tiny) + list(planned)))
+    return {k: max(0.0, measured_tiny.get(k, 0.0) + planned.get(k, 0.0) - planned_tiny.get(k, 0.0)) for k in names}
 
 
 def compare(measured, step_s, plan, tol=0.15, floor=0.05):
@@ -261,5 +293,5 @@ def compare(measured, step_s, plan, tol=0.15, floor=0.05):
     return rows
 
 
-__all__ = ["host_op_cost", "host_step_cost", "plan_for", "layout_of", "this_machine", "calibrate", "group_link", "compare", "counted", "planned_counts",
+__all__ = ["part_medians", "anchor", "host_op_cost", "host_step_cost", "plan_for", "layout_of", "this_machine", "calibrate", "group_link", "compare", "counted", "planned_counts",
            "memory_bandwidth"]
