@@ -74,7 +74,10 @@ def fingerprint(op, seq, step, size=0, dtype=None, redop="", root=-1, algorithm=
 def agree(g, fp, error, describe, buf=None):
     """Raise CollectiveMismatchError on every rank of group ``g`` unless all
     fingerprints match and no rank reported an error. ``describe`` is this
-    rank's argument summary: (dtype name, text)."""
+    rank's argument summary: (dtype name, text). Two ranks: one point-to-point exchange
+    (``g._pair``, pair.py)."""
+    if g._pair is not None:
+        return g._pair.agree(g, fp, error, describe)
     agree_start(g, fp, error, describe, buf)()
 
 
@@ -87,6 +90,8 @@ def agree_start(g, fp, error, describe, buf=None):
         if error:
             raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}': {error}")
         return _nothing
+    if g._pair is not None:
+        return g._pair.start(g, fp, error, describe)
     both = np.empty(2 * K, np.int64) if buf is None or len(buf) < 2 * K else buf[:2 * K]
     both[:K] = fp
     both[K:] = [-v for v in fp]
