@@ -208,6 +208,12 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         if op != "avg" or (only_rank is not None and self.rank != only_rank) or is_low(flat.dtype):
             return None              # 2-byte floats are divided before their one rounding (low_precision.py)
         n = self.size
+        if n & (n - 1) == 0:                           # x * (1/n) == x / n bit for bit: 1/n is exact
+            inv = 1.0 / n
+
+            def then():
+                flat.__imul__(inv)                     # flat *= 1/n in place: a multiply, not a divide
+            return then
 
         def then():
             flat.__itruediv__(n)                       # flat /= n in place (NumPy or CuPy)
