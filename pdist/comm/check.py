@@ -22,8 +22,9 @@ to the data. After a mismatch the group replaces its data communicator (an
 async op may have posted data the other ranks never will), so the group stays
 usable.
 
-Cost: one 160-byte all-reduce per collective (a few microseconds on one node;
-see docs/collectives.md). On by default; ``PDIST_CHECK_COLLECTIVES=0`` (or
+Cost: one 176-byte all-reduce per collective (a few microseconds on one node;
+see docs/collectives.md). Two ranks: one 88-byte message each way instead, and a small
+blocking all-reduce carries it in its payload's message (pair.py: no second exchange). On by default; ``PDIST_CHECK_COLLECTIVES=0`` (or
 ``pg.check = False``) turns it off, after which mismatched calls are undefined
 behaviour in MPI (garbage or a hang until the watchdog's deadline).
 """
