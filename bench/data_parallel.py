@@ -92,7 +92,7 @@ def worker(a):
                                       "params": model.module.num_parameters(), "sync": sync}))
 
 
-def bucket_sync(model, world, loops=7, iters=3):
+def bucket_sync(model, world, loops=15, iters=4):
     """[(bucket bytes, DDP's sync s, raw MPI s)] for each bucket of the trained model: DDP's
     own call on the bucket's buffer (``DataParallel._issue``'s all_reduce(op="avg",
     async_op=True), then ``wait()``: the fingerprint check, the transfer, the 1/n scaling)
@@ -190,14 +190,14 @@ def sync_table(res, model, repeats):
             ddp = statistics.median(r[i][1] for r in runs)
             raw = statistics.median(r[i][2] for r in runs)
             bus = 2 * (ranks - 1) / ranks * nbytes / 1e9
-            rows.append((label, i, f"{nbytes / 2**20:.2f}", f"{ddp * 1e3:.3f}", f"{raw * 1e3:.3f}",
+            rows.append((label, i, f"{nbytes / 2**10:.1f}", f"{ddp * 1e3:.3f}", f"{raw * 1e3:.3f}",
                          f"{bus / ddp:.2f}", f"{bus / raw:.2f}", f"{raw / ddp:.2f}"))
     if not rows:
         return ""
     from pdist.course.lesson import table
     return (f"\nDDP's bucket sync in the trained model vs raw MPI Allreduce of the same size (median of "
-            f"{repeats} runs, each the best of 7 loops x 3 calls):\n"
-            + table(rows, ["configuration", "bucket", "MiB", "ddp ms", "raw ms", "ddp busbw GB/s",
+            f"{repeats} runs, each the best of 15 loops x 4 calls):\n"
+            + table(rows, ["configuration", "bucket", "KiB", "ddp ms", "raw ms", "ddp busbw GB/s",
                            "raw busbw GB/s", "ddp/raw"]))
 
 
