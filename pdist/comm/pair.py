@@ -168,7 +168,7 @@ class PairCheck:
             self.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0], None,
                        lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
                                 f"algorithm=mpi async_op=False"), self.rbuf)
-        _UFUNC[op](buf, rview, out=buf)
+        _UFUNC[op](buf, rview, buf)             # out=buf, positional (cheaper)
         if op == "avg":
             buf *= 0.5                         # == buf / 2, bit for bit (a power of two)
         st = g.stats.get("all_reduce") or g.stats.setdefault("all_reduce", {"calls": 0, "bytes": 0,
