@@ -12,7 +12,7 @@ Columns, in-place float32 sum, S bytes per rank:
            whose check is its own all-reduce (check.py, groups of n > 2), so "mpi/(raw+fp)"
            is the overhead pdist's Python adds over MPI's two calls there
 * mpi      ``pg.all_reduce(x, algorithm="mpi")`` (checks on, the default); at n = 2 a
-           payload of <= 4 KiB carries its check in one message each way (pair.py), so
+           payload of <= 64 KiB carries its check in one message each way (pair.py), so
            "mpi/raw" is the whole price of a checked call
 * mpi-nochk  the same with ``PDIST_CHECK_COLLECTIVES=0`` behaviour
 * ddp-sync ``pg.all_reduce(x, op="avg", async_op=True).wait()``: DDP's bucket sync
@@ -26,7 +26,7 @@ Each cell is the best of ``--repeats`` timed loops (methods interleaved, so
 load from other processes hits them alike), each loop's time being the
 slowest rank's. A second table gives small-message latency, where the cost of
 the collective check shows (n > 2: one 176-byte all-reduce; n = 2: an 88-byte header,
-on the payload's own message up to 4 KiB).
+on the payload's own message up to 64 KiB).
 """
 import argparse
 import time

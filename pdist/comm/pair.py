@@ -38,7 +38,7 @@ from pdist.comm.flight_recorder import _batch, _cur, _step
 from pdist.comm.mpi import MPI, wait_all
 from pdist.measure import blocked, trace
 
-SMALL_BYTES = 4096                 # payloads up to this many bytes ride with the fingerprint
+SMALL_BYTES = 65536                # payloads up to this many bytes ride with the fingerprint
 HEAD = 8 * K                       # the fingerprint's bytes, at the front of every message
 TAG = 3
 _HEAD = struct.Struct(f"={K}q")    # native order, 8 bytes per field, no padding
