@@ -21,11 +21,14 @@ receive buffer holds the largest message (header + ``SMALL_BYTES``), so MPI neve
 truncates one. Messages match in issue order (MPI's non-overtaking rule for one pair,
 communicator and tag). Whether a call is fused is decided by its fingerprint alone
 (op all_reduce, blocking, algorithm "mpi", payload <= ``SMALL_BYTES``, a NumPy dtype of
-``FUSED``, no local error): equal headers mean both ranks fused, or neither did.
+``FUSED``, no local error): equal headers mean both ranks fused, or neither did. (The one
+exception, a NumPy array on one rank and a device array on the other, shows in the
+message's length, and both ranks refuse it.)
 
 Never a hang: the exchange is non-blocking requests finished by ``mpi.wait_all`` (the
 watchdog's deadline and control channel). Cost: persistent requests (MPI_Send_init,
-MPI_Recv_init) and cached views per (dtype, shape), so a call allocates no buffer; see
+MPI_Recv_init) and cached views per (dtype, shape), so a blocking call allocates no buffer
+(an async op's header exchange takes a fresh receive buffer: several may be in flight); see
 bench/collectives.py's latency table ("mpi" beside "raw").
 """
 import struct
