@@ -9,9 +9,11 @@ Columns, in-place float32 sum, S bytes per rank:
 
 * raw      mpi4py ``comm.Allreduce(MPI.IN_PLACE, x)``, nothing else
 * raw+fp   raw preceded by a raw 176-byte MAX all-reduce: the floor of a checked call
-           (the collective check is its own all-reduce, check.py), so "mpi/(raw+fp)" is
-           the overhead pdist's Python adds over MPI's two calls
-* mpi      ``pg.all_reduce(x, algorithm="mpi")`` (checks on, the default)
+           whose check is its own all-reduce (check.py, groups of n > 2), so "mpi/(raw+fp)"
+           is the overhead pdist's Python adds over MPI's two calls there
+* mpi      ``pg.all_reduce(x, algorithm="mpi")`` (checks on, the default); at n = 2 a
+           payload of <= 64 KiB carries its check in one message each way (pair.py), so
+           "mpi/raw" is the whole price of a checked call
 * mpi-nochk  the same with ``PDIST_CHECK_COLLECTIVES=0`` behaviour
 * ddp-sync ``pg.all_reduce(x, op="avg", async_op=True).wait()``: DDP's bucket sync
            (pdist.parallel.data_parallel), the division by n included; "ddp/raw" its
@@ -23,7 +25,8 @@ Columns, in-place float32 sum, S bytes per rank:
 Each cell is the best of ``--repeats`` timed loops (methods interleaved, so
 load from other processes hits them alike), each loop's time being the
 slowest rank's. A second table gives small-message latency, where the cost of
-the collective check (one 128-byte all-reduce) shows.
+the collective check shows (n > 2: one 176-byte all-reduce; n = 2: an 88-byte header,
+on the payload's own message up to 64 KiB).
 """
 import argparse
 import time
@@ -94,8 +97,8 @@ def bandwidth_table(g, raw, sizes_mib, repeats):
     return table(rows, heads, floatfmt="{:.2f}")
 
 
-def latency_table(g, raw, repeats):
-    """Best of ``repeats`` short loops (20 calls) per method, interleaved: on a loaded machine a
+def latency_table(g, raw, repeats, calls=20):
+    """Best of ``repeats`` short loops (``calls`` calls) per method, interleaved: on a loaded machine a
     short loop can run while both ranks hold a core, and the best one shows the call's cost."""
     rows = []
     for nbytes in (8, 1024, 65536):
@@ -104,7 +107,7 @@ def latency_table(g, raw, repeats):
         best = {k: float("inf") for k in ms}
         for _ in range(repeats):
             for k, fn in ms.items():
-                best[k] = min(best[k], timed(g, fn, 20))
+                best[k] = min(best[k], timed(g, fn, calls))
         rows.append([f"{nbytes} B", *(best[k] * 1e6 for k in ms), best["mpi"] / best["raw"],
                      best["mpi"] / best["raw+fp"]])
     return table(rows, ["size", *(f"{k} us" for k in methods(g, raw, np.ones(1))), "mpi/raw", "mpi/(raw+fp)"],
@@ -118,12 +121,13 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-latency", action="store_true")
     p.add_argument("--latency-repeats", type=int, default=50, help="short loops per method and size")
+    p.add_argument("--latency-calls", type=int, default=20, help="calls per short loop")
     args = p.parse_args()
     g = comm.init()
     raw = MPI.COMM_WORLD.Dup()
     sizes = [float(s) for s in args.sizes_mib.split(",")]
     bw = bandwidth_table(g, raw, sizes, args.repeats)
-    lat = None if args.no_latency else latency_table(g, raw, args.latency_repeats)
+    lat = None if args.no_latency else latency_table(g, raw, args.latency_repeats, args.latency_calls)
     if g.rank == 0:
         print(f"all-reduce, {g.size} ranks on {cores_available()} cores, float32 sum in place, "
               f"cooperative waits {'on' if cooperative() else 'off'}, best of {args.repeats}")

@@ -86,9 +86,43 @@ def worker(a):
             waits.append(getattr(model, "last_wait_seconds", 0.0))
 
     train(model, opt, batch, 2 + a.steps, on_step=on_step)
+    sync = bucket_sync(model, world) if a.kind == "bucketed" else []
     if world.rank == 0:
         print("RESULT " + json.dumps({"step": statistics.median(times), "wait": statistics.median(waits),
-                                      "params": model.module.num_parameters()}))
+                                      "params": model.module.num_parameters(), "sync": sync}))
+
+
+def bucket_sync(model, world, loops=15, iters=4):
+    """[(bucket bytes, DDP's sync s, raw MPI s)] for each bucket of the trained model: DDP's
+    own call on the bucket's buffer (``DataParallel._issue``'s all_reduce(op="avg",
+    async_op=True), then ``wait()``: the fingerprint check, the transfer, the 1/n scaling)
+    against mpi4py's ``Allreduce`` of a buffer of the same size and dtype, interleaved, each
+    the best of ``loops`` loops of ``iters`` calls (the slowest rank's time)."""
+    import numpy as np
+    from mpi4py import MPI
+
+    from pdist.measure import trace
+    raw, out = MPI.COMM_WORLD.Dup(), []
+
+    def timed(fn):
+        world.comm.Barrier()
+        t = trace.now()
+        for _ in range(iters):
+            fn()
+        return max(world.comm.allgather(trace.now() - t)) / iters
+
+    for b in model.buckets:
+        buf, other = b.buffer, np.zeros_like(b.buffer)
+        ms = {"ddp": lambda: world.all_reduce(buf, op="avg", async_op=True).wait(),
+              "raw": lambda: raw.Allreduce(MPI.IN_PLACE, other, MPI.SUM)}
+        for fn in ms.values():
+            fn()                                                   # warm-up
+        best = dict.fromkeys(ms, float("inf"))
+        for _ in range(loops):
+            for k, fn in ms.items():
+                best[k] = min(best[k], timed(fn))
+        out.append((int(buf.nbytes), best["ddp"], best["raw"]))
+    return out
 
 
 def main():
@@ -136,9 +170,35 @@ def main():
               f"medians of {a.repeats} repeats x {a.steps} steps; {os.cpu_count()} cores")
         print(table(rows, ["configuration", "step ms", "best ms", "wait ms", "tokens/s", "speedup",
                            "speedup (best)", "spread"]))
+        sync = sync_table(res, model, a.repeats)
+        if sync:
+            print(sync)
         from machine import report
-        report(f"data_parallel_{model}", {"rows": rows,
+        report(f"data_parallel_{model}", {"rows": rows, "sync": sync,
                                           "runs": {lb: res[m, lb] for m, lb, *_ in CONFIGS if m == model}})
+
+
+def sync_table(res, model, repeats):
+    """DDP's bucket sync against raw MPI at each bucket's size, from the bucketed runs: busbw
+    = S/t * 2(n-1)/n (n = 2 ranks), the median over repeats of each run's best loop."""
+    rows = []
+    for m, label, ranks, _, kind, _ in CONFIGS:
+        if m != model or kind != "bucketed":
+            continue
+        runs = [r["sync"] for r in res[m, label]]
+        for i, (nbytes, _, _) in enumerate(runs[0]):
+            ddp = statistics.median(r[i][1] for r in runs)
+            raw = statistics.median(r[i][2] for r in runs)
+            bus = 2 * (ranks - 1) / ranks * nbytes / 1e9
+            rows.append((label, i, f"{nbytes / 2**10:.1f}", f"{ddp * 1e3:.3f}", f"{raw * 1e3:.3f}",
+                         f"{bus / ddp:.2f}", f"{bus / raw:.2f}", f"{raw / ddp:.2f}"))
+    if not rows:
+        return ""
+    from pdist.course.lesson import table
+    return (f"\nDDP's bucket sync in the trained model vs raw MPI Allreduce of the same size (median of "
+            f"{repeats} runs, each the best of 15 loops x 4 calls):\n"
+            + table(rows, ["configuration", "bucket", "KiB", "ddp ms", "raw ms", "ddp busbw GB/s",
+                           "raw busbw GB/s", "ddp/raw"]))
 
 
 if __name__ == "__main__":

@@ -22,8 +22,9 @@ to the data. After a mismatch the group replaces its data communicator (an
 async op may have posted data the other ranks never will), so the group stays
 usable.
 
-Cost: one 160-byte all-reduce per collective (a few microseconds on one node;
-see docs/collectives.md). On by default; ``PDIST_CHECK_COLLECTIVES=0`` (or
+Cost: one 176-byte all-reduce per collective (a few microseconds on one node;
+see docs/collectives.md). Two ranks: one 88-byte message each way instead, and a small
+blocking all-reduce carries it in its payload's message (pair.py: no second exchange). On by default; ``PDIST_CHECK_COLLECTIVES=0`` (or
 ``pg.check = False``) turns it off, after which mismatched calls are undefined
 behaviour in MPI (garbage or a hang until the watchdog's deadline).
 """
@@ -74,7 +75,10 @@ def fingerprint(op, seq, step, size=0, dtype=None, redop="", root=-1, algorithm=
 def agree(g, fp, error, describe, buf=None):
     """Raise CollectiveMismatchError on every rank of group ``g`` unless all
     fingerprints match and no rank reported an error. ``describe`` is this
-    rank's argument summary: (dtype name, text)."""
+    rank's argument summary: (dtype name, text). Two ranks: one point-to-point exchange
+    (``g._pair``, pair.py)."""
+    if g._pair is not None:
+        return g._pair.agree(g, fp, error, describe)
     agree_start(g, fp, error, describe, buf)()
 
 
@@ -87,6 +91,8 @@ def agree_start(g, fp, error, describe, buf=None):
         if error:
             raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}': {error}")
         return _nothing
+    if g._pair is not None:
+        return g._pair.start(g, fp, error, describe)
     both = np.empty(2 * K, np.int64) if buf is None or len(buf) < 2 * K else buf[:2 * K]
     both[:K] = fp
     both[K:] = [-v for v in fp]

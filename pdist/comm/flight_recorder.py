@@ -101,8 +101,9 @@ ON_ENTER = []       # called before each call is recorded (failures.py raises a 
 
 def enter(group, op, seq, size=0, dtype=None, peer=None):
     """Record the start of a call and make it this rank's current one."""
-    for hook in ON_ENTER:
-        hook()
+    if ON_ENTER:
+        for hook in ON_ENTER:
+            hook()
     e = Entry(group.name, group.ranks, op, seq, _step[0], size, dtype, peer)
     _flight.append(e)
     _cur[0] = e

@@ -25,12 +25,13 @@ from pdist.measure import blocked, trace
 
 from pdist.engine.backend import is_device_array, is_gpu
 from pdist.comm import flight_recorder, topology, watchdog
-from pdist.comm.check import CollectiveMismatchError, agree, agree_start, default_on, fingerprint
+from pdist.comm.check import K, CollectiveMismatchError, agree, agree_start, default_on, fingerprint
 from pdist.comm.collectives import Collectives
 from pdist.comm.flight_recorder import _cur, _step
 from pdist.comm.mpi import MPI, MPIP2P, contiguous_flat, wait_all
 from pdist.comm.mpi_collectives import MPICollectives
 from pdist.comm.objects import ObjectCollectives
+from pdist.comm.pair import PairCheck
 from pdist.comm.point_to_point import PointToPoint
 from pdist.comm.work import Pending, Work, complete_fn, settle
 from pdist.engine.backend import is_low
@@ -60,7 +61,8 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         self._algo = MPIP2P(comm.Dup())            # hand-built algorithms: own context
         self._nccl = None
         self._seq = 0
-        self._fpbuf = np.empty(20, np.int64)       # the collective check's message
+        self._fpbuf = np.empty(2 * K, np.int64)    # the collective check's message: [f, -f]
+        self._pair = PairCheck(self) if self.size == 2 else None   # two ranks: checks point-to-point (pair.py)
         self._pending, self._orphans = [], []      # async ops not yet waited on; abandoned ones
         self._last = None                          # the last collective finished (flight entry)
         self.stats = {}
@@ -206,6 +208,12 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         if op != "avg" or (only_rank is not None and self.rank != only_rank) or is_low(flat.dtype):
             return None              # 2-byte floats are divided before their one rounding (low_precision.py)
         n = self.size
+        if n & (n - 1) == 0:                           # x * (1/n) == x / n bit for bit: 1/n is exact
+            inv = 1.0 / n
+
+            def then():
+                flat.__imul__(inv)                     # flat *= 1/n in place: a multiply, not a divide
+            return then
 
         def then():
             flat.__itruediv__(n)                       # flat /= n in place (NumPy or CuPy)

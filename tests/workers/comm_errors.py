@@ -70,6 +70,8 @@ def main():
             except ValueError as e:
                 assert "expected 64 bytes" in str(e) and "got 40" in str(e), e
         g.barrier()
+    if n == 2:
+        fused_pair(g, r)
     x = np.full(6, r + 1.0)                               # the group still works
     g.all_reduce(x)
     assert np.all(x == n * (n + 1) / 2)
@@ -82,6 +84,43 @@ def main():
         expect(h, lambda: h.all_reduce(np.zeros(10 if r == 0 else 11), async_op=True).wait(),
                CollectiveMismatchError, "all_reduce", "size=10", "size=11")
     report(rank=r, n=n, ok=True)
+
+
+def fused_pair(g, r):
+    """Two ranks: a small blocking all_reduce carries its check in the payload's message
+    (pdist/comm/pair.py). Its bits equal MPI's Allreduce; a mismatch with any other call
+    still raises on both ranks; so does a partner that did not fuse an equal call."""
+    from mpi4py import MPI
+    from pdist.comm import flight_recorder
+    from pdist.comm.pair import SMALL_BYTES
+    raw, rng = g.comm.Dup(), np.random.default_rng(7 + r)
+    for dt in ("float32", "float64", "int32", "int64", "uint8"):
+        for op in ("sum", "avg", "max", "min"):
+            if op == "avg" and dt[0] != "f":
+                continue
+            x = (rng.standard_normal((3, 5)) * 100).astype(dt)
+            want = x.copy()
+            raw.Allreduce(MPI.IN_PLACE, want, {"avg": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
+            if op == "avg":
+                want /= 2
+            seq = g._seq
+            g.all_reduce(x, op=op)
+            assert np.array_equal(x, want), (dt, op, x, want)
+            assert (x.dtype, x.shape, x.strides) in g._pair.slots, "the small all_reduce was not fused"
+            last = flight_recorder.flight()[-1]
+            assert (last["op"], last["seq"], last["state"], g._seq) == ("all_reduce", seq + 1, "done", seq + 1)
+    big = SMALL_BYTES // 8 + 1                              # float64 elements: just over the fused size
+    expect(g, lambda: g.all_reduce(np.zeros(8 if r == 0 else big)), CollectiveMismatchError, "size=8",
+           f"size={big}")
+    expect(g, lambda: g.all_reduce(np.zeros(8), async_op=r == 1).wait() if r == 1 else g.all_reduce(np.zeros(8)),
+           CollectiveMismatchError, "async_op")
+    expect(g, lambda: g.all_reduce(np.zeros(8), op="max" if r == 0 else "sum"), CollectiveMismatchError,
+           "reduce-op", "max", "sum")
+    if r == 1:                                           # an equal call that does not fuse (a device array
+        g._pair.fused = lambda *a: None                  # would not): both ranks refuse it
+    expect(g, lambda: g.all_reduce(np.zeros(8)), CollectiveMismatchError, "carried its payload")
+    if r == 1:
+        del g._pair.fused
 
 
 if __name__ == "__main__":

@@ -1,0 +1,187 @@
+"""Two-rank groups: the collective check as one exchange, and the small all-reduce that
+carries its check in the same message (the fingerprint rides on the payload).
+
+Math. In a group of two ranks r and q = 1 - r, the check of check.py (max f == min f over
+the ranks' fingerprints f) is f_r == f_q: one exchange of f, compared on both sides. An
+all-reduce of two ranks is one exchange too, x <- x_r (op) x_q. So a small all-reduce sends
+
+    m_r = [ f_r (11 int64, 88 bytes) | x_r (the payload's bytes) ]
+
+receives m_q, checks f_q == f_r (bytewise) and reduces. IEEE addition, max and min are
+commutative (x_0 + x_1 == x_1 + x_0, bit for bit), so both ranks hold the same bits, the
+bits of MPI's own two-rank Allreduce (one addition; Thakur, Rabenseifner & Gropp 2005,
+"Optimization of collective communication operations in MPICH": recursive doubling, one
+step at n = 2). One message each way instead of a checked call's two all-reduces.
+
+Every check of a two-rank group is this exchange (``check.agree`` / ``agree_start``), with
+or without a payload, point-to-point on the group's fingerprint communicator. So a rank
+in the fused all-reduce and a rank in any other collective still meet, see the fields they
+disagree on (op, seq, size, dtype, ...) and raise the same CollectiveMismatchError; the
+receive buffer holds the largest message (header + ``SMALL_BYTES``), so MPI never
+truncates one. Messages match in issue order (MPI's non-overtaking rule for one pair,
+communicator and tag). Whether a call is fused is decided by its fingerprint alone
+(op all_reduce, blocking, algorithm "mpi", payload <= ``SMALL_BYTES``, a NumPy dtype of
+``FUSED``, no local error): equal headers mean both ranks fused, or neither did. (The one
+exception, a NumPy array on one rank and a device array on the other, shows in the
+message's length, and both ranks refuse it.)
+
+Never a hang: the exchange is non-blocking requests finished by ``mpi.wait_all`` (the
+watchdog's deadline and control channel). Cost: persistent requests (MPI_Send_init,
+MPI_Recv_init) and cached views per (dtype, shape), so a blocking call allocates no buffer
+(an async op's header exchange takes a fresh receive buffer: several may be in flight); see
+bench/collectives.py's latency table ("mpi" beside "raw").
+"""
+import struct
+
+import numpy as np
+
+from pdist.comm import flight_recorder
+from pdist.comm.check import K, _ALG, _OP, _RED, _verdict, dtype_code
+from pdist.comm.flight_recorder import _batch, _cur, _step
+from pdist.comm.mpi import MPI, wait_all
+from pdist.measure import blocked, trace
+
+SMALL_BYTES = 65536                # payloads up to this many bytes ride with the fingerprint
+HEAD = 8 * K                       # the fingerprint's bytes, at the front of every message
+TAG = 3
+_HEAD = struct.Struct(f"={K}q")    # native order, 8 bytes per field, no padding
+FUSED = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64",
+                                        "uint8", "uint16", "uint32", "uint64"))
+_UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
+_AR, _MPI_ALG = _OP["all_reduce"], _ALG["mpi"]
+
+
+class PairCheck:
+    """The check channel of a two-rank group (``ProcessGroup._pair``), and its fused
+    small all-reduce."""
+
+    def __init__(self, group):
+        self.comm, self.peer, self.name = group._fp, 1 - group.rank, group.name
+        self.sbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)        # (HEAD + SMALL_BYTES,) bytes
+        self.rbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)
+        self.shead, self.rhead = memoryview(self.sbuf)[:HEAD], memoryview(self.rbuf)[:HEAD]
+        self.status = [MPI.Status(), MPI.Status()]
+        self._requests()
+
+    def _requests(self):
+        """Fresh persistent requests (also after a wait that raised: those may still be active)."""
+        self.recv = self.comm.Recv_init(self.rbuf, self.peer, TAG)
+        self.sends, self.slots = {}, {}       # message bytes -> send; (dtype, shape) -> slot
+
+    def _send(self, nbytes):
+        req = self.sends.get(nbytes)
+        if req is None:
+            if len(self.sends) >= 64:          # a bounded cache (inactive requests only)
+                self._requests()
+                return self._send(nbytes)
+            req = self.sends[nbytes] = self.comm.Send_init(self.sbuf[:nbytes], self.peer, TAG)
+        return req
+
+    def _exchange(self, fp, nbytes):
+        """Send [fp | the nbytes already in sbuf's payload], receive the partner's message;
+        True when its header equals ours and its payload is as long as ours (a partner with
+        an equal header that did not fuse, or fused when this rank did not: a device array
+        on one rank, a NumPy one on the other)."""
+        _HEAD.pack_into(self.sbuf, 0, *fp)
+        reqs = [self.recv, self._send(HEAD + nbytes)]
+        MPI.Prequest.Startall(reqs)
+        try:
+            wait_all(reqs, self.status)
+        except BaseException:
+            self._requests()                   # the old ones may still be active
+            raise
+        return self.shead == self.rhead and self.status[0].Get_count(MPI.BYTE) == HEAD + nbytes
+
+    def judge(self, g, fp, error, describe, rbuf):
+        """Raise the group's CollectiveMismatchError on both ranks unless the partner's
+        header (at the front of ``rbuf``) equals ``fp`` and neither rank has an error."""
+        theirs = _HEAD.unpack_from(rbuf, 0)
+        if list(theirs) == fp and not error:   # equal headers, one payload fused and one not
+            error = ("one rank's all_reduce carried its payload in the check (a NumPy array of <= "
+                     f"{SMALL_BYTES} bytes), the other's did not: pass the same kind of array (NumPy or "
+                     "device) on every rank")
+            fp = fp[:-1] + [1]
+        res = [max(a, b) for a, b in zip(fp, theirs)] + [-min(a, b) for a, b in zip(fp, theirs)]
+        _verdict(g, fp, error, describe, res)
+
+    def agree(self, g, fp, error, describe):
+        """check.agree for two ranks: one header exchange."""
+        if not self._exchange(fp, 0) or error:
+            self.judge(g, fp, error, describe, self.rbuf)
+
+    def start(self, g, fp, error, describe):
+        """check.agree_start for two ranks: the exchange posted now, judged by ``finish()``."""
+        send, recv = np.array(fp, np.int64), np.empty(HEAD + SMALL_BYTES, np.uint8)
+        reqs = [self.comm.Irecv(recv, self.peer, TAG), self.comm.Isend(send, self.peer, TAG)]
+
+        def finish():
+            wait_all(reqs)
+            if error or recv[:HEAD].tobytes() != send.tobytes():
+                self.judge(g, fp, error, describe, recv)
+        finish.ready = lambda: MPI.Request.Testall(reqs)
+        return finish
+
+    # ------------------------------------------------------ the fused all-reduce
+    def fused(self, g, buf, op, algorithm):
+        """This blocking all_reduce's slot (sizes, views, dtype code, trace args) when it is
+        fused, else None. Only its fingerprint's fields decide, and the group's own state
+        (check on, no simulated link), the same on both ranks."""
+        if algorithm is None:                  # the group's default, as _run_op resolves it
+            algorithm = g.default_algorithm if g.default_algorithm in ("naive", "ring") else "mpi"
+        if not (algorithm == "mpi" and op in _UFUNC and g.check and g._link is None
+                and isinstance(buf, np.ndarray)):
+            return None
+        s = self.slots.get((buf.dtype, buf.shape, buf.strides))
+        if s is None:
+            if not (buf.nbytes <= SMALL_BYTES and buf.dtype in FUSED and buf.flags.c_contiguous):
+                return None
+            s = self._slot(buf)
+        return s if op != "avg" or buf.dtype.kind == "f" else None
+
+    def _slot(self, buf):
+        if len(self.slots) >= 256:
+            self.slots.clear()
+        n, shape = buf.nbytes, buf.shape
+        send = self._send(HEAD + n)            # first: a full cache renews every request
+        s = self.slots[buf.dtype, shape, buf.strides] = (
+            n, self.sbuf[HEAD:HEAD + n].view(buf.dtype).reshape(shape),
+            self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(shape), dtype_code(buf.dtype),
+            {"op": "all_reduce", "bytes": n, "group": self.name, "algorithm": "mpi"},
+            [self.recv, send])
+        return s
+
+    def all_reduce(self, g, buf, op, slot):
+        """buf <- buf_r (op) buf_q, checked in the same exchange (module doc)."""
+        rec = blocked.ON[0]
+        t_in = blocked.enter() if rec else 0.0
+        n, sview, rview, code, args, reqs = slot
+        g._seq += 1
+        seq, step, batch = g._seq, _step[0], _batch[0]
+        ent = flight_recorder.enter(g, "all_reduce", seq, buf.size, buf.dtype)
+        t0 = trace.now()
+        np.copyto(sview, buf)
+        _HEAD.pack_into(self.sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0)
+        MPI.Prequest.Startall(reqs)            # (_exchange, inlined: this is the hot path)
+        try:
+            wait_all(reqs, self.status)
+        except BaseException:
+            self._requests()
+            raise
+        if self.shead != self.rhead or self.status[0].Get_count(MPI.BYTE) != HEAD + n:
+            self.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0], None,
+                       lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
+                                f"algorithm=mpi async_op=False"), self.rbuf)
+        _UFUNC[op](buf, rview, buf)             # out=buf, positional (cheaper)
+        if op == "avg":
+            buf *= 0.5                         # == buf / 2, bit for bit (a power of two)
+        st = g.stats.get("all_reduce") or g.stats.setdefault("all_reduce", {"calls": 0, "bytes": 0,
+                                                                             "wire_bytes": 0})
+        st["calls"] += 1
+        st["bytes"] += n                       # the ring accounting: 2(n-1)/n * S = S at n = 2
+        trace.record_args("all_reduce", "comm", t0, trace.now(), args)
+        ent.state, g._last, _cur[0] = "done", ent, None
+        if rec:
+            blocked.leave("c", g, t_in, seq)
+
+
+__all__ = ["PairCheck", "SMALL_BYTES", "FUSED"]
