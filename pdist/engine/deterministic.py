@@ -89,6 +89,7 @@ class Deterministic:
         self.granules, self.shards, self.root = int(granules), 1, None
         self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
+        self.experts = None             # expert parallelism's per-source trees (pdist/parallel/expert_deterministic.py)
 
     @classmethod
     def of(cls, arg):

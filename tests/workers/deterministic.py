@@ -29,7 +29,7 @@ from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine import precision
 from pdist.models.gpt import GPT
-from pdist.parallel import DataParallel, Local, MixedPrecision, PipelineParallel, TensorParallel, ZeRO, parallelize
+from pdist.parallel import DataParallel, ExpertParallel, Local, MixedPrecision, PipelineParallel, TensorParallel, ZeRO, parallelize
 from pdist.testing import check_shards, report
 from pdist.training import train
 
@@ -46,6 +46,8 @@ PRECS = ("fp32", "bf16")
 
 
 CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 8   # the pipeline cases
+CFGE, GE = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16, n_expert=4, expert_top_k=2,
+                             capacity_factor=1.0, router_aux_loss_coef=0.01), 8   # the MoE / ep cases
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
 
 
@@ -66,9 +68,10 @@ def reference(prec, det, m=1, c=cfg):
     return out
 
 
-def compare(name, ref, model):
+def compare(name, ref, model, drops=False):
     opt = lesson.make_adamw(model.parameters())
     train(model, opt, batch, args.steps)
+    extra = {"dropped": sum(s["dropped"] for s in model.find(ExpertParallel).moe_stats().values())} if drops else {}
     try:
         n = check_shards(model.sharded_state_dict(opt), ref, lambda nm, st: ref[f"optimizer.{st}.{nm}"],
                          np.array_equal, label=(name,))
@@ -77,7 +80,7 @@ def compare(name, ref, model):
         equal, why = not bad, bad[:3]
     except AssertionError as e:
         equal, why, n = False, str(e)[:300], 0
-    report(rank=world.rank, case=name, equal=equal, why=why, pieces=n)
+    report(rank=world.rank, case=name, equal=equal, why=why, pieces=n, **extra)
 
 
 def wrapped(prec, group, zero, m):
@@ -100,6 +103,21 @@ def tensor(prec, group, sp):
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
+def experts(refsE):
+    """ep 2: on the halves (dp 2 x ep 2: float32 on half 0, bf16 on half 1), and at dp 4 x ep 2 with
+    ZeRO-1 in both precisions, a MoE GPT (top-2 of 4 experts, capacity 1.0, aux loss) against one
+    process; the control: the default mode at dp 4 x ep 2 does NOT give one process's bits."""
+    prec = PRECS[world.rank // 2]
+    model = parallelize(GPT(CFGE, SEED), comm.DeviceMesh(dp=2, ep=2, world=half), precision=prec, deterministic=GE)
+    compare(f"{prec}.ep2", refsE[world.rank // 2], model, drops=True)
+    mesh4 = comm.DeviceMesh(dp=4, ep=2)
+    for prec, ref in zip(PRECS, refsE):
+        model = parallelize(GPT(CFGE, SEED), mesh4, zero_stage=1, precision=prec, deterministic=GE)
+        compare(f"{prec}.dp4xep2.zero1", ref, model)
+    ctrl = world.broadcast_object(reference("fp32", False, 4, CFGE) if world.rank == 0 else None)   # same drops
+    compare("control.default.dp4xep2", ctrl, parallelize(GPT(CFGE, SEED), mesh4))
+
+
 def dp_tp_pp():
     """8 ranks: dp 2 x tp 2 x pp 2 (parallelize; 1f1b, m = GT / dp; SP in bf16) against one process."""
     mine = reference(PRECS[world.rank], GT) if world.rank < 2 else None   # ranks 0, 1 at once
@@ -118,8 +136,8 @@ LAYOUTS = [(f"m{m}", 0, m) for m in (1, 2, 4)] + [(f"zero{z}", z, 1) for z in (1
 # the four references at once: ranks 0, 1 the dp cases' (fp32, bf16), ranks 2, 3 the pipeline cases'
 mine = reference(PRECS[world.rank % 2], *((G,) if world.rank < 2 else (G4, 1, CFG4)))
 refs, refs4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
-mine = reference(PRECS[world.rank], GT) if world.rank < 2 else None     # the tp cases' (4 granules)
-refsT = [world.broadcast_object(mine, src=r) for r in (0, 1)]
+mine = reference(PRECS[world.rank % 2], *((GT,) if world.rank < 2 else (GE, 1, CFGE)))   # tp's (4 granules), MoE's
+refsT, refsE = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
     for name, zero, m in LAYOUTS:
@@ -127,6 +145,7 @@ for prec, ref in zip(PRECS, refs):
                             deterministic=G)
         compare(f"{prec}.dp4.{name}", ref, model)
 half = world.split(world.rank // 2, name="half")
+experts(refsE)
 prec = PRECS[world.rank // 2]
 for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
