@@ -156,13 +156,13 @@ class PipelineTree:
 
 
 def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32",
-                 sequence_parallel=False, zero_stage=0):
+                 sequence_parallel=False):
     """Every layout the deterministic mode refuses, with the reason (docs/deterministic.md)."""
     if cp > 1:
         raise ValueError(f"deterministic mode covers data, tensor (tp <= {det.tp_blocks}), pipeline and expert "
                          f"parallelism and ZeRO 0-3 so far; got cp = {cp}: the token-shard sums of context "
                          f"parallelism are not granule trees yet. Use cp = 1, or deterministic=False")
-    check_experts(getattr(cfg, "n_expert", 0), ep, pp > 1 or chunks > 1, zero_stage)
+    check_experts(getattr(cfg, "n_expert", 0), pp > 1 or chunks > 1)
     if tp > 1:
         check_tp(det, tp, cfg, sequence_parallel)
     if precision not in ("fp32", "bf16"):
@@ -174,18 +174,13 @@ def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1,
     det.check(dp, microbatches, pp > 1 or chunks > 1)
 
 
-def check_experts(n_expert, ep, pipeline=False, zero_stage=0):
-    """What the mode refuses for a mixture of ``n_expert`` experts split over ``ep`` ranks
-    (pdist/parallel/expert_deterministic.py), the same on every rank, before any collective."""
+def check_experts(n_expert, pipeline=False):
+    """What the mode refuses for a mixture of ``n_expert`` experts (pdist/parallel/expert_deterministic.py),
+    the same on every rank, before any collective."""
     if n_expert and pipeline:
         raise ValueError(f"deterministic mode: a mixture of experts (n_expert={n_expert}) under a pipeline is "
                          f"not a granule tree yet (the stages' micro-batch leaves do not keep the experts' "
                          f"per-source trees); use pp = 1 and chunks = 1, or deterministic=False")
-    if ep > 1 and zero_stage == 3:
-        raise ValueError(f"deterministic mode with expert parallelism (ep = {ep}) accepts zero_stage 0-2, not 3: "
-                         f"an expert runs once per source granule on handles of its own to the weights (so "
-                         f"each granule's gradient stays apart), and ZeRO-3 frees and re-gathers the weights "
-                         f"under them; use zero_stage <= 2, ep = 1, or deterministic=False")
 
 
 def finish_zero(z):
@@ -203,6 +198,8 @@ def finish_zero(z):
         else:
             u.shard.grad = u.grad_flat[u.lo:u.hi].copy()
             u.drop_grads()
+            if z.stage == 3:
+                u.free()                   # an expert's unit stays gathered until here (its "reduction")
 
 
 __all__ = ["join", "join_all", "join_root", "check_layout", "check_experts", "check_tp", "prepare",

@@ -36,6 +36,17 @@ from pdist.engine.deterministic import GranuleTree
 from pdist.parallel.deterministic import join_root
 
 
+class WeightHandle(Tensor):
+    """A leaf on parameter ``param``'s array, read when used (ZeRO-3 re-gathers the array
+    between the forward and the backward), with a ``.grad`` of its own."""
+
+    data = property(lambda self: self.param.data)
+
+    def __init__(self, param):
+        self.param, self.grad, self.requires_grad = param, None, True
+        self._ctx = self._hooks = self._post_acc_hooks = self.name = None
+
+
 class ExpertTrees:
     """The per-source expert trees of one rank (module docstring). ``params``: the rank's
     parameters in the policy's order (``det.bind``); ``experts``: the ids of those that are
@@ -57,7 +68,7 @@ class ExpertTrees:
             for name, p in m._params.items():
                 h = self.handles.get((source, id(p)))
                 if h is None:
-                    h = self.handles[(source, id(p))] = Tensor._make(p.data, True)
+                    h = self.handles[(source, id(p))] = WeightHandle(p)
                 object.__setattr__(m, name, h)
                 swapped.append((m, name, p))
         try:

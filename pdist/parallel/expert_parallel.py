@@ -54,7 +54,7 @@ edp boxes) and any ep, or one process, loads them by box intersection like any c
 """
 import numpy as np
 
-from pdist import nn
+from pdist import comm, nn
 from pdist.data import shard
 from pdist.engine.autograd import Function
 from pdist.engine.backend import to_numpy, xp
@@ -174,6 +174,11 @@ class ExpertParallel(ParallelModule):
         for n, p in self.named_parameters():
             (self._experts if expert_of(plan, getattr(p, "global_name", n)) else self._dense).append(p)
 
+    def span_group(self):
+        """The dp group when nothing but ZeRO lies between this and ``Local`` (its ranks hold the
+        whole model together: a mesh over a sub-group keeps its state-dict collectives there)."""
+        return self.group if len(self.chain()) == 2 + bool(self.zero_stage) else comm.get_world()
+
     def local_batch(self, x, y):
         """This rank's rows of the global batch: [r B/dp, (r+1) B/dp) (ZeRO's cut, under ZeRO)."""
         if self.zero_stage:
@@ -214,7 +219,7 @@ def _deterministic(inner, mesh, zero_stage):
     the policy re-bound to this rank's experts, the batch's granules cut over dp (ZeRO's
     own, under ZeRO), and under ep > 1 the per-source trees the dispatchers feed."""
     det, layers = inner.deterministic, moe_layers(inner.module)
-    check_experts(layers[0][1].n_expert if layers else 0, mesh.ep_world_size, inner.pipeline, zero_stage)
+    check_experts(layers[0][1].n_expert if layers else 0, inner.pipeline)
     det.bind(inner.parameters())
     if not zero_stage:
         det.shard_over(mesh.dp_world_size, inner.microbatches, inner.pipeline)

@@ -1,5 +1,5 @@
 """The deterministic mode gives one process's bits on every data-parallel / ZeRO / pipeline /
-tensor-parallel layout.
+tensor-parallel / expert-parallel layout.
 
     mpiexec -n 4 python tests/workers/deterministic.py [--steps 20]
     mpiexec -n 8 python tests/workers/deterministic.py [--steps 20]    # dp 2 x tp 2 x pp 2 alone
@@ -16,11 +16,14 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   (``parallelize``, 1f1b and ZeRO-1 + interleaved), on a 4-layer GPT with G = 8 granules
   (under a pipeline a micro-batch is one granule: dp * m = G);
 * tp 2 on the halves (``TensorParallel`` over a sub-group), with and without sequence
-  parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4.
+  parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
+* a MoE GPT with G = 8 (``experts``): dp 2 x ep 2 on the halves (ZeRO 0 and 3), dp 4 x ep 2
+  with ZeRO-1.
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
-reports one line per case. The control: the DEFAULT mode at dp 4, m 2 against the default
-one process (m = 1) must NOT give the same bits (the mode is what makes them equal)."""
+reports one line per case. The controls: the DEFAULT mode at dp 4, m 2 against the default
+one process (m = 1), and at dp 4 x ep 2 (MoE) against the default one process with m = 4 (the
+same drops), must NOT give the same bits (the mode is what makes them equal)."""
 import argparse
 
 import numpy as np
@@ -104,12 +107,13 @@ def tensor(prec, group, sp):
 
 
 def experts(refsE):
-    """ep 2: on the halves (dp 2 x ep 2: float32 on half 0, bf16 on half 1), and at dp 4 x ep 2 with
+    """ep 2: on the halves (dp 2 x ep 2, and with ZeRO-3: float32 on half 0, bf16 on half 1), and at dp 4 x ep 2 with
     ZeRO-1 in both precisions, a MoE GPT (top-2 of 4 experts, capacity 1.0, aux loss) against one
     process; the control: the default mode at dp 4 x ep 2 does NOT give one process's bits."""
-    prec = PRECS[world.rank // 2]
-    model = parallelize(GPT(CFGE, SEED), comm.DeviceMesh(dp=2, ep=2, world=half), precision=prec, deterministic=GE)
-    compare(f"{prec}.ep2", refsE[world.rank // 2], model, drops=True)
+    prec, mesh2 = PRECS[world.rank // 2], comm.DeviceMesh(dp=2, ep=2, world=half)
+    for zero in (0, 3):
+        model = parallelize(GPT(CFGE, SEED), mesh2, zero_stage=zero, precision=prec, deterministic=GE)
+        compare(f"{prec}.ep2" + (".zero3" if zero else ""), refsE[world.rank // 2], model, drops=not zero)
     mesh4 = comm.DeviceMesh(dp=4, ep=2)
     for prec, ref in zip(PRECS, refsE):
         model = parallelize(GPT(CFGE, SEED), mesh4, zero_stage=1, precision=prec, deterministic=GE)
