@@ -46,6 +46,9 @@ What composes (tests/test_expert_parallel.py, every piece against one process, f
                  any schedule (1F1B, interleaved, ZB-H1/ZB-V: the all-to-alls run in B). Each
                  stage's load-balancing loss rides on its output's backward (moe.stage_aux, as
                  Megatron's MoEAuxLossAutoScaler) and joins the reported loss over pp.
+    deterministic  ``parallelize(..., deterministic=True)``: one process's bits with dp and ZeRO 0-3
+                 (each local expert runs per source rank, its gradient a leaf keyed by the source's
+                 granule: pdist/parallel/expert_deterministic.py); pp and tp refused in the mode.
     not yet      cp > 1 (refused by parallelize).
 
 Checkpoints (pdist/checkpoint): an expert is its own tensor under its single-process name
