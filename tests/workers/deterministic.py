@@ -106,7 +106,7 @@ def tensor(prec, group, sp):
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
-def experts(refsE):
+def experts(refsE, half):
     """ep 2: on the halves (dp 2 x ep 2, and with ZeRO-3: float32 on half 0, bf16 on half 1), and at dp 4 x ep 2 with
     ZeRO-1 in both precisions, a MoE GPT (top-2 of 4 experts, capacity 1.0, aux loss) against one
     process; the control: the default mode at dp 4 x ep 2 does NOT give one process's bits."""
@@ -149,7 +149,7 @@ for prec, ref in zip(PRECS, refs):
                             deterministic=G)
         compare(f"{prec}.dp4.{name}", ref, model)
 half = world.split(world.rank // 2, name="half")
-experts(refsE)
+experts(refsE, half)
 prec = PRECS[world.rank // 2]
 for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
