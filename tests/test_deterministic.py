@@ -113,6 +113,11 @@ def test_llama_microbatches_same_bits(prec):
 
 def test_refusals_name_the_reason():
     det = Deterministic()
+    moe = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16, n_expert=4)
+    for kw, match in [(dict(cfg=moe, pp=2, microbatches=16), "under a pipeline"),
+                      (dict(cfg=moe, tp=2), "cuts experts")]:
+        with pytest.raises(ValueError, match=match):
+            check_layout(det, **{"dp": 1, **kw})
     for kw, match in [(dict(tp=4), "tp <= 2"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
                       (dict(precision="fp16"), "fp16"), (dict(dp=3), "power of two"),
                       (dict(microbatches=3), "power of two"), (dict(dp=4, microbatches=8), "does not divide")]:
@@ -131,10 +136,12 @@ def test_refusals_name_the_reason():
 
 
 def test_layouts_same_bits_under_mpiexec():
-    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case equal to one
-    process, float32 and bf16. 4 steps, not 20: the 20-step grid costs about 50 CPU-seconds (the suite's budget);
-    a step's bits are a function of the state's bits and the batch, so equality at every step
-    is an induction (``mpiexec -n 4 python tests/workers/deterministic.py --steps 20`` runs it)."""
+    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case, and a MoE GPT
+    at dp 2 x ep 2 (ZeRO 0 and 3) and dp 4 x ep 2 with ZeRO-1, equal to one process, float32
+    and bf16; the default mode's controls (dense dp 4 m 2, MoE dp 4 x ep 2) not equal. 4 steps,
+    not 20: the 20-step grid costs about 85 CPU-seconds (the suite's budget); a step's bits are
+    a function of the state's bits and the batch, so equality at every step is an induction
+    (``mpiexec -n 4 python tests/workers/deterministic.py --steps 20`` runs it)."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
     rows = reports(out)
     cases = {r["case"] for r in rows}
@@ -143,11 +150,15 @@ def test_layouts_same_bits_under_mpiexec():
     want |= {f"{p}.pp2.{s}" for p in precs for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")}
     want |= {f"{p}.dp2xpp2.{c}" for p in precs for c in ("1f1b", "zero1.interleaved")}
     want |= {f"{p}.tp2{sp}" for p in precs for sp in ("", ".sp")}
+    want |= {f"{p}.{c}" for p in precs for c in ("ep2", "ep2.zero3", "dp4xep2.zero1")}   # a MoE GPT, ep 2
     assert want <= cases, sorted(want - cases)
     bad = [r for r in rows if r["case"] in want and not r["equal"]]
     assert not bad, bad
-    ctrl = [r for r in rows if r["case"] == "control.default.dp4.m2"]
-    assert len(ctrl) == 4 and not any(r["equal"] for r in ctrl), ctrl
+    drops = [r["dropped"] for r in rows if r["case"].endswith(".ep2")]
+    assert len(drops) == 4 and min(drops) > 0, drops          # the capacity (per granule) dropped rows
+    for name in ("control.default.dp4.m2", "control.default.dp4xep2"):
+        ctrl = [r for r in rows if r["case"] == name]
+        assert len(ctrl) == 4 and not any(r["equal"] for r in ctrl), ctrl
 
 
 def test_dp_tp_pp_same_bits_under_mpiexec():

@@ -6,7 +6,9 @@ this mode equal, bit for bit (``np.array_equal``), those of one process in this 
 the same global batches, in float32 and in bf16 (fp32 masters), for every layout the
 mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0-3, pipelines
 (dp * m = G), and tp <= ``tp_blocks`` = 2 with or without sequence parallelism (every sum tp
-splits computed in 2 fixed blocks, one process included: pdist/parallel/tensor/blocks.py).
+splits computed in 2 fixed blocks, one process included: pdist/parallel/tensor/blocks.py), and
+a mixture of experts with its experts over ep ranks, ZeRO 0-3 (each expert's gradient summed
+per source granule: pdist/parallel/expert_deterministic.py).
 
 Why bits differ otherwise. IEEE addition is commutative (a + b == b + a, bit for bit) but
 not associative: (a + b) + c != a + (b + c) in general. So a sum's bits depend only on the
@@ -89,6 +91,7 @@ class Deterministic:
         self.granules, self.shards, self.root = int(granules), 1, None
         self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
+        self.experts = None             # expert parallelism's per-source trees (pdist/parallel/expert_deterministic.py)
 
     @classmethod
     def of(cls, arg):

@@ -75,8 +75,21 @@ def deterministic_compute(local, x, y, loss_scale=1.0):
 
 def join(det, group):
     """Join this rank's subtree ``det.root`` with the group's (module docstring)."""
+    det.root = join_root(det.root, group)
+
+
+def join_all(det, group):
+    """``join`` over the data-parallel ``group``, then, under expert parallelism, the experts'
+    trees over their edp group into the experts' slots (pdist/parallel/expert_deterministic.py)."""
+    join(det, group)
+    if det.experts is not None:
+        det.experts.finish()
+
+
+def join_root(root, group):
+    """(level, index, buf) of this rank's subtree -> that of the group's joined tree."""
     n, r = group.size, group.rank
-    level, index, buf = det.root
+    level, index, buf = root
     other = xp.empty_like(buf)
     s = 1
     t0 = trace.now()
@@ -85,8 +98,8 @@ def join(det, group):
         group.sendrecv(buf, q, other, q, tag=0)
         buf = xp.add(buf, other, out=buf) if r < q else xp.add(other, buf, out=buf)
         level, index, s = level + 1, index >> 1, s << 1
-    det.root = (level, index, buf)
     trace.record("det.join", "dp", t0, trace.now(), bytes=int(buf.nbytes) * int(np.log2(n)))
+    return level, index, buf
 
 
 class PipelineTree:
@@ -145,13 +158,11 @@ class PipelineTree:
 def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32",
                  sequence_parallel=False):
     """Every layout the deterministic mode refuses, with the reason (docs/deterministic.md)."""
-    split = {"cp": cp, "ep": ep}
-    other = {k: v for k, v in split.items() if v > 1}
-    if other or getattr(cfg, "n_expert", 0):
-        raise ValueError(f"deterministic mode covers data, tensor (tp <= {det.tp_blocks}) and pipeline "
-                         f"parallelism and ZeRO 0-3 so far; got {other or {'n_expert': cfg.n_expert}}: the "
-                         f"token-shard sums (cp) and the expert routing (ep) are not granule trees yet. Use "
-                         f"cp = ep = 1, or deterministic=False")
+    if cp > 1:
+        raise ValueError(f"deterministic mode covers data, tensor (tp <= {det.tp_blocks}), pipeline and expert "
+                         f"parallelism and ZeRO 0-3 so far; got cp = {cp}: the token-shard sums of context "
+                         f"parallelism are not granule trees yet. Use cp = 1, or deterministic=False")
+    check_experts(getattr(cfg, "n_expert", 0), pp > 1 or chunks > 1)
     if tp > 1:
         check_tp(det, tp, cfg, sequence_parallel)
     if precision not in ("fp32", "bf16"):
@@ -163,11 +174,19 @@ def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1,
     det.check(dp, microbatches, pp > 1 or chunks > 1)
 
 
+def check_experts(n_expert, pipeline=False):
+    """What the mode refuses for a mixture of ``n_expert`` experts (pdist/parallel/expert_deterministic.py),
+    the same on every rank, before any collective."""
+    if n_expert and pipeline:
+        raise ValueError(f"deterministic mode: a mixture of experts (n_expert={n_expert}) under a pipeline is "
+                         f"not a granule tree yet (the stages' micro-batch leaves do not keep the experts' "
+                         f"per-source trees); use pp = 1 and chunks = 1, or deterministic=False")
+
 
 def finish_zero(z):
     """ZeRO's gradient sync in the deterministic mode: the granule trees joined over z's group
     (every rank gets the whole mean, in canonical order), then this rank keeps its shard."""
-    join(z.deterministic, z.group)
+    join_all(z.deterministic, z.group)
     for u in z.units:
         u.ensure_grad_views()
     z.inner.finish_grad_sync()             # Local writes the mean into the flat views
@@ -179,6 +198,9 @@ def finish_zero(z):
         else:
             u.shard.grad = u.grad_flat[u.lo:u.hi].copy()
             u.drop_grads()
+            if z.stage == 3:
+                u.free()                   # an expert's unit stays gathered until here (its "reduction")
 
 
-__all__ = ["join", "check_layout", "check_tp", "prepare", "deterministic_compute", "PipelineTree", "finish_zero"]
+__all__ = ["join", "join_all", "join_root", "check_layout", "check_experts", "check_tp", "prepare",
+           "deterministic_compute", "PipelineTree", "finish_zero"]

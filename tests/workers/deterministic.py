@@ -1,5 +1,5 @@
 """The deterministic mode gives one process's bits on every data-parallel / ZeRO / pipeline /
-tensor-parallel layout.
+tensor-parallel / expert-parallel layout.
 
     mpiexec -n 4 python tests/workers/deterministic.py [--steps 20]
     mpiexec -n 8 python tests/workers/deterministic.py [--steps 20]    # dp 2 x tp 2 x pp 2 alone
@@ -16,11 +16,14 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   (``parallelize``, 1f1b and ZeRO-1 + interleaved), on a 4-layer GPT with G = 8 granules
   (under a pipeline a micro-batch is one granule: dp * m = G);
 * tp 2 on the halves (``TensorParallel`` over a sub-group), with and without sequence
-  parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4.
+  parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
+* a MoE GPT with G = 8 (``experts``): dp 2 x ep 2 on the halves (ZeRO 0 and 3), dp 4 x ep 2
+  with ZeRO-1.
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
-reports one line per case. The control: the DEFAULT mode at dp 4, m 2 against the default
-one process (m = 1) must NOT give the same bits (the mode is what makes them equal)."""
+reports one line per case. The controls: the DEFAULT mode at dp 4, m 2 against the default
+one process (m = 1), and at dp 4 x ep 2 (MoE) against the default one process with m = 4 (the
+same drops), must NOT give the same bits (the mode is what makes them equal)."""
 import argparse
 
 import numpy as np
@@ -29,7 +32,7 @@ from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine import precision
 from pdist.models.gpt import GPT
-from pdist.parallel import DataParallel, Local, MixedPrecision, PipelineParallel, TensorParallel, ZeRO, parallelize
+from pdist.parallel import DataParallel, ExpertParallel, Local, MixedPrecision, PipelineParallel, TensorParallel, ZeRO, parallelize
 from pdist.testing import check_shards, report
 from pdist.training import train
 
@@ -46,6 +49,8 @@ PRECS = ("fp32", "bf16")
 
 
 CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 8   # the pipeline cases
+CFGE, GE = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16, n_expert=4, expert_top_k=2,
+                             capacity_factor=1.0, router_aux_loss_coef=0.01), 8   # the MoE / ep cases
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
 
 
@@ -66,9 +71,10 @@ def reference(prec, det, m=1, c=cfg):
     return out
 
 
-def compare(name, ref, model):
+def compare(name, ref, model, drops=False):
     opt = lesson.make_adamw(model.parameters())
     train(model, opt, batch, args.steps)
+    extra = {"dropped": sum(s["dropped"] for s in model.find(ExpertParallel).moe_stats().values())} if drops else {}
     try:
         n = check_shards(model.sharded_state_dict(opt), ref, lambda nm, st: ref[f"optimizer.{st}.{nm}"],
                          np.array_equal, label=(name,))
@@ -77,7 +83,7 @@ def compare(name, ref, model):
         equal, why = not bad, bad[:3]
     except AssertionError as e:
         equal, why, n = False, str(e)[:300], 0
-    report(rank=world.rank, case=name, equal=equal, why=why, pieces=n)
+    report(rank=world.rank, case=name, equal=equal, why=why, pieces=n, **extra)
 
 
 def wrapped(prec, group, zero, m):
@@ -100,6 +106,22 @@ def tensor(prec, group, sp):
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
+def experts(refsE, half):
+    """ep 2: on the halves (dp 2 x ep 2, and with ZeRO-3: float32 on half 0, bf16 on half 1), and at dp 4 x ep 2 with
+    ZeRO-1 in both precisions, a MoE GPT (top-2 of 4 experts, capacity 1.0, aux loss) against one
+    process; the control: the default mode at dp 4 x ep 2 does NOT give one process's bits."""
+    prec, mesh2 = PRECS[world.rank // 2], comm.DeviceMesh(dp=2, ep=2, world=half)
+    for zero in (0, 3):
+        model = parallelize(GPT(CFGE, SEED), mesh2, zero_stage=zero, precision=prec, deterministic=GE)
+        compare(f"{prec}.ep2" + (".zero3" if zero else ""), refsE[world.rank // 2], model, drops=not zero)
+    mesh4 = comm.DeviceMesh(dp=4, ep=2)
+    for prec, ref in zip(PRECS, refsE):
+        model = parallelize(GPT(CFGE, SEED), mesh4, zero_stage=1, precision=prec, deterministic=GE)
+        compare(f"{prec}.dp4xep2.zero1", ref, model)
+    ctrl = world.broadcast_object(reference("fp32", False, 4, CFGE) if world.rank == 0 else None)   # same drops
+    compare("control.default.dp4xep2", ctrl, parallelize(GPT(CFGE, SEED), mesh4))
+
+
 def dp_tp_pp():
     """8 ranks: dp 2 x tp 2 x pp 2 (parallelize; 1f1b, m = GT / dp; SP in bf16) against one process."""
     mine = reference(PRECS[world.rank], GT) if world.rank < 2 else None   # ranks 0, 1 at once
@@ -118,8 +140,8 @@ LAYOUTS = [(f"m{m}", 0, m) for m in (1, 2, 4)] + [(f"zero{z}", z, 1) for z in (1
 # the four references at once: ranks 0, 1 the dp cases' (fp32, bf16), ranks 2, 3 the pipeline cases'
 mine = reference(PRECS[world.rank % 2], *((G,) if world.rank < 2 else (G4, 1, CFG4)))
 refs, refs4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
-mine = reference(PRECS[world.rank], GT) if world.rank < 2 else None     # the tp cases' (4 granules)
-refsT = [world.broadcast_object(mine, src=r) for r in (0, 1)]
+mine = reference(PRECS[world.rank % 2], *((GT,) if world.rank < 2 else (GE, 1, CFGE)))   # tp's (4 granules), MoE's
+refsT, refsE = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
     for name, zero, m in LAYOUTS:
@@ -127,6 +149,7 @@ for prec, ref in zip(PRECS, refs):
                             deterministic=G)
         compare(f"{prec}.dp4.{name}", ref, model)
 half = world.split(world.rank // 2, name="half")
+experts(refsE, half)
 prec = PRECS[world.rank // 2]
 for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
