@@ -16,7 +16,11 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   (``parallelize``, 1f1b and ZeRO-1 + interleaved), on a 4-layer GPT with G = 8 granules
   (under a pipeline a micro-batch is one granule: dp * m = G);
 * tp 2 on the halves (``TensorParallel`` over a sub-group), with and without sequence
-  parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4.
+  parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
+* tp_blocks = 4 (``deterministic=dict(granules=4, tp_blocks=4)``, a 4-head GPT): tp 2 on the
+  halves and tp 4 on the world, with and without SP, against one process computing 4 blocks;
+* Llama (GQA 8 query / 4 key-value heads, SwiGLU, RoPE, RMSNorm, untied): tp 2 on the halves
+  with tp_blocks = 2 and tp 4 on the world with tp_blocks = 4 (float32; bf16 with SP).
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
 reports one line per case. The control: the DEFAULT mode at dp 4, m 2 against the default
@@ -28,6 +32,7 @@ import numpy as np
 from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine import precision
+from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, Local, MixedPrecision, PipelineParallel, TensorParallel, ZeRO, parallelize
 from pdist.testing import check_shards, report
@@ -47,10 +52,14 @@ PRECS = ("fp32", "bf16")
 
 CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 8   # the pipeline cases
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
+CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
+CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
+B4 = dict(granules=GT, tp_blocks=4)     # a dict: each Local gets its own policy
 
 
 def model_of(prec, c=cfg):
-    return GPT(c, SEED) if prec == "fp32" else precision.cast_module(GPT(c, SEED), prec)
+    m = GPT(c, SEED) if c.__class__ is cfg.__class__ else registry.build(c, SEED)
+    return m if prec == "fp32" else precision.cast_module(m, prec)
 
 
 def reference(prec, det, m=1, c=cfg):
@@ -94,9 +103,9 @@ def piped(prec, group, schedule):
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
-def tensor(prec, group, sp):
-    """tp 2 over ``group`` built by hand: TensorParallel over Local(deterministic=G), SP or not."""
-    s = TensorParallel(Local(model_of(prec), 1, deterministic=GT), group, sequence_parallel=sp)
+def tensor(prec, group, sp, c=cfg, det=GT):
+    """tp over ``group`` built by hand: TensorParallel over Local(deterministic=det), SP or not."""
+    s = TensorParallel(Local(model_of(prec, c), 1, deterministic=det), group, sequence_parallel=sp)
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
@@ -118,8 +127,11 @@ LAYOUTS = [(f"m{m}", 0, m) for m in (1, 2, 4)] + [(f"zero{z}", z, 1) for z in (1
 # the four references at once: ranks 0, 1 the dp cases' (fp32, bf16), ranks 2, 3 the pipeline cases'
 mine = reference(PRECS[world.rank % 2], *((G,) if world.rank < 2 else (G4, 1, CFG4)))
 refs, refs4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
-mine = reference(PRECS[world.rank], GT) if world.rank < 2 else None     # the tp cases' (4 granules)
-refsT = [world.broadcast_object(mine, src=r) for r in (0, 1)]
+# the tp cases' (4 granules): ranks 0, 1 GPT's (tp_blocks 2, then 4 with 4 heads), ranks 2, 3 Llama's
+mine = reference(PRECS[world.rank % 2], GT, 1, (cfg, CFGL)[world.rank // 2])
+refsT, refsL = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
+mine = reference(PRECS[world.rank % 2], B4, 1, (CFGH, CFGL)[world.rank // 2])
+refsH, refsL4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
     for name, zero, m in LAYOUTS:
@@ -132,6 +144,13 @@ for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
 for sp in (False, True):                   # tp 2 on each half (half 0 float32, half 1 bf16), SP or not
     compare(f"{prec}.tp2" + (".sp" if sp else ""), refsT[world.rank // 2], tensor(prec, half, sp))
+    compare(f"{prec}.tp2.b4" + (".sp" if sp else ""), refsH[world.rank // 2], tensor(prec, half, sp, CFGH, B4))
+compare(f"{prec}.llama.tp2" + (".sp" if prec == "bf16" else ""), refsL[world.rank // 2],
+        tensor(prec, half, prec == "bf16", CFGL))
+for pr, ref, refL in zip(PRECS, refsH, refsL4):                   # tp 4 on the world, tp_blocks = 4
+    for sp in (False, True):
+        compare(f"{pr}.tp4" + (".sp" if sp else ""), ref, tensor(pr, world, sp, CFGH, B4))
+    compare(f"{pr}.llama.tp4" + (".sp" if pr == "bf16" else ""), refL, tensor(pr, world, pr == "bf16", CFGL, B4))
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 for sched in SCHEDULES:
     compare(f"{prec}.pp2.{sched}", refs4[world.rank // 2], piped(prec, half, sched))
