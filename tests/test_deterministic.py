@@ -119,9 +119,17 @@ def test_refusals_name_the_reason():
         kw = {"dp": 1, **kw}
         with pytest.raises(ValueError, match=match):
             check_layout(det, CFG, **kw)
-    llama = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)
-    with pytest.raises(ValueError, match="share an input"):      # Llama's q|k|v, gate|up: another dX order
+    with pytest.raises(ValueError, match=r"deterministic=dict\(tp_blocks=4\)"):   # tp > tp_blocks names the option
+        check_layout(det, CFG, dp=1, tp=4)
+    llama = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)   # 1 kv head
+    with pytest.raises(ValueError, match=r"\{'n_kv_head': 1\} are not divisible by tp_blocks = 2"):
         check_layout(det, llama, dp=1, tp=2)
+    check_layout(Deterministic.of(dict(tp_blocks=4)), lesson.gpt_config(64, block_size=T, n_head=4), dp=1, tp=4)
+    with pytest.raises(ValueError, match=r"\{.n_head.: 2\} are not divisible by tp_blocks = 4"):   # 2 heads
+        check_layout(Deterministic.of(dict(tp_blocks=4)), CFG, dp=1, tp=2)
+    for bad, match in ((dict(tp_blocks=3), "tp_blocks must be a power of two"), (dict(blocks=4), "unknown")):
+        with pytest.raises(ValueError, match=match):
+            Deterministic.of(bad)
     with pytest.raises(ValueError, match="power of two"):
         Deterministic(12)
     with pytest.raises(ValueError, match="divisible by 16"):
@@ -132,7 +140,8 @@ def test_refusals_name_the_reason():
 
 def test_layouts_same_bits_under_mpiexec():
     """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case equal to one
-    process, float32 and bf16. 4 steps, not 20: the 20-step grid costs about 50 CPU-seconds (the suite's budget);
+    process, float32 and bf16; with tp_blocks = 4, tp 2 and tp 4 (+SP); Llama at tp 2 and tp 4
+    (those in 2 steps). 4 steps, not 20: the 20-step grid costs about 50 CPU-seconds (the suite's budget);
     a step's bits are a function of the state's bits and the batch, so equality at every step
     is an induction (``mpiexec -n 4 python tests/workers/deterministic.py --steps 20`` runs it)."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
@@ -143,6 +152,8 @@ def test_layouts_same_bits_under_mpiexec():
     want |= {f"{p}.pp2.{s}" for p in precs for s in ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")}
     want |= {f"{p}.dp2xpp2.{c}" for p in precs for c in ("1f1b", "zero1.interleaved")}
     want |= {f"{p}.tp2{sp}" for p in precs for sp in ("", ".sp")}
+    want |= {"fp32.tp2.b4.sp", "bf16.tp2.b4", "fp32.llama.tp2.sp", "bf16.llama.tp2"}       # tp_blocks 4; Llama
+    want |= {f"{p}.tp4{sp}" for p in precs for sp in ("", ".sp")} | {"fp32.llama.tp4", "bf16.llama.tp4.sp"}
     assert want <= cases, sorted(want - cases)
     bad = [r for r in rows if r["case"] in want and not r["equal"]]
     assert not bad, bad

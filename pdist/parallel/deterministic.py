@@ -48,11 +48,12 @@ def check_tp(det, tp, model, sequence_parallel=False):
                          f"{[d for d in range(1, b + 1) if b % d == 0]}")
     if not blockable(model, b):
         plan = plan_of(model)
-        why = (f"its cut sizes {dict(plan.tp_sizes)} must all be divisible by tp_blocks = {b} (or pass "
-               f"deterministic=dict(tp_blocks={tp}))" if plan.tensor and not plan.experts
-               else "its plan cuts no layer (or cuts experts)")
+        bad = {k: n for k, n in plan.tp_sizes.items() if n % b}
+        why = (f"its cut sizes {bad} are not divisible by tp_blocks = {b} (one process computes every "
+               f"tensor-parallel sum in {b} blocks); choose sizes divisible by {b} or a smaller tp_blocks "
+               f"(>= tp)" if plan.tensor and not plan.experts else "its plan cuts no layer (or cuts experts)")
         raise ValueError(f"deterministic mode cannot give tensor parallelism one process's bits for "
-                         f"{type(model).__name__}: {why}. Use tp = 1, or deterministic=False")
+                         f"{type(model).__name__}: {why}. Or use tp = 1, or deterministic=False")
 
 
 def deterministic_compute(local, x, y, loss_scale=1.0):

@@ -17,10 +17,12 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   (under a pipeline a micro-batch is one granule: dp * m = G);
 * tp 2 on the halves (``TensorParallel`` over a sub-group), with and without sequence
   parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
-* tp_blocks = 4 (``deterministic=dict(granules=4, tp_blocks=4)``, a 4-head GPT): tp 2 on the
-  halves and tp 4 on the world, with and without SP, against one process computing 4 blocks;
-* Llama (GQA 8 query / 4 key-value heads, SwiGLU, RoPE, RMSNorm, untied): tp 2 on the halves
-  with tp_blocks = 2 and tp 4 on the world with tp_blocks = 4 (float32; bf16 with SP).
+* tp_blocks = 4 (``deterministic=dict(granules=2, tp_blocks=4)``, a 4-head GPT): tp 2 on the
+  halves (float32 with SP, bf16 without) and tp 4 on the world, with and without SP, against
+  one process computing 4 blocks;
+* Llama (GQA 8 query / 4 key-value heads, SwiGLU, RoPE, RMSNorm, untied), G = 2: tp 2 on the
+  halves with tp_blocks = 2 (float32 with SP, bf16 without) and tp 4 on the world with
+  tp_blocks = 4 (float32; bf16 with SP). These run half the steps (the induction).
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
 reports one line per case. The control: the DEFAULT mode at dp 4, m 2 against the default
@@ -54,7 +56,8 @@ CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
 CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
 CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
-B4 = dict(granules=GT, tp_blocks=4)     # a dict: each Local gets its own policy
+G2, S2 = 2, max(1, args.steps // 2)    # the tp_blocks = 4 and Llama tp cases: 2 granules, half the steps
+B4 = dict(granules=G2, tp_blocks=4)     # a dict: each Local gets its own policy
 
 
 def model_of(prec, c=cfg):
@@ -62,12 +65,12 @@ def model_of(prec, c=cfg):
     return m if prec == "fp32" else precision.cast_module(m, prec)
 
 
-def reference(prec, det, m=1, c=cfg):
+def reference(prec, det, m=1, c=cfg, steps=None):
     """One process: params and Adam m, v by piece name, as full arrays."""
     s = Local(model_of(prec, c), m, deterministic=det)
     s = s if prec == "fp32" else MixedPrecision(s, prec)
     opt = lesson.make_adamw(s.parameters())
-    train(s, opt, batch, args.steps)
+    train(s, opt, batch, steps or args.steps)
     out = {k: np.array(v) for k, v in s.full_state_dict().items()}
     for pc in s.pieces():
         for st in ("exp_avg", "exp_avg_sq"):
@@ -75,9 +78,9 @@ def reference(prec, det, m=1, c=cfg):
     return out
 
 
-def compare(name, ref, model):
+def compare(name, ref, model, steps=None):
     opt = lesson.make_adamw(model.parameters())
-    train(model, opt, batch, args.steps)
+    train(model, opt, batch, steps or args.steps)
     try:
         n = check_shards(model.sharded_state_dict(opt), ref, lambda nm, st: ref[f"optimizer.{st}.{nm}"],
                          np.array_equal, label=(name,))
@@ -128,9 +131,9 @@ LAYOUTS = [(f"m{m}", 0, m) for m in (1, 2, 4)] + [(f"zero{z}", z, 1) for z in (1
 mine = reference(PRECS[world.rank % 2], *((G,) if world.rank < 2 else (G4, 1, CFG4)))
 refs, refs4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 # the tp cases' (4 granules): ranks 0, 1 GPT's (tp_blocks 2, then 4 with 4 heads), ranks 2, 3 Llama's
-mine = reference(PRECS[world.rank % 2], GT, 1, (cfg, CFGL)[world.rank // 2])
+mine = reference(PRECS[world.rank % 2], *((GT, 1, cfg) if world.rank < 2 else (G2, 1, CFGL, S2)))
 refsT, refsL = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
-mine = reference(PRECS[world.rank % 2], B4, 1, (CFGH, CFGL)[world.rank // 2])
+mine = reference(PRECS[world.rank % 2], B4, 1, (CFGH, CFGL)[world.rank // 2], S2)
 refsH, refsL4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
@@ -144,13 +147,14 @@ for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
 for sp in (False, True):                   # tp 2 on each half (half 0 float32, half 1 bf16), SP or not
     compare(f"{prec}.tp2" + (".sp" if sp else ""), refsT[world.rank // 2], tensor(prec, half, sp))
-    compare(f"{prec}.tp2.b4" + (".sp" if sp else ""), refsH[world.rank // 2], tensor(prec, half, sp, CFGH, B4))
-compare(f"{prec}.llama.tp2" + (".sp" if prec == "bf16" else ""), refsL[world.rank // 2],
-        tensor(prec, half, prec == "bf16", CFGL))
+sp = prec == "fp32"                        # tp 2 with tp_blocks = 4, and Llama: float32 with SP, bf16 without
+compare(f"{prec}.tp2.b4" + (".sp" if sp else ""), refsH[world.rank // 2], tensor(prec, half, sp, CFGH, B4), S2)
+compare(f"{prec}.llama.tp2" + (".sp" if sp else ""), refsL[world.rank // 2], tensor(prec, half, sp, CFGL, G2), S2)
 for pr, ref, refL in zip(PRECS, refsH, refsL4):                   # tp 4 on the world, tp_blocks = 4
     for sp in (False, True):
-        compare(f"{pr}.tp4" + (".sp" if sp else ""), ref, tensor(pr, world, sp, CFGH, B4))
-    compare(f"{pr}.llama.tp4" + (".sp" if pr == "bf16" else ""), refL, tensor(pr, world, pr == "bf16", CFGL, B4))
+        compare(f"{pr}.tp4" + (".sp" if sp else ""), ref, tensor(pr, world, sp, CFGH, B4), S2)
+    compare(f"{pr}.llama.tp4" + (".sp" if pr == "bf16" else ""), refL, tensor(pr, world, pr == "bf16", CFGL, B4),
+            S2)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 for sched in SCHEDULES:
     compare(f"{prec}.pp2.{sched}", refs4[world.rank // 2], piped(prec, half, sched))
