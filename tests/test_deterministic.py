@@ -19,6 +19,7 @@ from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import Local, MixedPrecision
 from pdist.parallel.deterministic import check_layout
+from pdist.parallel.tensor.blocks import Fan, tree_sum
 from pdist.testing import mpirun, reports
 from pdist.training import train
 
@@ -55,6 +56,24 @@ def test_tree_is_the_same_in_any_order():
         bad.add(j, leaves[j].copy())
     with pytest.raises(ValueError, match="aligned subtree"):
         bad.root()
+
+
+def test_fan_sums_a_shared_input_in_one_order():
+    """A shared input read by 3 column layers in 4 blocks (Llama's q, k, v at tp_blocks 4): dX is
+    tree_k ((g_k,q + g_k,k) + g_k,v) whichever order the slots' gradients arrive in; the last
+    slot returns it, the others None. The chain in arrival order is another sum (other bits)."""
+    rng = np.random.default_rng(2)
+    g = {(k, c): (rng.standard_normal(256) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+         for k in range(4) for c in range(3)}
+    want = tree_sum([(g[(k, 0)] + g[(k, 1)]) + g[(k, 2)] for k in range(4)])
+    for order in (sorted(g), sorted(g, reverse=True), [tuple(x) for x in rng.permutation(list(g))]):
+        fan = Fan(4, 3)
+        outs = [fan.add(key, g[key]) for key in order]
+        assert all(o is None for o in outs[:-1]) and np.array_equal(outs[-1], want)
+    chain = g[(0, 0)]
+    for key in sorted(g)[1:]:
+        chain = chain + g[key]
+    assert not np.array_equal(chain, want)
 
 
 def test_blas_bits_at_a_fixed_shape():

@@ -8,7 +8,7 @@ the weights come in upcast (``precision.weight``) and the norm runs in the compu
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
-from pdist.engine.reductions import col_sums, row_dots, row_sums, token_col_sums
+from pdist.engine.reductions import row_dots, row_sums, token_col_sums
 
 
 class LayerNorm(Function):

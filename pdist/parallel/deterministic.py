@@ -20,6 +20,7 @@ collective, each with its reason.
 import numpy as np
 
 from pdist.comm.algorithms import chunk_bounds
+from pdist.comm.mpi import contiguous_flat
 from pdist.engine.backend import to_numpy, words, xp
 from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks, trace
@@ -103,10 +104,14 @@ class TreeSums:
         return getattr(self.group, name)
 
     def all_reduce(self, buf, op="sum", algorithm=None, async_op=False):
-        if op != "sum":                      # max, min: no order to fix
+        if op in ("max", "min"):             # no order to fix
             return self.group.all_reduce(buf, op=op, algorithm=algorithm, async_op=async_op)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"all_reduce: op must be one of sum, avg, max, min, got {op!r}")
         t0 = trace.now()
-        tree_all_reduce(self.group, buf.reshape(-1))
+        tree_all_reduce(self.group, contiguous_flat(buf, "all_reduce buf"))
+        if op == "avg":
+            buf /= self.size
         trace.record("det.tp_sum", "tp", t0, trace.now(), bytes=int(buf.nbytes) * int(np.log2(self.size)))
 
     def reduce_scatter(self, out, inp, op="sum", algorithm=None, async_op=False):

@@ -2,12 +2,13 @@
 
 A tensor-parallel layout of t ranks splits four kinds of sums; the deterministic mode
 (pdist/engine/deterministic.py) fixes each as a sum over ``tp_blocks`` = b fixed blocks
-(b = 2: the largest tp the mode accepts), summed as a balanced tree, whatever the layout:
+(the policy's field, default 2, any power of two: the largest tp the mode accepts), summed
+as a balanced tree ((b_0 + b_1) + (b_2 + b_3) at b = 4), whatever the layout:
 
     RowParallelLinear        Y  = sum_k X_k A_k           (K cut into b blocks)
     ColumnParallelLinear     dX = sum_k dY_k A_k^T        (columns cut into b blocks)
     vocab cross-entropy      sum_v exp(z_v - m) = sum_k sum_{v in block k} exp(z_v - m)
-    SP norms / row biases    dw = sum_k sum_{tokens of shard k} (...)   (T cut into b blocks)
+    norms / row biases       dw = sum_k sum_{tokens of shard k} (...)   (T cut into b blocks)
 
 A tp rank holds b / t of the blocks (at t = b: one, its own shard, today's code), sums them
 as its subtree, and the ranks' partial sums are joined by the layer's collective in the
