@@ -81,10 +81,10 @@ def reference(prec, det, m=1, c=cfg, steps=None):
 def compare(name, ref, model, steps=None):
     opt = lesson.make_adamw(model.parameters())
     train(model, opt, batch, steps or args.steps)
+    full = model.full_state_dict()      # a collective: every rank, before a local mismatch can skip it (a hang)
     try:
         n = check_shards(model.sharded_state_dict(opt), ref, lambda nm, st: ref[f"optimizer.{st}.{nm}"],
                          np.array_equal, label=(name,))
-        full = model.full_state_dict()
         bad = [k for k in full if not np.array_equal(full[k], ref[k])]
         equal, why = not bad, bad[:3]
     except AssertionError as e:
