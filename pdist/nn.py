@@ -193,6 +193,7 @@ class LayerNorm(Module):
 
 class RMSNorm(Module):
     """y = x / sqrt(mean(x^2) + eps) * w over the last axis (Llama's; weight init 1)."""
+    token_blocks = 1      # the deterministic mode's token blocks of dw (pdist/engine/reductions.py)
 
     def __init__(self, dim, eps=1e-6, dtype=None):
         super().__init__()
@@ -200,7 +201,7 @@ class RMSNorm(Module):
         self.weight = Parameter(_cast(np.ones(dim), dtype))
 
     def forward(self, x):
-        return F.rms_norm(x, precision.weight(self.weight), self.eps)
+        return F.rms_norm(x, precision.weight(self.weight), self.eps, self.token_blocks)
 
 
 class ReLU(Module):

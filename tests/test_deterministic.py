@@ -19,6 +19,7 @@ from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import Local, MixedPrecision
 from pdist.parallel.deterministic import check_layout
+from pdist.parallel.tensor.blocks import Fan, tree_sum
 from pdist.testing import mpirun, reports
 from pdist.training import train
 
@@ -55,6 +56,24 @@ def test_tree_is_the_same_in_any_order():
         bad.add(j, leaves[j].copy())
     with pytest.raises(ValueError, match="aligned subtree"):
         bad.root()
+
+
+def test_fan_sums_a_shared_input_in_one_order():
+    """A shared input read by 3 column layers in 4 blocks (Llama's q, k, v at tp_blocks 4): dX is
+    tree_k ((g_k,q + g_k,k) + g_k,v) whichever order the slots' gradients arrive in; the last
+    slot returns it, the others None. The chain in arrival order is another sum (other bits)."""
+    rng = np.random.default_rng(2)
+    g = {(k, c): (rng.standard_normal(256) * 10.0 ** rng.integers(-3, 3)).astype(np.float32)
+         for k in range(4) for c in range(3)}
+    want = tree_sum([(g[(k, 0)] + g[(k, 1)]) + g[(k, 2)] for k in range(4)])
+    for order in (sorted(g), sorted(g, reverse=True), [tuple(x) for x in rng.permutation(list(g))]):
+        fan = Fan(4, 3)
+        outs = [fan.add(key, g[key]) for key in order]
+        assert all(o is None for o in outs[:-1]) and np.array_equal(outs[-1], want)
+    chain = g[(0, 0)]
+    for key in sorted(g)[1:]:
+        chain = chain + g[key]
+    assert not np.array_equal(chain, want)
 
 
 def test_blas_bits_at_a_fixed_shape():
@@ -124,9 +143,17 @@ def test_refusals_name_the_reason():
         kw = {"dp": 1, **kw}
         with pytest.raises(ValueError, match=match):
             check_layout(det, CFG, **kw)
-    llama = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)
-    with pytest.raises(ValueError, match="share an input"):      # Llama's q|k|v, gate|up: another dX order
+    with pytest.raises(ValueError, match=r"deterministic=dict\(tp_blocks=4\)"):   # tp > tp_blocks names the option
+        check_layout(det, CFG, dp=1, tp=4)
+    llama = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)   # 1 kv head
+    with pytest.raises(ValueError, match=r"\{'n_kv_head': 1\} are not divisible by tp_blocks = 2"):
         check_layout(det, llama, dp=1, tp=2)
+    check_layout(Deterministic.of(dict(tp_blocks=4)), lesson.gpt_config(64, block_size=T, n_head=4), dp=1, tp=4)
+    with pytest.raises(ValueError, match=r"\{.n_head.: 2\} are not divisible by tp_blocks = 4"):   # 2 heads
+        check_layout(Deterministic.of(dict(tp_blocks=4)), CFG, dp=1, tp=2)
+    for bad, match in ((dict(tp_blocks=3), "tp_blocks must be a power of two"), (dict(blocks=4), "unknown")):
+        with pytest.raises(ValueError, match=match):
+            Deterministic.of(bad)
     with pytest.raises(ValueError, match="power of two"):
         Deterministic(12)
     with pytest.raises(ValueError, match="divisible by 16"):
@@ -136,12 +163,13 @@ def test_refusals_name_the_reason():
 
 
 def test_layouts_same_bits_under_mpiexec():
-    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case, and a MoE GPT
-    at dp 2 x ep 2 (ZeRO 0 and 3) and dp 4 x ep 2 with ZeRO-1, equal to one process, float32
-    and bf16; the default mode's controls (dense dp 4 m 2, MoE dp 4 x ep 2) not equal. 4 steps,
-    not 20: the 20-step grid costs about 85 CPU-seconds (the suite's budget); a step's bits are
-    a function of the state's bits and the batch, so equality at every step is an induction
-    (``mpiexec -n 4 python tests/workers/deterministic.py --steps 20`` runs it)."""
+    """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case equal to one
+    process, float32 and bf16; with tp_blocks = 4, tp 2 and tp 4 (+SP); Llama at tp 2 and tp 4
+    (those in 2 steps); a MoE GPT at dp 2 x ep 2 (ZeRO 0 and 3) and dp 4 x ep 2 with ZeRO-1;
+    the default mode's controls (dense dp 4 m 2, MoE dp 4 x ep 2) not equal. 4 steps, not 20
+    (the suite's budget); a step's bits are a function of the state's bits and the batch, so
+    equality at every step is an induction (``mpiexec -n 4 python tests/workers/deterministic.py
+    --steps 20`` runs it)."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
     rows = reports(out)
     cases = {r["case"] for r in rows}
@@ -151,6 +179,8 @@ def test_layouts_same_bits_under_mpiexec():
     want |= {f"{p}.dp2xpp2.{c}" for p in precs for c in ("1f1b", "zero1.interleaved")}
     want |= {f"{p}.tp2{sp}" for p in precs for sp in ("", ".sp")}
     want |= {f"{p}.{c}" for p in precs for c in ("ep2", "ep2.zero3", "dp4xep2.zero1")}   # a MoE GPT, ep 2
+    want |= {"fp32.tp2.b4.sp", "bf16.tp2.b4", "fp32.llama.tp2.sp", "bf16.llama.tp2"}       # tp_blocks 4; Llama
+    want |= {"fp32.tp4", "fp32.tp4.sp", "bf16.tp4.sp", "fp32.llama.tp4", "bf16.llama.tp4.sp"}
     assert want <= cases, sorted(want - cases)
     bad = [r for r in rows if r["case"] in want and not r["equal"]]
     assert not bad, bad

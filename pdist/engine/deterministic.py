@@ -5,10 +5,11 @@ Contract. After any number of steps, every parameter and every Adam m, v of a ru
 this mode equal, bit for bit (``np.array_equal``), those of one process in this mode on
 the same global batches, in float32 and in bf16 (fp32 masters), for every layout the
 mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0-3, pipelines
-(dp * m = G), and tp <= ``tp_blocks`` = 2 with or without sequence parallelism (every sum tp
-splits computed in 2 fixed blocks, one process included: pdist/parallel/tensor/blocks.py), and
-a mixture of experts with its experts over ep ranks, ZeRO 0-3 (each expert's gradient summed
-per source granule: pdist/parallel/expert_deterministic.py).
+(dp * m = G), and tp <= ``tp_blocks`` (2 by default, any power of two:
+``deterministic=dict(tp_blocks=4)``) with or without sequence parallelism (every sum tp splits
+computed in tp_blocks fixed blocks as a balanced tree, one process included:
+pdist/parallel/tensor/blocks.py), and a mixture of experts with its experts over ep ranks,
+ZeRO 0-3 (each expert's gradient summed per source granule: pdist/parallel/expert_deterministic.py).
 
 Why bits differ otherwise. IEEE addition is commutative (a + b == b + a, bit for bit) but
 not associative: (a + b) + c != a + (b + c) in general. So a sum's bits depend only on the
@@ -42,7 +43,7 @@ import numpy as np
 from pdist.engine.backend import xp
 
 DEFAULT_GRANULES = 16       # the largest dp * microbatches the default mode accepts
-TP_BLOCKS = 2               # every tensor-parallel sum in this many fixed blocks: the largest tp accepted
+TP_BLOCKS = 2               # every tensor-parallel sum in this many fixed blocks (default): the largest tp accepted
 
 
 def _pow2(n):
@@ -85,17 +86,19 @@ class Deterministic:
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
     data-parallel wrapper."""
 
-    def __init__(self, granules=DEFAULT_GRANULES):
-        if not _pow2(granules):
-            raise ValueError(f"deterministic mode: granules must be a power of two, got {granules!r}")
+    def __init__(self, granules=DEFAULT_GRANULES, tp_blocks=TP_BLOCKS):
+        for name, v in (("granules", granules), ("tp_blocks", tp_blocks)):
+            if not _pow2(v):
+                raise ValueError(f"deterministic mode: {name} must be a power of two, got {v!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
-        self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
+        self.tp_blocks = int(tp_blocks)  # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
         self.experts = None             # expert parallelism's per-source trees (pdist/parallel/expert_deterministic.py)
 
     @classmethod
     def of(cls, arg):
-        """``True`` -> the default policy; an int -> that many granules; a policy -> itself;
+        """``True`` -> the default policy (G = 16, tp_blocks = 2); an int -> that many granules;
+        a dict -> ``Deterministic(**arg)`` (``dict(granules=16, tp_blocks=4)``); a policy -> itself;
         ``False``/``None`` -> None (the default mode)."""
         if arg is None or arg is False:
             return None
@@ -103,6 +106,12 @@ class Deterministic:
             return arg
         if arg is True:
             return cls()
+        if isinstance(arg, dict):
+            unknown = sorted(set(arg) - {"granules", "tp_blocks"})
+            if unknown:
+                raise ValueError(f"deterministic mode: unknown option(s) {unknown}; use granules=<power of two>, "
+                                 "tp_blocks=<power of two>")
+            return cls(**arg)
         return cls(arg)
 
     def check(self, dp, microbatches, pipeline=False):
@@ -175,7 +184,7 @@ class Deterministic:
         self.root = None
 
     def __repr__(self):
-        return f"Deterministic(granules={self.granules})"
+        return f"Deterministic(granules={self.granules}, tp_blocks={self.tp_blocks})"
 
 
 __all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]

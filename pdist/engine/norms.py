@@ -8,7 +8,7 @@ the weights come in upcast (``precision.weight``) and the norm runs in the compu
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
-from pdist.engine.reductions import col_sums, row_dots, row_sums, token_col_sums
+from pdist.engine.reductions import row_dots, row_sums, token_col_sums
 
 
 class LayerNorm(Function):
@@ -67,8 +67,8 @@ class RMSNorm(Function):
     dxhat = g w (per row): dx = r (dxhat - xhat mean(dxhat xhat)), dw = sum g xhat."""
     fresh_grads = True
 
-    def forward(self, x, w, eps=1e-6):
-        C = x.shape[-1]
+    def forward(self, x, w, eps=1e-6, token_blocks=1):
+        C, self.token_blocks = x.shape[-1], token_blocks       # token_blocks: deterministic mode (reductions.py)
         x2 = x.reshape(-1, C)  # (N, C)
         ms = row_dots(x2, x2)  # (N, 1)
         ms /= C
@@ -85,7 +85,7 @@ class RMSNorm(Function):
         nx, nw = self.needs_input_grad[:2]
         g2 = g.reshape(xhat.shape)  # (N, C)
         gxh = g2 * xhat  # (N, C)
-        gw = col_sums(gxh) if nw else None
+        gw = token_col_sums(gxh, self.shape, self.token_blocks) if nw else None
         gx = None
         if nx:
             c = (gxh @ w)[:, None] / xhat.shape[1]  # mean(dxhat xhat), (N, 1)
@@ -100,7 +100,8 @@ class RMSNorm(Function):
 
 def layer_norm(x, weight, bias, eps=1e-5, token_blocks=1):
     return LayerNorm.apply(x, weight, bias, eps=eps, token_blocks=token_blocks)
-def rms_norm(x, weight, eps=1e-6): return RMSNorm.apply(x, weight, eps=eps)
+def rms_norm(x, weight, eps=1e-6, token_blocks=1):
+    return RMSNorm.apply(x, weight, eps=eps, token_blocks=token_blocks)
 
 
 __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]

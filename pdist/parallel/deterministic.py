@@ -10,12 +10,18 @@ chosen for its fixed order, not its latency). It sends log2(n) Ψ fp32 words per
 (an all-reduce in a ring sends 2(n-1)/n Ψ): the price of a canonical order. ZeRO joins
 the same way and keeps its shard.
 
+``TreeSums(group)``: the tp group whose sums (all-reduce, reduce-scatter) run the same
+recursive doubling in the buffer's own dtype, so t > 2 ranks' partials are joined as the
+tree ((b_0 + b_1) + (b_2 + b_3)) that one process sums its blocks in (blocks.py).
+
 ``check_layout(...)``: what the mode refuses, raised the same on every rank before any
 collective, each with its reason.
 """
 import numpy as np
 
-from pdist.engine.backend import to_numpy, xp
+from pdist.comm.algorithms import chunk_bounds
+from pdist.comm.mpi import contiguous_flat
+from pdist.engine.backend import to_numpy, words, xp
 from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks, trace
 from pdist.models.plan import plan_of
@@ -34,21 +40,21 @@ def check_tp(det, tp, model, sequence_parallel=False):
     its config), each with its reason; the same on every rank, before any collective."""
     b = det.tp_blocks
     if tp > b:
-        raise ValueError(f"deterministic mode computes every tensor-parallel sum in {b} fixed blocks, so it "
-                         f"accepts tp <= {b} (got tp = {tp}): a rank holds whole blocks. Use tp = {b}, or "
-                         f"deterministic=False")
+        raise ValueError(f"deterministic mode computes every tensor-parallel sum in tp_blocks = {b} fixed "
+                         f"blocks, so it accepts tp <= {b} (got tp = {tp}): a rank holds whole blocks. Pass "
+                         f"deterministic=dict(tp_blocks={tp}) (one process then computes {tp} blocks), use "
+                         f"tp <= {b}, or deterministic=False")
     if b % tp:
         raise ValueError(f"deterministic mode: tp = {tp} does not divide the {b} fixed blocks; use tp in "
                          f"{[d for d in range(1, b + 1) if b % d == 0]}")
     if not blockable(model, b):
         plan = plan_of(model)
-        shared = sorted(k for k, s in plan.tensor.items() if getattr(s, "shared_input", None))
-        why = (f"its column layers {shared} share an input (their input gradients would be summed in "
-               f"another order)" if shared else f"its cut sizes {dict(plan.tp_sizes)} must all be "
-               f"divisible by {b}" if plan.tensor and not plan.experts else "its plan cuts no layer "
-               "(or cuts experts)")
+        bad = {k: n for k, n in plan.tp_sizes.items() if n % b}
+        why = (f"its cut sizes {bad} are not divisible by tp_blocks = {b} (one process computes every "
+               f"tensor-parallel sum in {b} blocks); choose sizes divisible by {b} or a smaller tp_blocks "
+               f"(>= tp)" if plan.tensor and not plan.experts else "its plan cuts no layer (or cuts experts)")
         raise ValueError(f"deterministic mode cannot give tensor parallelism one process's bits for "
-                         f"{type(model).__name__}: {why}. Use tp = 1, or deterministic=False")
+                         f"{type(model).__name__}: {why}. Or use tp = 1, or deterministic=False")
 
 
 def deterministic_compute(local, x, y, loss_scale=1.0):
@@ -71,6 +77,50 @@ def deterministic_compute(local, x, y, loss_scale=1.0):
         losses.append(loss.data)
     det.root = tree.root()
     return sum(float(v) for v in to_numpy(xp.stack(losses))) / count
+
+
+def tree_all_reduce(group, buf):
+    """buf <- the balanced tree over the group's buf (a power of two of ranks), lower ranks on
+    the left, in buf's dtype (2-byte floats travel as their words), the same bits everywhere."""
+    n, r, s = group.size, group.rank, 1
+    other = xp.empty_like(buf)
+    while s < n:
+        q = r ^ s
+        group.sendrecv(words(buf), q, words(other), q, tag=0)
+        xp.add(buf, other, out=buf) if r < q else xp.add(other, buf, out=buf)
+        s <<= 1
+    return buf
+
+
+class TreeSums:
+    """The group ``group`` whose sum reductions add in the tree's order (``tree_all_reduce``);
+    every other call is the group's own. The reduce-scatter sums the whole buffer so (it sends
+    log2(t) S per rank, a ring (t - 1)/t S: the price of the canonical order) and keeps its chunk."""
+
+    def __init__(self, group):
+        self.group = group
+
+    def __getattr__(self, name):
+        return getattr(self.group, name)
+
+    def all_reduce(self, buf, op="sum", algorithm=None, async_op=False):
+        if op in ("max", "min"):             # no order to fix
+            return self.group.all_reduce(buf, op=op, algorithm=algorithm, async_op=async_op)
+        if op not in ("sum", "avg"):
+            raise ValueError(f"all_reduce: op must be one of sum, avg, max, min, got {op!r}")
+        t0 = trace.now()
+        tree_all_reduce(self.group, contiguous_flat(buf, "all_reduce buf"))
+        if op == "avg":
+            buf /= self.size
+        trace.record("det.tp_sum", "tp", t0, trace.now(), bytes=int(buf.nbytes) * int(np.log2(self.size)))
+
+    def reduce_scatter(self, out, inp, op="sum", algorithm=None, async_op=False):
+        if op != "sum":
+            raise ValueError(f"deterministic mode: a tensor-parallel reduce-scatter sums; got op={op!r}")
+        full = xp.array(inp, copy=True).reshape(-1)
+        self.all_reduce(full)
+        a, b = chunk_bounds(full.size, self.size)[self.rank]
+        out.reshape(-1)[...] = full[a:b]
 
 
 def join(det, group):
@@ -202,5 +252,5 @@ def finish_zero(z):
                 u.free()                   # an expert's unit stays gathered until here (its "reduction")
 
 
-__all__ = ["join", "join_all", "join_root", "check_layout", "check_experts", "check_tp", "prepare",
-           "deterministic_compute", "PipelineTree", "finish_zero"]
+__all__ = ["TreeSums", "tree_all_reduce", "join", "join_all", "join_root", "check_layout", "check_experts",
+           "check_tp", "prepare", "deterministic_compute", "PipelineTree", "finish_zero"]

@@ -19,6 +19,12 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
 * a MoE GPT with G = 8 (``experts``): dp 2 x ep 2 on the halves (ZeRO 0 and 3), dp 4 x ep 2
   with ZeRO-1.
+* tp_blocks = 4 (``deterministic=dict(granules=2, tp_blocks=4)``, a 4-head GPT): tp 2 on the
+  halves (float32 with SP, bf16 without) and tp 4 on the world (float32 with and without SP,
+  bf16 with SP), against one process computing 4 blocks;
+* Llama (GQA 8 query / 4 key-value heads, SwiGLU, RoPE, RMSNorm, untied), G = 2: tp 2 on the
+  halves with tp_blocks = 2 (float32 with SP, bf16 without) and tp 4 on the world with
+  tp_blocks = 4 (float32; bf16 with SP). These run half the steps (the induction).
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
 reports one line per case. The controls: the DEFAULT mode at dp 4, m 2 against the default
@@ -31,6 +37,7 @@ import numpy as np
 from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine import precision
+from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, ExpertParallel, Local, MixedPrecision, PipelineParallel, TensorParallel, ZeRO, parallelize
 from pdist.testing import check_shards, report
@@ -52,18 +59,23 @@ CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 
 CFGE, GE = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16, n_expert=4, expert_top_k=2,
                              capacity_factor=1.0, router_aux_loss_coef=0.01), 8   # the MoE / ep cases
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
+CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
+CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
+G2, S2 = 2, max(1, args.steps // 2)    # the tp_blocks = 4 and Llama tp cases: 2 granules, half the steps
+B4 = dict(granules=G2, tp_blocks=4)     # a dict: each Local gets its own policy
 
 
 def model_of(prec, c=cfg):
-    return GPT(c, SEED) if prec == "fp32" else precision.cast_module(GPT(c, SEED), prec)
+    m = GPT(c, SEED) if c.__class__ is cfg.__class__ else registry.build(c, SEED)
+    return m if prec == "fp32" else precision.cast_module(m, prec)
 
 
-def reference(prec, det, m=1, c=cfg):
+def reference(prec, det, m=1, c=cfg, steps=None):
     """One process: params and Adam m, v by piece name, as full arrays."""
     s = Local(model_of(prec, c), m, deterministic=det)
     s = s if prec == "fp32" else MixedPrecision(s, prec)
     opt = lesson.make_adamw(s.parameters())
-    train(s, opt, batch, args.steps)
+    train(s, opt, batch, steps or args.steps)
     out = {k: np.array(v) for k, v in s.full_state_dict().items()}
     for pc in s.pieces():
         for st in ("exp_avg", "exp_avg_sq"):
@@ -71,14 +83,14 @@ def reference(prec, det, m=1, c=cfg):
     return out
 
 
-def compare(name, ref, model, drops=False):
+def compare(name, ref, model, steps=None, drops=False):
     opt = lesson.make_adamw(model.parameters())
-    train(model, opt, batch, args.steps)
+    train(model, opt, batch, steps or args.steps)
+    full = model.full_state_dict()      # a collective: every rank, before a local mismatch can skip it (a hang)
     extra = {"dropped": sum(s["dropped"] for s in model.find(ExpertParallel).moe_stats().values())} if drops else {}
     try:
         n = check_shards(model.sharded_state_dict(opt), ref, lambda nm, st: ref[f"optimizer.{st}.{nm}"],
                          np.array_equal, label=(name,))
-        full = model.full_state_dict()
         bad = [k for k in full if not np.array_equal(full[k], ref[k])]
         equal, why = not bad, bad[:3]
     except AssertionError as e:
@@ -100,9 +112,9 @@ def piped(prec, group, schedule):
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
-def tensor(prec, group, sp):
-    """tp 2 over ``group`` built by hand: TensorParallel over Local(deterministic=G), SP or not."""
-    s = TensorParallel(Local(model_of(prec), 1, deterministic=GT), group, sequence_parallel=sp)
+def tensor(prec, group, sp, c=cfg, det=GT):
+    """tp over ``group`` built by hand: TensorParallel over Local(deterministic=det), SP or not."""
+    s = TensorParallel(Local(model_of(prec, c), 1, deterministic=det), group, sequence_parallel=sp)
     return s if prec == "fp32" else MixedPrecision(s, prec)
 
 
@@ -140,8 +152,13 @@ LAYOUTS = [(f"m{m}", 0, m) for m in (1, 2, 4)] + [(f"zero{z}", z, 1) for z in (1
 # the four references at once: ranks 0, 1 the dp cases' (fp32, bf16), ranks 2, 3 the pipeline cases'
 mine = reference(PRECS[world.rank % 2], *((G,) if world.rank < 2 else (G4, 1, CFG4)))
 refs, refs4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
-mine = reference(PRECS[world.rank % 2], *((GT,) if world.rank < 2 else (GE, 1, CFGE)))   # tp's (4 granules), MoE's
-refsT, refsE = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
+# the tp cases' (4 granules): ranks 0, 1 GPT's (tp_blocks 2, then 4 with 4 heads), ranks 2, 3 Llama's
+mine = reference(PRECS[world.rank % 2], *((GT, 1, cfg) if world.rank < 2 else (G2, 1, CFGL, S2)))
+refsT, refsL = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
+mine = reference(PRECS[world.rank % 2], B4, 1, (CFGH, CFGL)[world.rank // 2], S2)
+refsH, refsL4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
+mine = reference(PRECS[world.rank % 2], GE, 1, CFGE) if world.rank >= 2 else None   # MoE's (ranks 2, 3)
+refsE = [world.broadcast_object(mine, src=r) for r in (2, 3)]
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
     for name, zero, m in LAYOUTS:
@@ -155,6 +172,14 @@ for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
 for sp in (False, True):                   # tp 2 on each half (half 0 float32, half 1 bf16), SP or not
     compare(f"{prec}.tp2" + (".sp" if sp else ""), refsT[world.rank // 2], tensor(prec, half, sp))
+sp = prec == "fp32"                        # tp 2 with tp_blocks = 4, and Llama: float32 with SP, bf16 without
+compare(f"{prec}.tp2.b4" + (".sp" if sp else ""), refsH[world.rank // 2], tensor(prec, half, sp, CFGH, B4), S2)
+compare(f"{prec}.llama.tp2" + (".sp" if sp else ""), refsL[world.rank // 2], tensor(prec, half, sp, CFGL, G2), S2)
+for pr, ref, refL in zip(PRECS, refsH, refsL4):     # tp 4 on the world, tp_blocks = 4 (bf16 without SP: tp2.b4)
+    for sp in (False, True) if pr == "fp32" else (True,):
+        compare(f"{pr}.tp4" + (".sp" if sp else ""), ref, tensor(pr, world, sp, CFGH, B4), S2)
+    compare(f"{pr}.llama.tp4" + (".sp" if pr == "bf16" else ""), refL, tensor(pr, world, pr == "bf16", CFGL, B4),
+            S2)
 SCHEDULES = ("gpipe", "1f1b", "interleaved", "zb-h1", "zb-v", "dualpipev")
 for sched in SCHEDULES:
     compare(f"{prec}.pp2.{sched}", refs4[world.rank // 2], piped(prec, half, sched))

@@ -2,28 +2,38 @@
 
 A tensor-parallel layout of t ranks splits four kinds of sums; the deterministic mode
 (pdist/engine/deterministic.py) fixes each as a sum over ``tp_blocks`` = b fixed blocks
-(b = 2: the largest tp the mode accepts), summed as a balanced tree, whatever the layout:
+(the policy's field, default 2, any power of two: the largest tp the mode accepts), summed
+as a balanced tree ((b_0 + b_1) + (b_2 + b_3) at b = 4), whatever the layout:
 
     RowParallelLinear        Y  = sum_k X_k A_k           (K cut into b blocks)
     ColumnParallelLinear     dX = sum_k dY_k A_k^T        (columns cut into b blocks)
     vocab cross-entropy      sum_v exp(z_v - m) = sum_k sum_{v in block k} exp(z_v - m)
-    SP norms / row biases    dw = sum_k sum_{tokens of shard k} (...)   (T cut into b blocks)
+    norms / row biases       dw = sum_k sum_{tokens of shard k} (...)   (T cut into b blocks)
 
-A tp rank holds b / t of the blocks (at t = b: one, its own shard, today's code) and the
-ranks' partial sums are joined by the layer's collective (t = 2: a + b, one order, since
-IEEE addition is commutative). One process (t = 1) computes every block with the shapes a
-rank gives BLAS, as ``tree_sum`` of the blocks: ``blocked_column`` / ``blocked_row`` run
-the very ``_linear`` a rank runs on each block (``_Take``: the block as a contiguous
-copy, its gradient put back in place), so every GEMM, every column sum, sees the same
-operands. The other per-element arithmetic (attention per head, GeLU, the residual) is
+A tp rank holds b / t of the blocks (at t = b: one, its own shard, today's code), sums them
+as its subtree, and the ranks' partial sums are joined by the layer's collective in the
+tree's order (t = 2: a + b, one order, since IEEE addition is commutative; t > 2: recursive
+doubling, ``TreeSums`` in pdist/parallel/deterministic.py). One process (t = 1) computes every
+block with the shapes a rank gives BLAS, as ``tree_sum`` of the blocks: ``blocked_column`` /
+``blocked_row`` run the very ``_linear`` a rank runs on each block (``_Take``: the block as a
+contiguous copy, its gradient put back in place), so every GEMM, every column sum, sees the
+same operands. The other per-element arithmetic (attention per head, GeLU, the residual) is
 the same in both. Cost: b GEMMs of 1/b the size and the copies of the blocks.
+
+Column layers that share an input (Llama's q, k, v and gate, up: c consumers) add their
+input gradients: dX = sum_k sum_c dY_{k,c} A_{k,c}^T. The canonical order (``Fan``): in each
+block k the consumers in the plan's order, ((c_0 + c_1) + c_2), then the blocks as the tree,
+whatever order the backward walk reaches them; a rank does the same on its blocks.
 """
+import weakref
+
 from pdist.engine import precision
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
 from pdist.engine.reductions import token_col_sums
 from pdist.engine.shape_ops import concat, split
 from pdist.parallel.layout import Cut
+from pdist.parallel.tensor.regions import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
 
 
 def _linear(x, w, b, layout):
@@ -58,12 +68,78 @@ def take(a, cut):
     return _Take.apply(a, cut=cut)
 
 
+class Fan:
+    """One input X read by ``consumers`` column layers in ``nb`` blocks each: slot (k, c) is
+    block k of consumer c. Backward: dX = tree_k (((g_{k,0} + g_{k,1}) + ...) + g_{k,c-1}),
+    the module docstring's canonical order, whichever slot the walk reaches last."""
+
+    def __init__(self, nb, consumers=1):
+        self.nb, self.consumers, self.grads = nb, consumers, {}
+
+    def slots(self, x, c=0):
+        return [_Slot.apply(x, fan=self, key=(k, c)) for k in range(self.nb)]
+
+    def add(self, key, g):
+        self.grads[key] = g
+        if len(self.grads) < self.nb * self.consumers:
+            return None                              # the last slot to arrive returns the sum
+        gs, self.grads, parts = self.grads, {}, []
+        for k in range(self.nb):
+            s = gs[(k, 0)]
+            for c in range(1, self.consumers):
+                s = s + gs[(k, c)]
+            parts.append(s)
+        return tree_sum(parts)
+
+
+class _Slot(Function):
+    """y = x (a slot of a ``Fan``); dx: None until the fan's last slot, then the fan's sum."""
+
+    def forward(self, x, fan, key):
+        self.fan, self.key = fan, key
+        return x
+
+    def backward(self, g):
+        return self.fan.add(self.key, g)
+
+
+class SharedInput:
+    """One f region (SP: one all-gather) for the column-parallel layers of a block that read
+    the same input, as Megatron's fused [Q | K | V] and [gate | up] GEMMs share theirs: the
+    first layer to see an input applies the region, the others reuse its output, so backward
+    sums their dX and all-reduces (SP: reduce-scatters) once. Holds weak references only.
+    ``blocks`` (the deterministic mode): each layer gets its ``Fan`` slots, one per block
+    (``join()`` gave the layers their consumer index, in the plan's order)."""
+
+    def __init__(self, group, sequence_parallel, blocks=None):
+        self.group, self.sequence_parallel, self._x, self._y = group, sequence_parallel, None, None
+        self.blocks, self.consumers, self._fan = blocks, 0, None
+
+    def join(self):
+        self.consumers += 1
+        return self.consumers - 1
+
+    def __call__(self, x, consumer=0):
+        if self._x is None or self._x() is not x or self._y() is None:
+            y = (gather_from_sequence_parallel_region if self.sequence_parallel
+                 else copy_to_tensor_parallel_region)(x, self.group)
+            self._x, self._y = weakref.ref(x), weakref.ref(y)
+            self._fan = Fan(self.blocks, self.consumers) if self.blocks else None
+        else:
+            y = self._y()
+        return y if self._fan is None else self._fan.slots(y, consumer)
+
+
 def blocked_column(x, w, b, layout, dim, stride, nb):
     """Y = X A + b computed as nb column blocks (each of the ``stride`` fused groups cut into
     nb chunks; block k holds chunk k of every group, as rank k of a tp = nb layout does),
-    reassembled in A's column order. Backward: dX is the sum of the blocks' dX (two blocks:
-    one order), each block's dA, db its own GEMM and column sum."""
-    ys = [_linear(x, take(w, Cut(dim, k, nb, stride)), None if b is None else take(b, Cut(0, k, nb, stride)),
+    reassembled in A's column order. ``x``: the input, or its nb ``Fan`` slots (a shared
+    input). Backward: dX is the tree of the blocks' dX (``Fan``), each block's dA, db its own
+    GEMM and column sum."""
+    xs = x if isinstance(x, list) else Fan(nb).slots(x) if nb > 1 else [x]
+    if nb == 1:
+        return _linear(xs[0], w, b, layout)                                          # (..., out)
+    ys = [_linear(xs[k], take(w, Cut(dim, k, nb, stride)), None if b is None else take(b, Cut(0, k, nb, stride)),
                   layout) for k in range(nb)]                                    # nb x (..., out/nb)
     if stride == 1:
         return concat(ys, axis=-1)                                                   # (..., out)
@@ -100,4 +176,4 @@ def blocked_row_sums(e, nb):
     return tree_sum([xp.ascontiguousarray(e[:, k * n:(k + 1) * n]).sum(axis=1) for k in range(nb)])
 
 
-__all__ = ["blocked_column", "blocked_row", "blocked_row_sums", "tree_sum", "take", "token_bias"]
+__all__ = ["Fan", "SharedInput", "blocked_column", "blocked_row", "blocked_row_sums", "tree_sum", "take", "token_bias"]

@@ -22,8 +22,6 @@ split the vocabulary so that no rank ever holds the full logits.
 
 ``TensorParallel`` (tensor_parallel.py) swaps the one GPT's layers for these.
 """
-import weakref
-
 import numpy as np
 
 from pdist import nn
@@ -33,7 +31,8 @@ from pdist.engine.backend import asarray, default_dtype, scatter_add, xp
 from pdist.engine.index_checks import check_indices
 from pdist.comm import default_group
 from pdist.parallel.layout import Cut
-from pdist.parallel.tensor.blocks import _linear, blocked_column, blocked_row, blocked_row_sums, token_bias
+from pdist.parallel.tensor.blocks import (  # noqa: F401  (SharedInput: re-exported)
+    SharedInput, _linear, blocked_column, blocked_row, blocked_row_sums, token_bias)
 from pdist.parallel.tensor.regions import (  # noqa: F401  (re-exported: the public API)
     SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
@@ -67,24 +66,6 @@ def _shard(full, cut, dtype):
     return p
 
 
-class SharedInput:
-    """One f region (SP: one all-gather) for the column-parallel layers of a block that read
-    the same input, as Megatron's fused [Q | K | V] and [gate | up] GEMMs share theirs: the
-    first layer to see an input applies the region, the others reuse its output, so backward
-    sums their dX and all-reduces (SP: reduce-scatters) once. Holds weak references only."""
-
-    def __init__(self, group, sequence_parallel):
-        self.group, self.sequence_parallel, self._x, self._y = group, sequence_parallel, None, None
-
-    def __call__(self, x):
-        if self._x is None or self._x() is not x or self._y() is None:
-            y = (gather_from_sequence_parallel_region if self.sequence_parallel
-                 else copy_to_tensor_parallel_region)(x, self.group)
-            self._x, self._y = weakref.ref(x), weakref.ref(y)
-            return y
-        return self._y()
-
-
 def _check_layout(layout):
     if layout not in ("in_out", "out_in"):
         raise ValueError(f"layout must be 'in_out' (W stored (in, out)) or 'out_in' (W stored (out, in)), "
@@ -115,6 +96,7 @@ class ColumnParallelLinear(nn.Module):
         divide(out_features, t * stride, "out_features" + (f" / {stride} fused parts" if stride > 1 else ""))
         self.gather_output, self.sequence_parallel = gather_output, sequence_parallel
         self.layout, self.shared_input = _check_layout(layout), shared_input
+        self.consumer = shared_input.join() if shared_input is not None else 0   # its place among the readers
         dim = 1 if layout == "in_out" else 0
         self.dim, self.stride, self.blocks = dim, stride, blocks  # blocks: deterministic mode
         shape = (in_features, out_features) if dim == 1 else (out_features, in_features)
@@ -128,12 +110,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x):
         if self.shared_input is not None:
-            x = self.shared_input(x)  # (..., in): the block's one f / all-gather
+            x = self.shared_input(x, self.consumer)  # (..., in): the block's one f / all-gather (or slots)
         elif self.sequence_parallel:
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
-        if self.blocks > 1:    # the deterministic mode's fixed blocks (blocks.py)
+        if self.blocks > 1 or isinstance(x, list):    # the deterministic mode's fixed blocks (blocks.py)
             y = blocked_column(x, self.weight, self.bias, self.layout, self.dim, self.stride, self.blocks)
         else:
             y = _linear(x, self.weight, self.bias, self.layout)  # (..., out/t)

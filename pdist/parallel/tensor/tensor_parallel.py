@@ -35,7 +35,7 @@ rank's pieces alone (pdist/engine/meta.py).
 """
 from pdist.models.plan import plan_of, select
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.deterministic import check_tp
+from pdist.parallel.deterministic import TreeSums, check_tp
 from pdist.parallel.tensor.layers import (  # noqa: F401  (re-exported)
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from pdist.parallel.tensor.transform import (  # noqa: F401  (re-exported)
@@ -86,9 +86,10 @@ class TensorParallel(ParallelModule):
         det, t = self.deterministic, g.size
         if det is None:
             return transform(model, self.plan, g, sp)
+        g = TreeSums(g) if t > 2 else g     # t partials joined as the tree (t = 2: one order already)
         transform(model, self.plan, g, sp, det.tp_blocks // t, det.tp_blocks // t if sp else det.tp_blocks)
         if sp:                      # each granule's partial grads, summed over tp before its leaf
-            det.granule_hooks.append(lambda: self._partials.finish(self.group))
+            det.granule_hooks.append(lambda: self._partials.finish(g))
 
     _sp_params = None
 

@@ -66,10 +66,11 @@ class VocabParallelCrossEntropyLoss(nn.Module):
         return vocab_parallel_cross_entropy(logits, targets, self.group, blocks=self.blocks)
 
 
-def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1):
+def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1, fan=False):
     """The parallel layer that replaces module ``old`` at ``path`` under ``style`` (the plan's
     cut); its parameters keep their single-process names and record their cut. ``blocks``:
-    the deterministic mode's blocks per rank (blocks.py)."""
+    the deterministic mode's blocks per rank; ``fan``: that mode's canonical order of a shared
+    input's gradient sum (blocks.py)."""
     if isinstance(style, VocabLoss):
         return VocabParallelCrossEntropyLoss(g, blocks)
     shared = get(model, style.tied_to).weight if getattr(style, "tied_to", None) else None
@@ -87,7 +88,7 @@ def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1):
                   dtype=dtype, layout=layout, blocks=blocks)
         if isinstance(style, Column):
             key = (path.rpartition(".")[0], style.shared_input)
-            one = None if style.shared_input is None else inputs.setdefault(key, SharedInput(g, sp))
+            one = None if style.shared_input is None else inputs.setdefault(key, SharedInput(g, sp, fan and blocks))
             new = ColumnParallelLinear(n_in, n_out, gather_output=False, stride=style.stride, weight=shared,
                                        shared_input=one, **kw)
         elif isinstance(style, Row):
@@ -120,7 +121,7 @@ def transform(model, plan, g, sp, blocks=1, token_blocks=None):
         if not found:
             raise ValueError(f"tensor-parallel plan of {type(model).__name__}: {pattern!r} matches no module")
         for path, old in found:
-            put(model, path, _parallel_layer(model, path, old, style, g, sp, inputs, blocks))
+            put(model, path, _parallel_layer(model, path, old, style, g, sp, inputs, blocks, token_blocks is not None))
     for pattern, attrs in plan.heads.items():
         for path, m in select(pattern, list(model.named_modules())):
             for a in attrs:
@@ -143,11 +144,11 @@ def transform(model, plan, g, sp, blocks=1, token_blocks=None):
 
 def blockable(model, blocks):
     """True when the deterministic mode's one process can compute ``model``'s tensor-parallel
-    sums in ``blocks`` fixed blocks: its plan cuts layers, none share an input (Llama's fused
-    q|k|v, gate|up: their dX would be summed in another order), no experts, and every cut size
-    divides by ``blocks`` (2 * 3 for a fused Q|K|V)."""
+    sums in ``blocks`` fixed blocks: its plan cuts layers, no experts, and every cut size
+    divides by ``blocks`` (heads, widths, the vocabulary). Column layers sharing an input
+    (Llama's q, k, v and gate, up) sum their input gradients in the ``Fan``'s order (blocks.py)."""
     plan = plan_of(model)
-    if not plan.tensor or plan.experts or any(getattr(s, "shared_input", None) for s in plan.tensor.values()):
+    if not plan.tensor or plan.experts:
         return False
     return all(n % blocks == 0 for n in plan.tp_sizes.values())
 
