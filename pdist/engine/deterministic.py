@@ -57,8 +57,8 @@ class GranuleTree:
     def __init__(self):
         self.nodes = {}
 
-    def add(self, index, value):
-        level = 0
+    def add(self, index, value, level=0):
+        """Node (level, index) (a leaf at level 0; a whole subtree summed elsewhere above)."""
         while (level, index ^ 1) in self.nodes:
             sib = self.nodes.pop((level, index ^ 1))
             left, right = (sib, value) if index & 1 else (value, sib)
@@ -81,12 +81,14 @@ class Deterministic:
     cross-entropy; pdist/parallel/tensor/blocks.py); ``shards``: the data-parallel ranks the batch is cut over (set by
     DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
-    data-parallel wrapper."""
+    data-parallel wrapper; ``batched``: the rank's granules in one pass, the same bits
+    (pdist/parallel/deterministic_batched.py; False: one pass per granule)."""
 
-    def __init__(self, granules=DEFAULT_GRANULES):
+    def __init__(self, granules=DEFAULT_GRANULES, batched=True):
         if not _pow2(granules):
             raise ValueError(f"deterministic mode: granules must be a power of two, got {granules!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
+        self.batched = bool(batched)    # one pass over the rank's granules where it applies (deterministic_batched.py)
         self.tp_blocks = TP_BLOCKS      # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
 
@@ -172,7 +174,7 @@ class Deterministic:
         self.root = None
 
     def __repr__(self):
-        return f"Deterministic(granules={self.granules})"
+        return f"Deterministic(granules={self.granules}{'' if self.batched else ', batched=False'})"
 
 
 __all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]

@@ -8,7 +8,7 @@ the weights come in upcast (``precision.weight``) and the norm runs in the compu
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
-from pdist.engine.reductions import col_sums, row_dots, row_sums, token_col_sums
+from pdist.engine.reductions import row_dots, row_sums, token_col_sums
 
 
 class LayerNorm(Function):
@@ -85,7 +85,7 @@ class RMSNorm(Function):
         nx, nw = self.needs_input_grad[:2]
         g2 = g.reshape(xhat.shape)  # (N, C)
         gxh = g2 * xhat  # (N, C)
-        gw = col_sums(gxh) if nw else None
+        gw = token_col_sums(gxh, self.shape, 1) if nw else None   # (C,); batched: (G, C)
         gx = None
         if nx:
             c = (gxh @ w)[:, None] / xhat.shape[1]  # mean(dxhat xhat), (N, 1)

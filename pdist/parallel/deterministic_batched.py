@@ -1,0 +1,112 @@
+"""The deterministic mode's batched pass: a rank's granules in one forward and backward,
+with the bits of one pass per granule (pdist/engine/granules.py; the contract is
+pdist/engine/deterministic.py's).
+
+    d_j = dL_j / dw   for every granule j of the chunk, as a stack (n, Ψ) fp32
+    S(lo, hi)         the GranuleTree's balanced tree: node (l, i) = (l-1, 2i) + (l-1, 2i+1)
+
+Inside ``granules.batched(n)`` the model runs once over n stacked granules: every GEMM over
+batch rows is a batched matmul with the granule's own shape (one gemm per slice), every
+parameter's gradient a per-granule stack (G, *shape), and the loss the vector of the n
+granules' mean losses L_j; backward of sum_j L_j gives every granule's own d_j (dL/dL_j = 1,
+as the loop's backward of L_j). The stack's subtree is then summed by halving,
+s <- s[0::2] + s[1::2] (lower granule on the left: the tree's own order), and the chunk's
+node joins the rank's ``GranuleTree`` at its level.
+
+Memory: a chunk of n granules holds n Ψ fp32 leaves plus the parameters' stacks (n Ψ in the
+parameters' dtype); n is the largest power of two <= the rank's granules with n Ψ 4 bytes
+<= ``STACK_BYTES`` (at least 1), so the stacks stay under about 2 ``STACK_BYTES``.
+
+Where it does not apply (``batchable`` False: tensor parallelism over more than one rank,
+sequence parallelism's per-granule hooks, a mixture of experts, context parallelism) and
+under a pipeline (a micro-batch is one granule already), the loop of
+``deterministic_compute`` runs, one pass per granule.
+"""
+import numpy as np
+
+from pdist.engine import granules
+from pdist.engine.backend import to_numpy, xp
+from pdist.engine.deterministic import GranuleTree
+from pdist.measure import hooks
+
+STACK_BYTES = 256 << 20         # the fp32 leaves of one chunk of granules
+
+
+def batchable(det, module):
+    """True when the batched pass gives the loop's bits for ``module`` (module docstring);
+    read once per module."""
+    key = id(module)
+    if getattr(det, "_batchable", (None,))[0] != key:
+        ok = det.batched and not det.granule_hooks and not getattr(getattr(module, "config", None),
+                                                                     "n_expert", 0)
+        for _, m in module.named_modules():
+            group = getattr(m, "group", None)
+            if (group is not None and getattr(group, "size", 1) > 1) or getattr(m, "context", None) is not None:
+                ok = False
+        det._batchable = (key, ok)
+    return det._batchable[1]
+
+
+def chunk_of(count, sizes):
+    """n: the largest power of two <= count with n Ψ 4 bytes <= STACK_BYTES, at least 1."""
+    n, psi = count, max(sum(sizes), 1)
+    while n > 1 and n * psi * 4 > STACK_BYTES:
+        n //= 2
+    return n
+
+
+def stacked_leaves(det, params, n):
+    """The chunk's leaves (n, Ψ) fp32 from the parameters' (n, *shape) stacks (exact upcast;
+    -0 becomes +0, as ``Deterministic.leaf``); every ``.grad`` set to None."""
+    out = xp.zeros((n, sum(det.sizes)), dtype=np.float32)                                # (n, Ψ)
+    off = 0
+    for p, size, shape in zip(params, det.sizes, det.shapes):
+        st = p.grad
+        if st is not None:
+            if tuple(st.shape) != (n,) + tuple(shape):
+                raise RuntimeError(f"deterministic mode's batched pass: the gradient of {p.name or 'a parameter'} "
+                                   f"has shape {tuple(st.shape)}, not a per-granule stack {(n,) + tuple(shape)} "
+                                   "(an op summed it over the granules); use deterministic=Deterministic(G, "
+                                   "batched=False)")
+            out[:, off:off + size] += st.reshape(n, -1).astype(np.float32)
+            p.grad = None
+        off += size
+    return out
+
+
+def subtree(s):
+    """The balanced tree over the rows of s (a power of two), by halving: (level, sum)."""
+    level = 0
+    while len(s) > 1:
+        s, level = s[0::2] + s[1::2], level + 1
+    return level, s[0]
+
+
+def batched_compute(local, x, y, loss_scale=1.0):
+    """``deterministic_compute`` in chunks of n granules, one pass each (module docstring).
+    Returns the mean of the granules' losses, as the loop does."""
+    det, params = local.deterministic, local.parameters()
+    count, g = det.local_granules(len(x))
+    n, per_mb = chunk_of(count, det.sizes), max(count // local.microbatches, 1)
+    saved, tree, losses = [p.grad for p in params], GranuleTree(), []
+    try:
+        for c in range(0, count, n):
+            for p in params:
+                p.grad = None
+            rows = slice(c * g, (c + n) * g)
+            with granules.batched(n):
+                with hooks.span("forward", mb=c // per_mb):
+                    _, loss = local.module(x[rows], y[rows])                              # (n,) L_j
+                with hooks.span("backward", mb=c // per_mb):
+                    (loss * loss_scale if loss_scale != 1.0 else loss).sum().backward()
+            level, node = subtree(stacked_leaves(det, params, n))
+            tree.add(c // n, node, level)
+            losses.append(loss.data)
+    finally:
+        for p, s in zip(params, saved):
+            p.grad = s
+    det.root = tree.root()
+    return sum(float(v) for v in to_numpy(xp.concatenate(losses))) / count
+
+
+__all__ = ["batched_compute", "batchable", "chunk_of", "subtree", "STACK_BYTES"]
