@@ -82,6 +82,17 @@ def subtree(s):
     return level, s[0]
 
 
+def _replay(params, saved, held, got):
+    """After a chunk's backward: every parameter that got a gradient runs its post-accumulate
+    hooks once on its own (whole-shaped) ``.grad`` (DDP's bucket view, ZeRO's unit counts and
+    ZeRO-3's release of the gathered parameters), as after a backward of the loop."""
+    for p, s, (h, a), ok in zip(params, saved, held, got):
+        p.grad, p._hooks, p._post_acc_hooks = s, h, a
+    for p, ok in zip(params, got):
+        for hook in (p._post_acc_hooks or ()) if ok else ():
+            hook(p)
+
+
 def batched_compute(local, x, y, loss_scale=1.0):
     """``deterministic_compute`` in chunks of n granules, one pass each (module docstring).
     Returns the mean of the granules' losses, as the loop does."""
@@ -89,22 +100,25 @@ def batched_compute(local, x, y, loss_scale=1.0):
     count, g = det.local_granules(len(x))
     n, per_mb = chunk_of(count, det.sizes), max(count // local.microbatches, 1)
     saved, tree, losses = [p.grad for p in params], GranuleTree(), []
+    held = [(p._hooks, p._post_acc_hooks) for p in params]    # the wrappers' hooks see whole gradients
     try:
         for c in range(0, count, n):
             for p in params:
-                p.grad = None
+                p.grad, p._hooks, p._post_acc_hooks = None, None, None
             rows = slice(c * g, (c + n) * g)
             with granules.batched(n):
                 with hooks.span("forward", mb=c // per_mb):
                     _, loss = local.module(x[rows], y[rows])                              # (n,) L_j
                 with hooks.span("backward", mb=c // per_mb):
                     (loss * loss_scale if loss_scale != 1.0 else loss).sum().backward()
+            got = [p.grad is not None for p in params]
             level, node = subtree(stacked_leaves(det, params, n))
             tree.add(c // n, node, level)
             losses.append(loss.data)
+            _replay(params, saved, held, got)
     finally:
-        for p, s in zip(params, saved):
-            p.grad = s
+        for p, s, (h, a) in zip(params, saved, held):
+            p.grad, p._hooks, p._post_acc_hooks = s, h, a
     det.root = tree.root()
     return sum(float(v) for v in to_numpy(xp.concatenate(losses))) / count
 
