@@ -40,8 +40,7 @@ def batchable(det, module):
         ok = det.batched and not det.granule_hooks and not getattr(getattr(module, "config", None),
                                                                      "n_expert", 0)
         for _, m in module.named_modules():
-            group = getattr(m, "group", None)
-            if (group is not None and getattr(group, "size", 1) > 1) or getattr(m, "context", None) is not None:
+            if getattr(m, "context", None) is not None or getattr(m, "sequence_parallel", False):
                 ok = False
         det._batchable = (key, ok)
     return det._batchable[1]
