@@ -17,9 +17,11 @@ Memory: a chunk of n granules holds n Ψ fp32 leaves plus the parameters' stacks
 parameters' dtype); n is the largest power of two <= the rank's granules with n Ψ 4 bytes
 <= ``STACK_BYTES`` (at least 1), so the stacks stay under about 2 ``STACK_BYTES``.
 
-Where it does not apply (``batchable`` False: tensor parallelism over more than one rank,
-sequence parallelism's per-granule hooks, a mixture of experts, context parallelism) and
-under a pipeline (a micro-batch is one granule already), the loop of
+Under tensor (and sequence) parallelism the collectives move activations, whose rows are
+the granules' own; sequence parallelism's per-granule tp sums of the partial gradients
+(``det.granule_hooks``) run once on the stacks (an elementwise all-reduce, then one rounding
+per element). Where it does not apply (``batchable`` False: a mixture of experts, context
+parallelism) and under a pipeline (a micro-batch is one granule already), the loop of
 ``deterministic_compute`` runs, one pass per granule.
 """
 import numpy as np
@@ -37,10 +39,9 @@ def batchable(det, module):
     read once per module."""
     key = id(module)
     if getattr(det, "_batchable", (None,))[0] != key:
-        ok = det.batched and not det.granule_hooks and not getattr(getattr(module, "config", None),
-                                                                     "n_expert", 0)
+        ok = det.batched and not getattr(getattr(module, "config", None), "n_expert", 0)
         for _, m in module.named_modules():
-            if getattr(m, "context", None) is not None or getattr(m, "sequence_parallel", False):
+            if getattr(m, "context", None) is not None:
                 ok = False
         det._batchable = (key, ok)
     return det._batchable[1]
@@ -99,17 +100,20 @@ def batched_compute(local, x, y, loss_scale=1.0):
     count, g = det.local_granules(len(x))
     n, per_mb = chunk_of(count, det.sizes), max(count // local.microbatches, 1)
     saved, tree, losses = [p.grad for p in params], GranuleTree(), []
-    held = [(p._hooks, p._post_acc_hooks) for p in params]    # the wrappers' hooks see whole gradients
+    held = [(p._hooks, p._post_acc_hooks) for p in params]    # DDP's, ZeRO's hooks: run on whole gradients
     try:
         for c in range(0, count, n):
-            for p in params:
-                p.grad, p._hooks, p._post_acc_hooks = None, None, None
+            for p in params:    # the tensor hooks of sequence parallelism's partial grads stay (elementwise)
+                p.grad, p._post_acc_hooks = None, None
+                p._hooks = [h for h in p._hooks or () if getattr(h, "elementwise", False)] or None
             rows = slice(c * g, (c + n) * g)
             with granules.batched(n):
                 with hooks.span("forward", mb=c // per_mb):
                     _, loss = local.module(x[rows], y[rows])                              # (n,) L_j
                 with hooks.span("backward", mb=c // per_mb):
                     (loss * loss_scale if loss_scale != 1.0 else loss).sum().backward()
+                for hook in det.granule_hooks:       # sequence parallelism: the stacks' tp sums
+                    hook()
             got = [p.grad is not None for p in params]
             level, node = subtree(stacked_leaves(det, params, n))
             tree.add(c // n, node, level)
