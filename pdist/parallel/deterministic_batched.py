@@ -31,7 +31,7 @@ from pdist.engine.backend import to_numpy, xp
 from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks
 
-STACK_BYTES = 256 << 20         # the fp32 leaves of one chunk of granules
+STACK_BYTES = 64 << 20          # the fp32 leaves of one chunk of granules (larger chunks: fresh pages, slower)
 
 
 def batchable(det, module):
@@ -58,17 +58,19 @@ def chunk_of(count, sizes):
 def stacked_leaves(det, params, n):
     """The chunk's leaves (n, Ψ) fp32 from the parameters' (n, *shape) stacks (exact upcast;
     -0 becomes +0, as ``Deterministic.leaf``); every ``.grad`` set to None."""
-    out = xp.zeros((n, sum(det.sizes)), dtype=np.float32)                                # (n, Ψ)
+    out = xp.empty((n, sum(det.sizes)), dtype=np.float32)                                # (n, Ψ)
     off = 0
     for p, size, shape in zip(params, det.sizes, det.shapes):
         st = p.grad
-        if st is not None:
+        if st is None:
+            out[:, off:off + size] = 0
+        else:
             if tuple(st.shape) != (n,) + tuple(shape):
                 raise RuntimeError(f"deterministic mode's batched pass: the gradient of {p.name or 'a parameter'} "
                                    f"has shape {tuple(st.shape)}, not a per-granule stack {(n,) + tuple(shape)} "
                                    "(an op summed it over the granules); use deterministic=Deterministic(G, "
                                    "batched=False)")
-            out[:, off:off + size] += st.reshape(n, -1).astype(np.float32)
+            xp.add(st.reshape(n, -1), np.float32(0), out=out[:, off:off + size])   # v + 0 = 0 + v, one pass
             p.grad = None
         off += size
     return out
@@ -78,7 +80,9 @@ def subtree(s):
     """The balanced tree over the rows of s (a power of two), by halving: (level, sum)."""
     level = 0
     while len(s) > 1:
-        s, level = s[0::2] + s[1::2], level + 1
+        left = s[0::2]
+        left += s[1::2]                      # in place: node (l, i) = (l-1, 2i) + (l-1, 2i+1)
+        s, level = left, level + 1
     return level, s[0]
 
 
