@@ -14,8 +14,9 @@ shape of its tree, and every layout that splits a batch sum (over ranks, over
 micro-batches) changes the tree. The mode fixes it:
 
 * Granules. The global batch of B rows is cut into G granules of g = B / G rows (G, a
-  power of two, does not depend on the layout; default 16). Each granule runs its own
-  forward and backward, so every op (every BLAS call, every row sum inside LayerNorm's
+  power of two, does not depend on the layout; default 16). Each granule is computed as
+  its own forward and backward would compute it (one batched pass over a rank's granules
+  gives those bits: pdist/parallel/deterministic_batched.py), so every op (every BLAS call, every row sum inside LayerNorm's
   gain gradient, every scatter-add of the embedding) sees the same shapes and the same
   data in every layout: granule j's gradient d_j = dL_j/dw (L_j: the mean loss over its
   g T tokens) has the same bits everywhere.
@@ -32,8 +33,8 @@ micro-batches) changes the tree. The mode fixes it:
   root, the same in every layout.
 
 The default mode is untouched: a strategy without this policy runs today's code.
-Cost: G forwards and backwards of g rows instead of m of B/(dp m), and one flat fp32 copy
-of the gradients per granule (bench/deterministic.py measures the ratio).
+Cost: per-granule GEMMs and gradient stacks in one pass (a pipeline: G passes of g rows), and
+one flat fp32 copy of the gradients per granule of a chunk (bench/deterministic.py measures the ratio).
 """
 import numpy as np
 
