@@ -1,5 +1,7 @@
 """What the deterministic mode costs: step time of ``Local(GPT, deterministic=G)`` against the
-default ``Local(GPT)``, one process, float32 and bf16 (fp32 masters) side by side.
+default ``Local(GPT)``, one process, float32 and bf16 (fp32 masters) side by side; and the
+same mode with one pass per granule (``Deterministic(G, batched=False)``, "loop"), the path
+a pipeline and a mixture of experts still take.
 
     python bench/deterministic.py                       # both sizes, one BLAS thread
     python bench/deterministic.py --sizes lesson --repeats 3
@@ -9,7 +11,7 @@ and ``large`` (4 layers, 8 heads, n_embd 512, T 256, batch 8). The granule count
 ``--granules`` (default 16, the largest dp * microbatches the default mode accepts), capped
 at the batch (one row per granule). A step is forward + backward + AdamW; the runs are
 interleaved (default, deterministic, default, ...) so load from other processes hits both
-alike; per precision: the median step of each mode, their ratio, the ratio of the fastest
+alike; per precision: the median step of each mode, their ratio (and the loop's), the ratio of the fastest
 repeats, and the spread (max / min) of the deterministic repeats. The header names the CPU,
 cores, BLAS, load and date (bench/machine.py); the JSON goes to
 bench/results/deterministic.json.
@@ -31,6 +33,7 @@ from step_time import SIZES, VOCAB  # noqa: E402
 
 from pdist.course import lesson  # noqa: E402
 from pdist.engine import precision  # noqa: E402
+from pdist.engine.deterministic import Deterministic  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402
 from pdist.parallel import Local, MixedPrecision  # noqa: E402
 
@@ -60,7 +63,8 @@ def run(size, precs, granules, repeats):
     x, y = (rng.integers(0, VOCAB, (B, cfg.block_size)) for _ in range(2))
     rows, out = [], []
     for prec in precs:
-        steps = {"default": step_fn(cfg, prec, False, x, y), "deterministic": step_fn(cfg, prec, G, x, y)}
+        steps = {"default": step_fn(cfg, prec, False, x, y), "deterministic": step_fn(cfg, prec, G, x, y),
+                 "loop": step_fn(cfg, prec, Deterministic(G, batched=False), x, y)}
         for s in steps.values():
             s()                                          # warm: caches, first allocations
         times = {k: [] for k in steps}
@@ -70,14 +74,15 @@ def run(size, precs, granules, repeats):
         med = {k: statistics.median(v) for k, v in times.items()}
         ratio, ratio_min = med["deterministic"] / med["default"], min(times["deterministic"]) / min(times["default"])
         spread = max(times["deterministic"]) / min(times["deterministic"])
+        loop = med["loop"] / med["default"]
         rows.append((prec, f"{med['default'] * 1e3:.1f}", f"{med['deterministic'] * 1e3:.1f}", f"{ratio:.2f}x",
-                     f"{ratio_min:.2f}x", f"{spread:.2f}"))
+                     f"{ratio_min:.2f}x", f"{spread:.2f}", f"{med['loop'] * 1e3:.1f}", f"{loop:.2f}x"))
         out.append({"size": size, "precision": prec, "granules": G, "batch": B, "repeats": repeats,
                     "default_ms": med["default"] * 1e3, "deterministic_ms": med["deterministic"] * 1e3,
-                    "ratio": ratio, "ratio_of_mins": ratio_min})
+                    "ratio": ratio, "ratio_of_mins": ratio_min, "loop_ms": med["loop"] * 1e3, "loop_ratio": loop})
     print(f"\n{size}: {shape}, batch {B}, granules {G} ({B // G} rows each), {repeats} interleaved repeats")
     print(lesson.table(rows, ["precision", "default ms", "deterministic ms", "ratio", "ratio of mins",
-                              "spread"]))
+                              "spread", "loop ms", "loop ratio"]))
     return out
 
 

@@ -94,6 +94,44 @@ def test_blas_bits_at_a_fixed_shape():
     print(f"a row's bits independent of the rows around it (1024x256 @ 256x1024): {rows_free}")
 
 
+@pytest.mark.parametrize("threads", [1, 2])
+def test_blas_stack_slices_are_the_granules_own_gemms(threads):
+    """What the batched pass (pdist/engine/granules.py) relies on: NumPy's matmul of a stack
+    (G, n, K) @ (K, N) runs one gemm per slice with the slice's shape, so slice j has the bits
+    of granule j's own 2-D product; the same for dX = G W^T, both dW (X^T G, G^T X: per-granule
+    stacks), the bias's 1^T G, and a row's gemv (LayerNorm's g @ w) whatever rows surround it."""
+    rng = np.random.default_rng(2)
+    with threadpool_limits(threads):
+        for G, n, K, N in [(16, T, 16, 48), (8, 4 * T, 64, 256), (4, 256, 128, 384)]:
+            x, w = rng.standard_normal((G, n, K), dtype=np.float32), rng.standard_normal((K, N), dtype=np.float32)
+            g, ones = rng.standard_normal((G, n, N), dtype=np.float32), np.ones(n, dtype=np.float32)
+            wt = np.ascontiguousarray(w.T)                                    # (N, K): the out_in layout
+            stacks = [(x @ w, lambda j: x[j] @ w), (x @ wt.T, lambda j: x[j] @ wt.T), (g @ w.T, lambda j: g[j] @ w.T),
+                      (np.swapaxes(x, -1, -2) @ g, lambda j: x[j].T @ g[j]),
+                      (np.swapaxes(g, -1, -2) @ x, lambda j: g[j].T @ x[j]), (ones @ g, lambda j: ones @ g[j]),
+                      ((g.reshape(-1, N) @ w[0]).reshape(G, n), lambda j: g[j] @ w[0])]
+            for i, (stack, own) in enumerate(stacks):
+                assert all(np.array_equal(stack[j], own(j)) for j in range(G)), (i, G, n, K, N)
+
+
+@pytest.mark.parametrize("model", ["gpt", "llama"])
+def test_batched_pass_has_the_loops_bits(model, monkeypatch):
+    """The batched pass (one forward/backward over the granules, per-granule GEMMs and gradient
+    stacks) against one pass per granule (``batched=False``): params, Adam m, v and the losses
+    np.array_equal, fp32 and bf16, micro-batches 2; and in chunks of 2 granules (a small
+    ``STACK_BYTES``), the memory bound. GPT-2 runs its tp blocks (one process), Llama its
+    RMSNorm, RoPE, SwiGLU, grouped-query attention."""
+    from pdist.parallel import deterministic_batched
+    cfg = CFG if model == "gpt" else lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)
+    for prec in ("fp32", "bf16"):
+        loop = run_local(2, Deterministic(8, batched=False), prec, steps=2, cfg=cfg)
+        assert same(run_local(2, Deterministic(8), prec, steps=2, cfg=cfg), loop), (model, prec)
+    psi = sum(p.size for p in registry.build(cfg, SEED).parameters())
+    monkeypatch.setattr(deterministic_batched, "STACK_BYTES", 2 * 4 * psi)       # chunks of 2 granules
+    assert deterministic_batched.chunk_of(8, [psi]) == 2
+    assert same(run_local(2, Deterministic(8), prec, steps=2, cfg=cfg), loop), (model, prec, "chunks")
+
+
 def run_local(m, det, prec="fp32", steps=4, B=16, cfg=CFG):
     mod = registry.build(cfg, SEED)
     mod = mod if prec == "fp32" else precision.cast_module(mod, prec)
@@ -164,13 +202,13 @@ def test_refusals_name_the_reason():
 
 def test_layouts_same_bits_under_mpiexec():
     """One launch of 4 ranks: every dp / ZeRO / pp / dp x pp / tp 2 (+SP) case equal to one
-    process, float32 and bf16; with tp_blocks = 4, tp 2 and tp 4 (+SP); Llama at tp 2 and tp 4
-    (those in 2 steps); a MoE GPT at dp 2 x ep 2 (ZeRO 0 and 3) and dp 4 x ep 2 with ZeRO-1;
-    the default mode's controls (dense dp 4 m 2, MoE dp 4 x ep 2) not equal. 4 steps, not 20
-    (the suite's budget); a step's bits are a function of the state's bits and the batch, so
-    equality at every step is an induction (``mpiexec -n 4 python tests/workers/deterministic.py
-    --steps 20`` runs it)."""
-    out = mpirun(4, "tests/workers/deterministic.py", "--steps", "4", timeout=300)
+    process after the issue's 20 AdamW steps, float32 and bf16: every dp / ZeRO / pp / dp x pp /
+    tp 2 (+SP) case, and a MoE GPT at dp 2 x ep 2 (ZeRO 0 and 3) and dp 4 x ep 2 with ZeRO-1;
+    beyond the issue's grid, with tp_blocks = 4, tp 2 and tp 4 (+SP) and Llama at tp 2 and tp 4
+    (those in 2 steps: a step's bits are a function of the state's bits and the batch, so
+    equality at every step is an induction); the default mode's controls (dense dp 4 m 2, MoE
+    dp 4 x ep 2) not equal."""
+    out = mpirun(4, "tests/workers/deterministic.py", "--steps", "20", timeout=400)
     rows = reports(out)
     cases = {r["case"] for r in rows}
     precs = ("fp32", "bf16")
@@ -193,8 +231,8 @@ def test_layouts_same_bits_under_mpiexec():
 
 def test_dp_tp_pp_same_bits_under_mpiexec():
     """One launch of 8 ranks: dp 2 x tp 2 x pp 2 (1f1b), float32, and bf16 with sequence
-    parallelism, equal to one process bit for bit (2 steps: the induction above)."""
-    rows = reports(mpirun(8, "tests/workers/deterministic.py", "--steps", "2", timeout=300))
+    parallelism, equal to one process bit for bit after 20 steps."""
+    rows = reports(mpirun(8, "tests/workers/deterministic.py", "--steps", "20", timeout=400))
     assert {r["case"] for r in rows} == {"fp32.dp2xtp2xpp2", "bf16.dp2xtp2xpp2.sp"} and len(rows) == 16, rows
     bad = [r for r in rows if not r["equal"]]
     assert not bad, bad

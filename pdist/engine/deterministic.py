@@ -17,8 +17,9 @@ shape of its tree, and every layout that splits a batch sum (over ranks, over
 micro-batches) changes the tree. The mode fixes it:
 
 * Granules. The global batch of B rows is cut into G granules of g = B / G rows (G, a
-  power of two, does not depend on the layout; default 16). Each granule runs its own
-  forward and backward, so every op (every BLAS call, every row sum inside LayerNorm's
+  power of two, does not depend on the layout; default 16). Each granule is computed as
+  its own forward and backward would compute it (one batched pass over a rank's granules
+  gives those bits: pdist/parallel/deterministic_batched.py), so every op (every BLAS call, every row sum inside LayerNorm's
   gain gradient, every scatter-add of the embedding) sees the same shapes and the same
   data in every layout: granule j's gradient d_j = dL_j/dw (L_j: the mean loss over its
   g T tokens) has the same bits everywhere.
@@ -35,8 +36,8 @@ micro-batches) changes the tree. The mode fixes it:
   root, the same in every layout.
 
 The default mode is untouched: a strategy without this policy runs today's code.
-Cost: G forwards and backwards of g rows instead of m of B/(dp m), and one flat fp32 copy
-of the gradients per granule (bench/deterministic.py measures the ratio).
+Cost: per-granule GEMMs and gradient stacks in one pass (a pipeline: G passes of g rows), and
+one flat fp32 copy of the gradients per granule of a chunk (bench/deterministic.py measures the ratio).
 """
 import numpy as np
 
@@ -60,8 +61,8 @@ class GranuleTree:
     def __init__(self):
         self.nodes = {}
 
-    def add(self, index, value):
-        level = 0
+    def add(self, index, value, level=0):
+        """Node (level, index) (a leaf at level 0; a whole subtree summed elsewhere above)."""
         while (level, index ^ 1) in self.nodes:
             sib = self.nodes.pop((level, index ^ 1))
             left, right = (sib, value) if index & 1 else (value, sib)
@@ -84,13 +85,15 @@ class Deterministic:
     cross-entropy; pdist/parallel/tensor/blocks.py); ``shards``: the data-parallel ranks the batch is cut over (set by
     DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
-    data-parallel wrapper."""
+    data-parallel wrapper; ``batched``: the rank's granules in one pass, the same bits
+    (pdist/parallel/deterministic_batched.py; False: one pass per granule)."""
 
-    def __init__(self, granules=DEFAULT_GRANULES, tp_blocks=TP_BLOCKS):
+    def __init__(self, granules=DEFAULT_GRANULES, tp_blocks=TP_BLOCKS, batched=True):
         for name, v in (("granules", granules), ("tp_blocks", tp_blocks)):
             if not _pow2(v):
                 raise ValueError(f"deterministic mode: {name} must be a power of two, got {v!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
+        self.batched = bool(batched)    # one pass over the rank's granules where it applies (deterministic_batched.py)
         self.tp_blocks = int(tp_blocks)  # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
         self.experts = None             # expert parallelism's per-source trees (pdist/parallel/expert_deterministic.py)
@@ -98,7 +101,7 @@ class Deterministic:
     @classmethod
     def of(cls, arg):
         """``True`` -> the default policy (G = 16, tp_blocks = 2); an int -> that many granules;
-        a dict -> ``Deterministic(**arg)`` (``dict(granules=16, tp_blocks=4)``); a policy -> itself;
+        a dict -> ``Deterministic(**arg)`` (``dict(granules=16, tp_blocks=4, batched=True)``); a policy -> itself;
         ``False``/``None`` -> None (the default mode)."""
         if arg is None or arg is False:
             return None
@@ -107,10 +110,10 @@ class Deterministic:
         if arg is True:
             return cls()
         if isinstance(arg, dict):
-            unknown = sorted(set(arg) - {"granules", "tp_blocks"})
+            unknown = sorted(set(arg) - {"granules", "tp_blocks", "batched"})
             if unknown:
                 raise ValueError(f"deterministic mode: unknown option(s) {unknown}; use granules=<power of two>, "
-                                 "tp_blocks=<power of two>")
+                                 "tp_blocks=<power of two>, batched=<bool>")
             return cls(**arg)
         return cls(arg)
 
@@ -184,7 +187,8 @@ class Deterministic:
         self.root = None
 
     def __repr__(self):
-        return f"Deterministic(granules={self.granules}, tp_blocks={self.tp_blocks})"
+        return (f"Deterministic(granules={self.granules}, tp_blocks={self.tp_blocks}"
+                f"{'' if self.batched else ', batched=False'})")
 
 
 __all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]

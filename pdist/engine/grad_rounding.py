@@ -192,6 +192,7 @@ class PartialGrads(FullPartialGrads):
         def keep(g):                                   # g: this backward's partial, compute dtype
             self.parts.setdefault(id(p), []).append(xp.array(g, copy=True))   # (ZeRO-3 may have freed p.data)
             return xp.zeros(g.shape, dtype=p.dtype)    # .grad gets 0: the value comes in finish
+        keep.elementwise = True                        # also on a deterministic batched pass's stacks
         return keep
 
     def reset(self):

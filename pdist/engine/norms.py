@@ -85,7 +85,7 @@ class RMSNorm(Function):
         nx, nw = self.needs_input_grad[:2]
         g2 = g.reshape(xhat.shape)  # (N, C)
         gxh = g2 * xhat  # (N, C)
-        gw = token_col_sums(gxh, self.shape, self.token_blocks) if nw else None
+        gw = token_col_sums(gxh, self.shape, self.token_blocks) if nw else None   # (C,); batched: (G, C)
         gx = None
         if nx:
             c = (gxh @ w)[:, None] / xhat.shape[1]  # mean(dxhat xhat), (N, 1)

@@ -48,8 +48,8 @@ import numpy as np
 
 from pdist.engine import functional as F
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine import backend
-from pdist.engine.backend import is_low, scatter_add, to_numpy, xp
+from pdist.engine import backend, granules
+from pdist.engine.backend import is_low, to_numpy, xp
 from pdist.engine.grad_rounding import (FullGradAccumulator, FullPartialGrads, FullPipelineGrads, GradAccumulator,
                                         PartialGrads, PipelineGrads)
 from pdist.engine.index_checks import check_indices
@@ -146,8 +146,7 @@ class LowEmbedding(Function):
         return w[idx].astype(dtype)
 
     def backward(self, g):
-        gw = xp.zeros(self.wshape, dtype=g.dtype)                                          # (V, C)
-        scatter_add(gw, self.idx.reshape(-1), g.reshape(-1, self.wshape[1]))
+        gw = granules.embedding_grad(self.wshape, g.dtype, self.idx, g)                    # (V, C); batched: (G, V, C)
         return (gw if self.keep else gw.astype(self.wdtype)), None
 
 

@@ -1,5 +1,6 @@
 """Row and column sums as BLAS products, shared by the fused ops (functional, norms,
 activations, attention): a cached vector of ones makes ``a.sum(-1)`` one gemv."""
+from pdist.engine import granules
 from pdist.engine.backend import xp
 
 _ones_cache = {}
@@ -33,15 +34,17 @@ def token_col_sums(a2, shape, blocks):
     """``col_sums`` of a2 (N, C), the rows of an activation of ``shape`` (..., T, C), as
     ``blocks`` blocks of the T axis, each summed alone, then added as a balanced tree: the
     deterministic mode's token shards (docs/deterministic.md), the sums a sequence-parallel
-    rank makes over its T / blocks tokens. ``blocks`` = 1: ``col_sums``."""
+    rank makes over its T / blocks tokens. ``blocks`` = 1: ``col_sums``. A parameter's gradient:
+    in the batched pass (pdist/engine/granules.py) one sum per granule, a (G, C) stack."""
     if blocks == 1:
-        return col_sums(a2)
+        return granules.col_sums(a2, _ones)
     T, C = shape[-2], a2.shape[1]
     if T % blocks:
         raise ValueError(f"deterministic mode: the sequence length T = {T} does not split into {blocks} "
                          f"token blocks (the token shards of sequence parallelism); use T divisible by {blocks}")
     a3, n = a2.reshape(-1, T, C), T // blocks                                          # (B, T, C)
-    parts = [col_sums(xp.ascontiguousarray(a3[:, k * n:(k + 1) * n]).reshape(-1, C)) for k in range(blocks)]
+    parts = [granules.col_sums(xp.ascontiguousarray(a3[:, k * n:(k + 1) * n]).reshape(-1, C), _ones)
+             for k in range(blocks)]
     while len(parts) > 1:
         parts = [parts[i] + parts[i + 1] for i in range(0, len(parts), 2)]
     return parts[0]

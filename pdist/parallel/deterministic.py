@@ -25,6 +25,7 @@ from pdist.engine.backend import to_numpy, words, xp
 from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks, trace
 from pdist.models.plan import plan_of
+from pdist.parallel.deterministic_batched import batchable, batched_compute
 from pdist.parallel.tensor.transform import block_model, blockable
 
 
@@ -58,10 +59,13 @@ def check_tp(det, tp, model, sequence_parallel=False):
 
 
 def deterministic_compute(local, x, y, loss_scale=1.0):
-    """``Local.compute`` in the mode: one forward and backward per granule of this rank's rows
+    """``Local.compute`` in the mode: the batched pass where it applies (``batchable``,
+    pdist/parallel/deterministic_batched.py), else one forward and backward per granule of this rank's rows
     (the micro-batches are blocks of them), each granule's gradient a leaf of the tree
     (``GranuleTree``, keyed by the granule's index); this rank's subtree goes to ``det.root``.
     Returns the mean of the granules' losses. ``loss_scale`` S multiplies each granule's loss."""
+    if batchable(local.deterministic, local.module):      # the same bits in one pass per chunk of granules
+        return batched_compute(local, x, y, loss_scale)
     det, params, k = local.deterministic, local.parameters(), local.microbatches
     count, g = det.local_granules(len(x))
     tree, losses, per_mb = GranuleTree(), [], count // k

@@ -13,7 +13,7 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
 * dp 2, on the two halves of the world at once (``DataParallel``/``ZeRO`` over a sub-group;
   half 0 float32, half 1 bf16): m in {1, 2, 4}, ZeRO 1-3;
 * pp 2 on the halves (``PipelineParallel`` over a sub-group), every schedule, and dp 2 x pp 2
-  (``parallelize``, 1f1b and ZeRO-1 + interleaved), on a 4-layer GPT with G = 8 granules
+  (``parallelize``, 1f1b and ZeRO-1 + interleaved), on a 4-layer GPT with G = 4 granules
   (under a pipeline a micro-batch is one granule: dp * m = G);
 * tp 2 on the halves (``TensorParallel`` over a sub-group), with and without sequence
   parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
@@ -55,13 +55,13 @@ batch = data.batch_fn(tokens, B, T, SEED, cfg.vocab_size)
 PRECS = ("fp32", "bf16")
 
 
-CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 8   # the pipeline cases
+CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 4   # the pipeline cases
 CFGE, GE = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16, n_expert=4, expert_top_k=2,
                              capacity_factor=1.0, router_aux_loss_coef=0.01), 8   # the MoE / ep cases
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
 CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
 CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
-G2, S2 = 2, max(1, args.steps // 2)    # the tp_blocks = 4 and Llama tp cases: 2 granules, half the steps
+G2, S2 = 2, min(2, args.steps)    # the tp_blocks = 4 and Llama tp cases (beyond the grid): 2 granules, 2 steps
 B4 = dict(granules=G2, tp_blocks=4)     # a dict: each Local gets its own policy
 
 

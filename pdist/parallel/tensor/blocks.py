@@ -27,7 +27,7 @@ whatever order the backward walk reaches them; a rank does the same on its block
 """
 import weakref
 
-from pdist.engine import precision
+from pdist.engine import granules, precision
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
 from pdist.engine.reductions import token_col_sums
@@ -56,11 +56,12 @@ class _Take(Function):
         return xp.ascontiguousarray(cut.take(a))
 
     def backward(self, g):
-        out, d = xp.zeros(self.shape, dtype=g.dtype), self.cut.dim
+        lead = g.shape[:1] if granules.stacks(g, len(self.shape)) else ()    # a weight's (G, ...) stack
+        out, d, pre = xp.zeros(lead + self.shape, dtype=g.dtype), self.cut.dim, (slice(None),) * len(lead)
         for sl, off in self.cut.blocks(self.shape):
             box = list(sl)
             box[d] = slice(off[d], off[d] + sl[d].stop - sl[d].start)
-            out[tuple(box)] = g[sl]
+            out[pre + tuple(box)] = g[pre + tuple(sl)]
         return out
 
 

@@ -25,9 +25,9 @@ split the vocabulary so that no rank ever holds the full logits.
 import numpy as np
 
 from pdist import nn
-from pdist.engine import precision
+from pdist.engine import granules, precision
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine.backend import asarray, default_dtype, scatter_add, xp
+from pdist.engine.backend import asarray, default_dtype, xp
 from pdist.engine.index_checks import check_indices
 from pdist.comm import default_group
 from pdist.parallel.layout import Cut
@@ -179,10 +179,8 @@ class _VocabParallelEmbedding(Function):
         return w[self.local] * self.keep[..., None]  # (B, T, C)
 
     def backward(self, g):
-        gw = xp.zeros(self.wshape, dtype=g.dtype)
         g = g * self.keep[..., None]
-        scatter_add(gw, self.local.reshape(-1), g.reshape(-1, self.wshape[1]))
-        return gw, None, None
+        return granules.embedding_grad(self.wshape, g.dtype, self.local, g), None, None   # batched: (G, V/t, C)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -242,12 +240,19 @@ class _VocabParallelCrossEntropy(Function):
         nll = xp.log(sums[0]) - sums[1]  # (N,)
         self.p = e / sums[0][:, None]  # softmax on my slice (N, V/t)
         self.rows, self.local_y, self.mine, self.shape = rows, local_y, mine, logits.shape
+        G = granules.count()
+        if G is not None:                # the deterministic mode's batched pass: each granule's mean, (G,)
+            return xp.asarray(nll.reshape(G, -1).sum(axis=1) / (z.shape[0] // G), dtype=logits.dtype)
         return xp.asarray(nll.sum() / z.shape[0], dtype=logits.dtype)
 
     def backward(self, g):
         d = self.p
         d[self.rows, self.local_y] -= self.mine.astype(d.dtype)
-        d *= g / d.shape[0]
+        if g.ndim:                       # batched: granule j's rows scaled by g_j / its rows
+            d3 = d.reshape(g.shape[0], -1, d.shape[-1])
+            d3 *= (g / d3.shape[1])[:, None, None]
+        else:
+            d *= g / d.shape[0]
         return d.reshape(self.shape), None
 
 
