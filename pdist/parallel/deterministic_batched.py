@@ -36,7 +36,11 @@ STACK_BYTES = 64 << 20          # the fp32 leaves of one chunk of granules (larg
 
 def batchable(det, module):
     """True when the batched pass gives the loop's bits for ``module`` (module docstring);
-    read once per module."""
+    read once per module. Not while the model has forward hooks (a fingerprint recorder,
+    pdist/measure/fingerprint.py): a hook sees one call per granule in the loop, and the same
+    bits, but one call over a chunk of granules in the batched pass."""
+    if module._pre_hooks or module._post_hooks:
+        return False
     key = id(module)
     if getattr(det, "_batchable", (None,))[0] != key:
         ok = det.batched and not getattr(getattr(module, "config", None), "n_expert", 0)
