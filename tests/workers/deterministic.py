@@ -17,7 +17,7 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   (under a pipeline a micro-batch is one granule: dp * m = G);
 * tp 2 on the halves (``TensorParallel`` over a sub-group), with and without sequence
   parallelism, and at 8 ranks dp 2 x tp 2 x pp 2 (float32; bf16 with SP), with G = 4;
-* a MoE GPT with G = 8 (``experts``): dp 2 x ep 2 on the halves (ZeRO 0 and 3), dp 4 x ep 2
+* a MoE GPT with G = 4 (``experts``): dp 2 x ep 2 on the halves (ZeRO 0 and 3), dp 4 x ep 2
   with ZeRO-1.
 * tp_blocks = 4 (``deterministic=dict(granules=2, tp_blocks=4)``, a 4-head GPT): tp 2 on the
   halves (float32 with SP, bf16 without) and tp 4 on the world (float32 with and without SP,
@@ -57,7 +57,7 @@ PRECS = ("fp32", "bf16")
 
 CFG4, G4 = lesson.gpt_config(64, block_size=T, n_layer=4, n_head=2, n_embd=16), 4   # the pipeline cases
 CFGE, GE = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16, n_expert=4, expert_top_k=2,
-                             capacity_factor=1.0, router_aux_loss_coef=0.01), 8   # the MoE / ep cases
+                             capacity_factor=1.0, router_aux_loss_coef=0.01), 4   # the MoE / ep cases
 GT = 4            # the tensor-parallel cases: 4 granules (each granule's collectives cost the most)
 CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
 CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
