@@ -183,7 +183,7 @@ def _timed(n):
               f"{SUITE_FLOOR:.0%} of the step for a small part)")
         far = _misses({k: got[k] for k in quiet}, n, SUITE_TOL, SUITE_FLOOR)
         assert not far, "\n".join(measured_table.render(k, got[k]) for k in far)
-    return got, {k: got[k]["others_runnable"] for k in miss}
+    return got, {k: got[k]["others_runnable"] for k in miss if _busy(got[k])}
 
 
 def _unassessed(busy):
