@@ -47,7 +47,7 @@ FLUSH_S = 0.2          # then lets the launcher forward their output (Open MPI's
 DEFER_S = 0.5          # the longest a signal waits for the call it came in to finish (``_defer``)
 ALARM_S = 0.02         # how often a deferred signal looks for the end of that call
 
-_state = {"installed": False, "ending": False, "sigint": 0, "hook": None}
+_state = {"installed": False, "ending": False, "sigint": 0, "hook": None, "signal": None}
 
 
 def install():
@@ -112,6 +112,8 @@ def fail_exception(exc_type, exc, tb):
     if sig:
         first = f"KeyboardInterrupt ({sig})"
     stopped = isinstance(exc, watchdog.CollectiveTimeoutError) and exc.reason == "failed"
+    if stopped and not sig and _state["signal"]:   # this rank's own signal, deferred, was overtaken by
+        sig = _state["signal"]                     # a peer's stop (the same signal, there first)
     fail(text, first, sig.lower() if sig else "exception", "STOPPED" if stopped else "FAILED")
 
 
@@ -124,6 +126,7 @@ def _on_signal(signum, frame):
     outside pdist's calls; inside one, once it is over (``_defer``); a second one aborts."""
     _state["sigint"] += 1
     name = signal.Signals(signum).name
+    _state["signal"] = _state["signal"] or name
     if _state["ending"] and _state["sigint"] == 1:   # already reporting a failure: let it finish
         return
     if _state["sigint"] > 1:                  # a second Ctrl-C (or SIGTERM): no more waiting
