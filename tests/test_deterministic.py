@@ -9,7 +9,7 @@ ranks, tests/workers/deterministic.py): dp 2 and 4 with m in {1, 2, 4}, ZeRO 1-3
 process, and the default mode's control; and one launch of 8 ranks: dp 2 x tp 2 x pp 2."""
 import numpy as np
 import pytest
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from pdist import data
 from pdist.course import lesson
@@ -77,21 +77,52 @@ def test_fan_sums_a_shared_input_in_one_order():
 
 
 def test_blas_bits_at_a_fixed_shape():
-    """The mode gives every BLAS call a granule's fixed shape, so it needs only: the same shape
-    and data give the same bits, whatever the thread count (ranks on a node get fewer). It
-    does NOT need a row's bits to be independent of the rows around it: OpenBLAS picks other
-    kernels for other row counts (the report below), which is why granules run one by one."""
+    """The mode gives every BLAS call a granule's fixed shape and runs BLAS on one thread
+    (``exact_kernels``), so it needs only: on one thread, the same shape and data give the same
+    bits. It does NOT need a row's bits to be independent of the rows (or columns) around it,
+    nor of the thread count: OpenBLAS picks other kernels for other shapes, and its Haswell
+    sgemm (AMD EPYC without AVX-512) gives other bits at 2 threads (the report below)."""
+    from pdist.engine.deterministic import exact_kernels
     rng = np.random.default_rng(1)
+    moved = []
     for M, K, N in [(T, 16, 48), (4 * T, 16, 64), (512, 64, 256)]:
         x, w = rng.standard_normal((M, K), dtype=np.float32), rng.standard_normal((K, N), dtype=np.float32)
         g = rng.standard_normal((M, N), dtype=np.float32)
-        y, gw = x @ w, x.T @ g
-        with threadpool_limits(1):
-            assert np.array_equal(x @ w, y) and np.array_equal(x.T @ g, gw), (M, K, N)
+        y, gw = x @ w, x.T @ g                                 # the process's own thread count
+        with exact_kernels():
+            assert {i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"} == {1}
+            y1, gw1 = x @ w, x.T @ g
+            assert np.array_equal(x @ w, y1) and np.array_equal(x.T @ g, gw1), (M, K, N)
+        moved += [(M, K, N)] if not (np.array_equal(y, y1) and np.array_equal(gw, gw1)) else []
     x = rng.standard_normal((1024, 256), dtype=np.float32)
     w = rng.standard_normal((256, 1024), dtype=np.float32)
     rows_free = np.array_equal(x[:3] @ w, (x @ w)[:3])
-    print(f"a row's bits independent of the rows around it (1024x256 @ 256x1024): {rows_free}")
+    print(f"a row's bits independent of the rows around it (1024x256 @ 256x1024): {rows_free}; "
+          f"shapes whose bits the thread count moved: {moved}")
+
+
+def test_exact_scatter_gives_a_vocabulary_shard_one_processs_rows():
+    """The embeddings' gradient in the mode (backend.scatter_add, exact_rows): the rows a
+    vocabulary-parallel rank owns (its tokens' values, zeros for the tokens it does not own,
+    all at its local row 0) get the bits one process gives them; the one-hot GEMM and reduceat
+    do not promise it (they missed on OpenBLAS's Haswell sgemm: tp's embeddings parted)."""
+    from pdist.engine.backend import scatter_add
+    rng = np.random.default_rng(0)
+    for N, t in [(8, 2), (32, 2), (64, 4), (512, 2), (512, 4)]:
+        V, C = 64, 16
+        n, idx = V // t, rng.integers(0, V, N)
+        g = rng.standard_normal((N, C)).astype(np.float32)
+        one = np.zeros((V, C), np.float32)
+        scatter_add(one, idx, g, exact_rows=True)
+        seq = np.zeros((V, C), np.float32)
+        for i in range(N):                                   # the definition: one by one, in token order
+            seq[idx[i]] += g[i]
+        assert np.array_equal(one, seq), (N, t)
+        for r in range(t):
+            keep = (idx >= r * n) & (idx < (r + 1) * n)
+            shard = np.zeros((n, C), np.float32)
+            scatter_add(shard, np.where(keep, idx - r * n, 0), g * keep[:, None], exact_rows=True)
+            assert np.array_equal(shard, one[r * n:(r + 1) * n]), (N, t, r)
 
 
 @pytest.mark.parametrize("threads", [1, 2])

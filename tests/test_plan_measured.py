@@ -20,12 +20,15 @@ under the same conditions, not a time against a constant), agree with the measur
 within 15% (compare's rule), as measured_table.held_rows holds them: waiting in absolute time
 (5% of the step) where each rank has a core; waiting and comm as one (the time blocked in
 collectives) where 4 ranks share 2 cores. A layout that misses on a quiet machine is measured
-once more, and says so, before it counts (lesson 08); one that misses while other processes
-wanted the cores (the median count of runnable tasks beside the job's ranks at least QUIET) is
-not assessed, and the test says so (skip) after the checks above held. A layout that misses
-15% twice on a quiet machine is held to 30% (SUITE_TOL; a small part to 10% of the step,
-SUITE_FLOOR) and the test prints it: the suite runs beside itself on 2 cores, and a part of
-5-10% of a 3 ms step (tp's comm, the 2-rank waiting) moves by 0.05-0.4 ms; the
+again, up to AGAIN (2) more launches, and says so, before it counts (lesson 08); its launches
+are pooled (every launch's ranks beside the mean of their plans). One that misses while other
+processes wanted the cores (the median count of runnable tasks beside the job's ranks at least
+QUIET) is not assessed, and the test says so (skip) after the checks above held. A layout that
+still misses 15% pooled on a quiet machine is held to 30% (SUITE_TOL; a small part to 10% of
+the step, SUITE_FLOOR) and the test prints it: the suite runs beside itself on 2 cores, and a
+part of 5-10% of a 3 ms step (tp's comm, the 2-rank waiting) moves by 0.05-0.4 ms; where 4
+ranks share 2 cores the scheduler's slices move the blocked time of a 15 ms step by 2-3 ms
+between launches (.ci/run: -16% and -31% for dp2 x tp2 in two launches in a row); the
 15% figures are bench/plan_vs_measured.py's, on a quiet machine (docs/planning.md). A broken
 model (the plan not anchored on the calibration pass) misses by 8-13x, far outside either.
 """
@@ -44,7 +47,8 @@ W = ROOT / "tests" / "workers" / "plan_measured_worker.py"
 STEPS = "13"
 CORES = len(os.sched_getaffinity(0))
 QUIET = 1       # other runnable tasks (median) from which the machine counts as busy
-SUITE_TOL, SUITE_FLOOR = 0.30, 0.10   # a layout that missed 15% twice beside the suite: 30%, or 10% of the step
+SUITE_TOL, SUITE_FLOOR = 0.30, 0.10   # a layout that missed 15% in every launch pooled: 30%, or 10% of the step
+AGAIN = 2        # launches more for a layout that missed on a quiet machine
 
 
 def test_compare_verdicts_and_layout_errors():
@@ -160,27 +164,46 @@ def _busy(res):
     return b is not None and b >= QUIET
 
 
+def _pooled(runs):
+    """One layout measured in several launches as one result: every launch's ranks (the table's
+    mean over ranks then covers all of them) beside the mean of the launches' plans (each anchored
+    on its own calibration pass), and the most runnable tasks any launch saw."""
+    keys = {k for r in runs for k in r["plan"]}
+    out = dict(runs[-1], ranks=[rank for r in runs for rank in r["ranks"]],
+               plan={k: sum(r["plan"].get(k, 0.0) for r in runs) / len(runs) for k in keys})
+    seen = [r["others_runnable"] for r in runs if r.get("others_runnable") is not None]
+    out["others_runnable"] = max(seen) if seen else None
+    return out
+
+
 def _timed(n):
     """Every part of every layout within 15% of the measured one (as held_rows holds them); a layout
-    whose timings miss on a quiet machine is measured once more, and says so, before it counts
-    (lesson 08). A miss while other processes wanted the cores is not assessed (not measured again:
-    the load that made it is still there): the second value returned names those layouts."""
+    whose timings miss on a quiet machine is measured again, up to AGAIN more launches, and says
+    so, before it counts (lesson 08); its launches are then pooled (_pooled). A miss while other
+    processes wanted the cores is not assessed (not measured again: the load that made it is still
+    there): the second value returned names those layouts."""
     got = _launch(n)
     assert set(got) == set(NAMES[n]), got.keys()
+    runs = {k: [v] for k, v in got.items()}
     miss = _misses(got, n)
-    again = [k for k in miss if not _busy(got[k])]
-    if again:
+    for _ in range(AGAIN):
+        again = [k for k in miss if not _busy(got[k])]
+        if not again:
+            break
         print(f"(the timings of {again} may be disturbed by other processes; measuring again)")
         for name in again:
             print(measured_table.render(name, got[name]))
-        got.update(_launch(n, [NAMES[n].index(k) for k in again]))
+        for k, v in _launch(n, [NAMES[n].index(k) for k in again]).items():
+            runs[k].append(v)
+            got[k] = _pooled(runs[k])
         miss = {**{k: v for k, v in miss.items() if k not in again}, **_misses({k: got[k] for k in again}, n)}
     for name in got:
-        print(measured_table.render(name, got[name]))
+        print(measured_table.render(name, got[name]) + (f"\n  (pooled over {len(runs[name])} launches)"
+                                                       if len(runs[name]) > 1 else ""))
     quiet = {k: v for k, v in miss.items() if not _busy(got[k])}
-    if quiet:       # missed 15% twice on a quiet machine: the suite holds SUITE_TOL (module doc)
-        print(f"(the 15% claim missed twice on {sorted(quiet)}; held here to {SUITE_TOL:.0%}, or "
-              f"{SUITE_FLOOR:.0%} of the step for a small part)")
+    if quiet:       # missed 15% on a quiet machine in every launch pooled: the suite holds SUITE_TOL (module doc)
+        print(f"(the 15% claim missed on {sorted(quiet)}, pooled over {[len(runs[k]) for k in sorted(quiet)]} "
+              f"launches; held here to {SUITE_TOL:.0%}, or {SUITE_FLOOR:.0%} of the step for a small part)")
         far = _misses({k: got[k] for k in quiet}, n, SUITE_TOL, SUITE_FLOOR)
         assert not far, "\n".join(measured_table.render(k, got[k]) for k in far)
     return got, {k: got[k]["others_runnable"] for k in miss if _busy(got[k])}
@@ -206,3 +229,12 @@ def test_plan_beside_the_waterfall_4_ranks_and_2_nodes():
     sim = lambda lay, g: lay[g]["charged_s"]         # noqa: E731
     assert sim(across, "tp") > 5 * sim(inside, "tp") and sim(inside, "dp") > 5 * sim(across, "dp"), (inside, across)
     _unassessed(busy)
+
+
+def test_pooled_launches_mean_the_ranks_and_the_plans():
+    a = {"ranks": [{"parts": {"comm tp": 1.0}, "step_s": 4.0}], "plan": {"comm tp": 0.5}, "others_runnable": 0}
+    b = {"ranks": [{"parts": {"comm tp": 3.0}, "step_s": 6.0}], "plan": {"comm tp": 1.5, "x": 1.0}, "others_runnable": 2}
+    got = _pooled([a, b])
+    parts, step, _ = measured_table.side_by_side(got)
+    assert parts == {"comm tp": 2.0} and step == 5.0 and got["plan"] == {"comm tp": 1.0, "x": 0.5}
+    assert got["others_runnable"] == 2 and len(got["ranks"]) == 2

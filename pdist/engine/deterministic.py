@@ -39,12 +39,40 @@ The default mode is untouched: a strategy without this policy runs today's code.
 Cost: per-granule GEMMs and gradient stacks in one pass (a pipeline: G passes of g rows), and
 one flat fp32 copy of the gradients per granule of a chunk (bench/deterministic.py measures the ratio).
 """
+import contextlib
+
 import numpy as np
 
-from pdist.engine.backend import xp
+from pdist.engine import granules
+from pdist.engine.backend import is_gpu, xp
 
 DEFAULT_GRANULES = 16       # the largest dp * microbatches the default mode accepts
 TP_BLOCKS = 2               # every tensor-parallel sum in this many fixed blocks (default): the largest tp accepted
+
+
+_blas = {}
+
+
+@contextlib.contextmanager
+def exact_kernels():
+    """The mode's compute runs inside this: BLAS on ONE thread, and the embeddings' scatter-adds
+    by sorted runs (granules.exact_rows). Why: OpenBLAS cuts a GEMM's rows or columns among its
+    threads, and under some kernels (its Haswell sgemm, AMD EPYC without AVX-512) an output
+    element's bits depend on the block it falls in, so 2 threads give other bits than 1, and a
+    one-hot GEMM over a vocabulary-parallel rank's V/t rows other bits than one process's V
+    (tests/test_deterministic.py, test_blas_bits_at_a_fixed_shape). With one thread a GEMM's
+    bits depend only on its shape and data, which the granules and the tp blocks fix."""
+    with granules.exact_rows(), _one_blas_thread():
+        yield
+
+
+def _one_blas_thread():
+    if is_gpu():                                # pragma: no cover - GPU: cuBLAS, no host threads
+        return contextlib.nullcontext()
+    if "ctl" not in _blas:
+        from threadpoolctl import ThreadpoolController
+        _blas["ctl"] = ThreadpoolController()    # scans the loaded libraries once (ms); a limit is ~8 us
+    return _blas["ctl"].limit(limits=1, user_api="blas")
 
 
 def _pow2(n):

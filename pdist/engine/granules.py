@@ -24,7 +24,7 @@ import contextlib
 
 from pdist.engine.backend import scatter_add, xp
 
-_state = {"G": None}
+_state = {"G": None, "exact": False}
 
 
 @contextlib.contextmanager
@@ -35,6 +35,17 @@ def batched(G):
         yield
     finally:
         _state["G"] = prev
+
+
+@contextlib.contextmanager
+def exact_rows():
+    """The deterministic mode's compute (pdist/engine/deterministic.py, ``exact_kernels``): the
+    embeddings' scatter-adds by sorted runs, never a one-hot GEMM (backend.scatter_add)."""
+    prev, _state["exact"] = _state["exact"], True
+    try:
+        yield
+    finally:
+        _state["exact"] = prev
 
 
 def count():
@@ -79,14 +90,14 @@ def embedding_grad(wshape, dtype, idx, g):
     G, C = _state["G"], wshape[1]
     if G is None:
         gw = xp.zeros(wshape, dtype=dtype)
-        scatter_add(gw, idx.reshape(-1), g.reshape(-1, C))
+        scatter_add(gw, idx.reshape(-1), g.reshape(-1, C), _state["exact"])
         return gw
     gw = xp.zeros((G,) + tuple(wshape), dtype=dtype)                                      # (G, V, C)
     whole = g.ndim == idx.ndim + 2                                                        # g stacked
     idx_g = None if whole else idx.reshape(G, -1)
     g3 = g.reshape(G, -1, C)
     for j in range(G):
-        scatter_add(gw[j], (idx if whole else idx_g[j]).reshape(-1), g3[j])
+        scatter_add(gw[j], (idx if whole else idx_g[j]).reshape(-1), g3[j], True)
     return gw
 
 

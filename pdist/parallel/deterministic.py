@@ -22,7 +22,7 @@ import numpy as np
 from pdist.comm.algorithms import chunk_bounds
 from pdist.comm.mpi import contiguous_flat
 from pdist.engine.backend import to_numpy, words, xp
-from pdist.engine.deterministic import GranuleTree
+from pdist.engine.deterministic import GranuleTree, exact_kernels
 from pdist.measure import hooks, trace
 from pdist.models.plan import plan_of
 from pdist.parallel.deterministic_batched import batchable, batched_compute
@@ -64,8 +64,13 @@ def deterministic_compute(local, x, y, loss_scale=1.0):
     (the micro-batches are blocks of them), each granule's gradient a leaf of the tree
     (``GranuleTree``, keyed by the granule's index); this rank's subtree goes to ``det.root``.
     Returns the mean of the granules' losses. ``loss_scale`` S multiplies each granule's loss."""
-    if batchable(local.deterministic, local.module):      # the same bits in one pass per chunk of granules
-        return batched_compute(local, x, y, loss_scale)
+    with exact_kernels():                                 # one BLAS thread, exact scatter-adds
+        if batchable(local.deterministic, local.module):  # the same bits in one pass per chunk of granules
+            return batched_compute(local, x, y, loss_scale)
+        return _granule_loop(local, x, y, loss_scale)
+
+
+def _granule_loop(local, x, y, loss_scale):
     det, params, k = local.deterministic, local.parameters(), local.microbatches
     count, g = det.local_granules(len(x))
     tree, losses, per_mb = GranuleTree(), [], count // k

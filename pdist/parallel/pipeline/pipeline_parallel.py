@@ -40,6 +40,8 @@ every rank through the [loss, #non-finite] all-reduce, and every rank skips the 
 (mixed_precision.py).
 """
 
+import contextlib
+
 from pdist import nn
 from pdist.measure import hooks, trace
 from pdist.engine.autograd import Tensor
@@ -47,6 +49,7 @@ from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.moe import stage_aux
 from pdist.models.plan import get, plan_of
 from pdist.parallel.base import ParallelModule
+from pdist.engine.deterministic import exact_kernels
 from pdist.parallel.deterministic import PipelineTree
 from pdist.parallel.pipeline.stages import partition_layers, stage_chunks
 from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, OPTIMIZER_STEP,
@@ -160,6 +163,13 @@ class PipelineParallel(ParallelModule):
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
+        with exact_kernels() if self.deterministic is not None else contextlib.nullcontext():
+            self._run_program()
+        self._keeper.finish()                        # bf16/fp16: round(Σ_mb fp32(g_mb) / m), one rounding
+        # the last stage's micro-batch losses in one device -> host copy per step
+        return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
+
+    def _run_program(self):
         for j, ins in enumerate(self.program):
             if j in self._plan:
                 self._post(self._plan[j])
@@ -168,9 +178,6 @@ class PipelineParallel(ParallelModule):
                     self._dispatch[ins.op](ins)
             else:
                 self._dispatch[ins.op](ins)
-        self._keeper.finish()                        # bf16/fp16: round(Σ_mb fp32(g_mb) / m), one rounding
-        # the last stage's micro-batch losses in one device -> host copy per step
-        return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
 
     def finish_grad_sync(self):
         """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dW =
