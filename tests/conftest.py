@@ -269,8 +269,31 @@ def compile_bytecode():
 def pytest_runtest_protocol(item, nextitem):
     mark = item.get_closest_marker("cores")
     want = 1 if mark is None else UNITS if mark.args[0] == "all" else int(mark.args[0])
-    with holding(want):
+    with holding(want), _cpu_seconds(item.nodeid):
         yield
+
+
+@contextlib.contextmanager
+def _cpu_seconds(nodeid):
+    """``PDIST_TEST_CPU=FILE``: one JSON line per test, its CPU seconds (the worker's own and its
+    waited-for children's: every launch's mpiexec and ranks), a load-independent cost; the
+    suite's budget is kept by these (``sort`` them to see the largest)."""
+    path = os.environ.get("PDIST_TEST_CPU")
+    if not path:
+        yield
+        return
+    import json
+    import resource
+
+    def now():
+        a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+        return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+    t0 = now()
+    try:
+        yield
+    finally:
+        with open(path, "a") as f:
+            f.write(json.dumps({"test": nodeid, "cpu_s": round(now() - t0, 2)}) + "\n")
 
 
 def pytest_unconfigure(config):
