@@ -43,8 +43,8 @@ accumulation: k backward passes, and the all-reduce follows the last one.
   LayerNorm grads, a pipeline's tied embedding), every bucket is issued after that.
   The last bucket (the first parameters registered, whose gradients backward finishes
   last) has no backward left to overlap with: it runs as a blocking all-reduce in
-  ``finish_grad_sync`` (MPI's blocking Allreduce; its non-blocking twin is the slower one
-  at the default bucket size, docs/performance.md).
+  ``finish_grad_sync`` (MPI's blocking Allreduce instead of its non-blocking twin, which
+  took 1.1-1.3x as long at 25 MiB on 2 ranks here, 2026-12-02; docs/performance.md).
 
 The 1/n of the mean. With n a power of two and float32/float64 buckets on the host, the
 1/n rides on the loss instead of a pass over every bucket after the sum: backward runs
