@@ -15,9 +15,10 @@ Columns, in-place float32 sum, S bytes per rank:
            payload of <= 64 KiB carries its check in one message each way (pair.py), so
            "mpi/raw" is the whole price of a checked call
 * mpi-nochk  the same with ``PDIST_CHECK_COLLECTIVES=0`` behaviour
-* ddp-sync ``pg.all_reduce(x, op="avg", async_op=True).wait()``: DDP's bucket sync
-           (pdist.parallel.data_parallel), the division by n included; "ddp/raw" its
-           bus bandwidth over raw MPI's at the same size
+* ddp-sync ``pg.all_reduce(x, async_op=True).wait()``: DDP's sync of a bucket that backward
+           overlaps (pdist.parallel.data_parallel: op "sum", the 1/n rides on the loss; its
+           last bucket is a blocking call, the "mpi" column); "ddp/raw" its bus bandwidth
+           over raw MPI's at the same size
 * ring / naive  the hand-built algorithms (algorithms.py)
 * memcpy   one core's ``np.copyto`` bandwidth (S / t): the physical reference,
            since on one node every byte moved is a memory copy
@@ -57,7 +58,7 @@ def methods(g, raw, x):
     return {"raw": lambda: raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
             "raw+fp": lambda: raw.Allreduce(MPI.IN_PLACE, fp, MPI.MAX) or raw.Allreduce(MPI.IN_PLACE, x, MPI.SUM),
             "mpi": lambda: g.all_reduce(x, algorithm="mpi"),
-            "ddp-sync": lambda: g.all_reduce(x, op="avg", async_op=True).wait(),
+            "ddp-sync": lambda: g.all_reduce(x, async_op=True).wait(),
             "mpi-nochk": nochk,
             "ring": lambda: g.all_reduce(x, algorithm="ring"),
             "naive": lambda: g.all_reduce(x, algorithm="naive")}

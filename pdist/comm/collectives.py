@@ -35,14 +35,17 @@ class Collectives:
 
     def all_reduce(self, buf, op="sum", algorithm=None, async_op=False):
         """buf <- buf_0 (op) ... (op) buf_{n-1} on every rank (op: sum, avg, max, min). Two
-        ranks, a small NumPy buffer: one exchange carries the payload and its check (pair.py)."""
+        ranks, a small NumPy buffer: one exchange carries the payload and its check (pair.py),
+        blocking or async."""
         pre, pair = None, self._pair
-        if pair is not None and not async_op:
+        if pair is not None:
             slot = pair.fused(self, buf, op, algorithm)
-            if slot is not None:
+            if slot is not None and not async_op:
                 pre = self._settle(None) if self._pending else None
                 if pre is None:
                     return pair.all_reduce(self, buf, op, slot)
+            elif slot is not None and self.check:          # async: the payload rides on its check
+                return pair.all_reduce_async(self, buf, op)
         flat, err = self._flat(buf, "all_reduce buf")
         err = pre or err or self._redop_error(op, buf.dtype)
         hand = {"naive": lambda t: alg.allreduce_naive(t, flat, op),

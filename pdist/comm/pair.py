@@ -5,9 +5,10 @@ Math. In a group of two ranks r and q = 1 - r, the check of check.py (max f == m
 the ranks' fingerprints f) is f_r == f_q: one exchange of f, compared on both sides. An
 all-reduce of two ranks is one exchange too, x <- x_r (op) x_q. So a small all-reduce sends
 
-    m_r = [ f_r (11 int64, 88 bytes) | x_r (the payload's bytes) ]
+    m_r = [ f_r (11 int64) | p_r (1 int64) | x_r (the payload's bytes) ]     (header: 96 bytes)
 
-receives m_q, checks f_q == f_r (bytewise) and reduces. IEEE addition, max and min are
+(p_r: the payload's byte count, 0 when the message carries none), receives m_q, checks
+[f_q | p_q] == [f_r | p_r] (bytewise) and reduces. IEEE addition, max and min are
 commutative (x_0 + x_1 == x_1 + x_0, bit for bit), so both ranks hold the same bits, the
 bits of MPI's own two-rank Allreduce (one addition; Thakur, Rabenseifner & Gropp 2005,
 "Optimization of collective communication operations in MPICH": recursive doubling, one
@@ -22,8 +23,11 @@ truncates one. Messages match in issue order (MPI's non-overtaking rule for one 
 communicator and tag). Whether a call is fused is decided by its fingerprint alone
 (op all_reduce, blocking, algorithm "mpi", payload <= ``SMALL_BYTES``, a NumPy dtype of
 ``FUSED``, no local error): equal headers mean both ranks fused, or neither did. (The one
-exception, a NumPy array on one rank and a device array on the other, shows in the
-message's length, and both ranks refuse it.)
+exception, a NumPy array on one rank and a device array on the other, shows in p: one
+rank's is 0, and both ranks refuse it.) With the check off (``pg.check = False``) the small
+call takes the same one-message path and skips only the comparison: the cheapest way to
+move it either way (MPI's own Iallreduce, which a checks-off call would otherwise take for
+its deadline, is the slower one at 8 B: docs/collectives.md).
 
 Never a hang: the exchange is non-blocking requests finished by ``mpi.wait_all`` (the
 watchdog's deadline and control channel). Cost: persistent requests (MPI_Send_init,
@@ -35,16 +39,17 @@ import struct
 
 import numpy as np
 
-from pdist.comm import flight_recorder
 from pdist.comm.check import K, _ALG, _OP, _RED, _verdict, dtype_code
-from pdist.comm.flight_recorder import _batch, _cur, _step
+from pdist.comm.flight_recorder import ON_ENTER, Entry, _batch, _cur, _flight, _step
 from pdist.comm.mpi import MPI, wait_all
+from pdist.comm.work import Work
 from pdist.measure import blocked, trace
+from pdist.measure.trace import _cfg as _trace_on    # {"on": ...}: record a span only when tracing
 
 SMALL_BYTES = 65536                # payloads up to this many bytes ride with the fingerprint
-HEAD = 8 * K                       # the fingerprint's bytes, at the front of every message
+HEAD = 8 * (K + 1)                 # the fingerprint and the payload's length, at the front of every message
 TAG = 3
-_HEAD = struct.Struct(f"={K}q")    # native order, 8 bytes per field, no padding
+_HEAD = struct.Struct(f"={K + 1}q")  # native order, 8 bytes per field, no padding
 FUSED = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "int32", "int64",
                                         "uint8", "uint16", "uint32", "uint64"))
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
@@ -59,8 +64,8 @@ class PairCheck:
         self.comm, self.peer, self.name = group._fp, 1 - group.rank, group.name
         self.sbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)        # (HEAD + SMALL_BYTES,) bytes
         self.rbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)
-        self.shead, self.rhead = memoryview(self.sbuf)[:HEAD], memoryview(self.rbuf)[:HEAD]
-        self.status = [MPI.Status(), MPI.Status()]
+        # the headers as int64 views: comparing 12 items is ~8x cheaper than 96 bytes ('B')
+        self.shead, self.rhead = (memoryview(b)[:HEAD].cast("q") for b in (self.sbuf, self.rbuf))
         self._requests()
 
     def _requests(self):
@@ -77,26 +82,24 @@ class PairCheck:
             req = self.sends[nbytes] = self.comm.Send_init(self.sbuf[:nbytes], self.peer, TAG)
         return req
 
-    def _exchange(self, fp, nbytes):
-        """Send [fp | the nbytes already in sbuf's payload], receive the partner's message;
-        True when its header equals ours and its payload is as long as ours (a partner with
-        an equal header that did not fuse, or fused when this rank did not: a device array
-        on one rank, a NumPy one on the other)."""
-        _HEAD.pack_into(self.sbuf, 0, *fp)
-        reqs = [self.recv, self._send(HEAD + nbytes)]
+    def _exchange(self, fp):
+        """Send [fp | 0] (no payload), receive the partner's message; True when its header
+        equals ours (a partner that fused an equal call sends a non-zero payload length)."""
+        _HEAD.pack_into(self.sbuf, 0, *fp, 0)
+        reqs = [self.recv, self._send(HEAD)]
         MPI.Prequest.Startall(reqs)
         try:
-            wait_all(reqs, self.status)
+            wait_all(reqs)
         except BaseException:
             self._requests()                   # the old ones may still be active
             raise
-        return self.shead == self.rhead and self.status[0].Get_count(MPI.BYTE) == HEAD + nbytes
+        return self.shead == self.rhead
 
     def judge(self, g, fp, error, describe, rbuf):
         """Raise the group's CollectiveMismatchError on both ranks unless the partner's
         header (at the front of ``rbuf``) equals ``fp`` and neither rank has an error."""
-        theirs = _HEAD.unpack_from(rbuf, 0)
-        if list(theirs) == fp and not error:   # equal headers, one payload fused and one not
+        theirs = _HEAD.unpack_from(rbuf, 0)[:K]
+        if list(theirs) == fp and not error:   # equal fingerprints, one payload fused and one not
             error = ("one rank's all_reduce carried its payload in the check (a NumPy array of <= "
                      f"{SMALL_BYTES} bytes), the other's did not: pass the same kind of array (NumPy or "
                      "device) on every rank")
@@ -106,30 +109,61 @@ class PairCheck:
 
     def agree(self, g, fp, error, describe):
         """check.agree for two ranks: one header exchange."""
-        if not self._exchange(fp, 0) or error:
+        if not self._exchange(fp) or error:
             self.judge(g, fp, error, describe, self.rbuf)
 
-    def start(self, g, fp, error, describe):
-        """check.agree_start for two ranks: the exchange posted now, judged by ``finish()``."""
-        send, recv = np.array(fp, np.int64), np.empty(HEAD + SMALL_BYTES, np.uint8)
+    def start(self, g, fp, error, describe, carry=None):
+        """check.agree_start for two ranks: the exchange posted now, judged by ``finish()``.
+        ``carry``: [buf, recv, None] of ``all_reduce_async``: buf's bytes ride after the
+        header, the partner's land in recv, and carry[2] becomes the exchange's ``ready``."""
+        if carry is None:
+            send, recv = np.array(fp + [0], np.int64).view(np.uint8), np.empty(HEAD + SMALL_BYTES, np.uint8)
+        else:
+            buf, recv = carry[0], carry[1]
+            send = np.empty(HEAD + buf.nbytes, np.uint8)                  # (HEAD + nbytes,) bytes
+            _HEAD.pack_into(send, 0, *fp, buf.nbytes)
+            send[HEAD:].view(buf.dtype)[...] = buf.reshape(-1)
         reqs = [self.comm.Irecv(recv, self.peer, TAG), self.comm.Isend(send, self.peer, TAG)]
 
         def finish():
             wait_all(reqs)
-            if error or recv[:HEAD].tobytes() != send.tobytes():
+            if error or recv[:HEAD].tobytes() != send[:HEAD].tobytes():
                 self.judge(g, fp, error, describe, recv)
         finish.ready = lambda: MPI.Request.Testall(reqs)
+        if carry is not None:
+            carry[2] = finish.ready
         return finish
+
+    def all_reduce_async(self, g, buf, op):
+        """The async small all-reduce: its payload rides on the check's message (``start``),
+        so ``wait()`` judges the header and reduces, buf <- buf_r (op) buf_q: one message each
+        way instead of the check's and MPI's Iallreduce (the group's ``_run`` does the rest:
+        sequence, flight recorder, pending check, trace, bytes)."""
+        n, recv = buf.nbytes, np.empty(HEAD + SMALL_BYTES, np.uint8)  # the largest message fits
+        rview, ufunc = recv[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape), _UFUNC[op]
+        carry = [buf, recv, None]
+
+        def then():                            # after the check passed (Work._finish)
+            ufunc(buf, rview, buf)
+            if op == "avg":
+                np.multiply(buf, 0.5, out=buf)  # == buf / 2, bit for bit
+
+        def native(c, nb):
+            return Work(wait=_nothing, test=lambda: carry[2]())
+        return g._run("all_reduce", buf.reshape(-1), n, native, {}, "mpi", True, redop=op, then=then,
+                      keep=(buf, recv), carry=carry)
 
     # ------------------------------------------------------ the fused all-reduce
     def fused(self, g, buf, op, algorithm):
         """This blocking all_reduce's slot (sizes, views, dtype code, trace args) when it is
         fused, else None. Only its fingerprint's fields decide, and the group's own state
-        (check on, no simulated link), the same on both ranks."""
+        (no simulated link), the same on both ranks."""
+        if type(buf) is not np.ndarray or g._link is not None or op not in _UFUNC:
+            return None
         if algorithm is None:                  # the group's default, as _run_op resolves it
-            algorithm = g.default_algorithm if g.default_algorithm in ("naive", "ring") else "mpi"
-        if not (algorithm == "mpi" and op in _UFUNC and g.check and g._link is None
-                and isinstance(buf, np.ndarray)):
+            if g.default_algorithm in ("naive", "ring"):
+                return None
+        elif algorithm != "mpi":
             return None
         s = self.slots.get((buf.dtype, buf.shape, buf.strides))
         if s is None:
@@ -151,23 +185,28 @@ class PairCheck:
         return s
 
     def all_reduce(self, g, buf, op, slot):
-        """buf <- buf_r (op) buf_q, checked in the same exchange (module doc)."""
+        """buf <- buf_r (op) buf_q, checked in the same exchange (module doc). The flight
+        recorder's ``enter`` and the exchange are inlined: this is the hot path."""
         rec = blocked.ON[0]
         t_in = blocked.enter() if rec else 0.0
         n, sview, rview, code, args, reqs = slot
         g._seq += 1
         seq, step, batch = g._seq, _step[0], _batch[0]
-        ent = flight_recorder.enter(g, "all_reduce", seq, buf.size, buf.dtype)
-        t0 = trace.now()
-        np.copyto(sview, buf)
-        _HEAD.pack_into(self.sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0)
-        MPI.Prequest.Startall(reqs)            # (_exchange, inlined: this is the hot path)
+        if ON_ENTER:
+            for hook in ON_ENTER:
+                hook()
+        _flight.append(ent := Entry(g.name, g.ranks, "all_reduce", seq, step, buf.size, buf.dtype))
+        _cur[0] = ent
+        t0 = trace.now() if _trace_on["on"] else 0.0
+        sview[...] = buf                       # (cheaper than np.copyto for a small array)
+        _HEAD.pack_into(self.sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0, n)
+        MPI.Prequest.Startall(reqs)
         try:
-            wait_all(reqs, self.status)
+            wait_all(reqs)
         except BaseException:
             self._requests()
             raise
-        if self.shead != self.rhead or self.status[0].Get_count(MPI.BYTE) != HEAD + n:
+        if self.shead != self.rhead and g.check:
             self.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0], None,
                        lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
                                 f"algorithm=mpi async_op=False"), self.rbuf)
@@ -178,10 +217,15 @@ class PairCheck:
                                                                              "wire_bytes": 0})
         st["calls"] += 1
         st["bytes"] += n                       # the ring accounting: 2(n-1)/n * S = S at n = 2
-        trace.record_args("all_reduce", "comm", t0, trace.now(), args)
+        if t0:
+            trace.record_args("all_reduce", "comm", t0, trace.now(), args)
         ent.state, g._last, _cur[0] = "done", ent, None
         if rec:
             blocked.leave("c", g, t_in, seq)
+
+
+def _nothing():
+    return None
 
 
 __all__ = ["PairCheck", "SMALL_BYTES", "FUSED"]

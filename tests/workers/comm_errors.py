@@ -99,7 +99,7 @@ def fused_pair(g, r):
             if op == "avg" and dt[0] != "f":
                 continue
             x = (rng.standard_normal((3, 5)) * 100).astype(dt)
-            want = x.copy()
+            want, xa = x.copy(), x.copy()
             raw.Allreduce(MPI.IN_PLACE, want, {"avg": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
             if op == "avg":
                 want /= 2
@@ -109,6 +109,17 @@ def fused_pair(g, r):
             assert (x.dtype, x.shape, x.strides) in g._pair.slots, "the small all_reduce was not fused"
             last = flight_recorder.flight()[-1]
             assert (last["op"], last["seq"], last["state"], g._seq) == ("all_reduce", seq + 1, "done", seq + 1)
+            w = g.all_reduce(xa, op=op, async_op=True)        # async: the payload rides on the check too
+            assert len(w._keep) == 2 and w._keep[1].nbytes == g._pair.rbuf.nbytes, "async call not fused"
+            w.wait()
+            assert np.array_equal(xa, want), ("async", dt, op, xa, want)
+    g.check, x = False, np.full(5, r + 1.0)                # checks off: the same one-message path
+    try:
+        g._pair.slots.clear()
+        g.all_reduce(x)
+        assert np.all(x == 3.0) and (x.dtype, x.shape, x.strides) in g._pair.slots, "checks-off call not fused"
+    finally:
+        g.check = True
     big = SMALL_BYTES // 8 + 1                              # float64 elements: just over the fused size
     expect(g, lambda: g.all_reduce(np.zeros(8 if r == 0 else big)), CollectiveMismatchError, "size=8",
            f"size={big}")
