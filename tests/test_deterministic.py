@@ -180,6 +180,18 @@ def same(a, b):
     return a.keys() == b.keys() and all(np.array_equal(a[k], b[k]) for k in a)
 
 
+def test_one_process_cp_chunks():
+    """One process with cp_chunks = 2 (the leaves a cp 2 layout holds, pdist/parallel/context_deterministic.py):
+    the same training as the plain tree (losses to rtol 1e-5), other bits (another tree); m = 2 gives
+    its bits; the loop (batched=False) is refused, naming the option. Under mpiexec: the 4-rank launch."""
+    chunks = run_local(1, dict(granules=4, cp_chunks=2), steps=2)
+    plain = run_local(1, dict(granules=4), steps=2)
+    np.testing.assert_allclose(chunks["losses"], plain["losses"], rtol=1e-5)
+    assert not same(chunks, plain) and same(run_local(2, dict(granules=4, cp_chunks=2), steps=2), chunks)
+    with pytest.raises(ValueError, match="drop batched=False"):
+        run_local(1, dict(granules=4, cp_chunks=2, batched=False), steps=1)
+
+
 @pytest.mark.parametrize("prec", ["fp32", "bf16"])
 def test_local_microbatches_same_bits(prec):
     """m = 1, 2, 4 micro-batches: the same bits (params, Adam m, v) in the mode; the default
@@ -206,7 +218,8 @@ def test_refusals_name_the_reason():
                       (dict(cfg=moe, tp=2), "cuts experts")]:
         with pytest.raises(ValueError, match=match):
             check_layout(det, **{"dp": 1, **kw})
-    for kw, match in [(dict(tp=4), "tp <= 2"), (dict(pp=2, microbatches=4), "one granule"), (dict(cp=2), "cp"),
+    for kw, match in [(dict(tp=4), "tp <= 2"), (dict(pp=2, microbatches=4), "one granule"),
+                      (dict(cp=2), r"deterministic=dict\(cp_chunks=2\)"),
                       (dict(precision="fp16"), "fp16"), (dict(dp=3), "power of two"),
                       (dict(microbatches=3), "power of two"), (dict(dp=4, microbatches=8), "does not divide")]:
         kw = {"dp": 1, **kw}
@@ -220,6 +233,16 @@ def test_refusals_name_the_reason():
     check_layout(Deterministic.of(dict(tp_blocks=4)), lesson.gpt_config(64, block_size=T, n_head=4), dp=1, tp=4)
     with pytest.raises(ValueError, match=r"\{.n_head.: 2\} are not divisible by tp_blocks = 4"):   # 2 heads
         check_layout(Deterministic.of(dict(tp_blocks=4)), CFG, dp=1, tp=2)
+    cp2 = Deterministic.of(dict(cp_chunks=2))
+    for kw, match in [(dict(context_parallel="ring"), "ring attention"), (dict(context_parallel="ring-zigzag"),
+                      "ulysses"), (dict(tp=2), "tp > 1"), (dict(pp=2, microbatches=16), "pipeline")]:
+        with pytest.raises(ValueError, match=match):    # cp 2 accepts Ulysses alone, without tp or pp
+            check_layout(cp2, CFG, **{"dp": 1, "cp": 2, "context_parallel": "ulysses", **kw})
+    with pytest.raises(ValueError, match="RoPE"):
+        check_layout(cp2, lesson.gpt_config(64, model="llama", block_size=T, n_head=2, n_embd=16), dp=1, cp=2)
+    with pytest.raises(ValueError, match="needs cp_chunks = 1"):        # the chunk tree needs cp = cp_chunks
+        check_layout(cp2, CFG, dp=2)
+    check_layout(cp2, CFG, dp=2, cp=2, context_parallel="ulysses")
     for bad, match in ((dict(tp_blocks=3), "tp_blocks must be a power of two"), (dict(blocks=4), "unknown")):
         with pytest.raises(ValueError, match=match):
             Deterministic.of(bad)
@@ -237,8 +260,9 @@ def test_layouts_same_bits_under_mpiexec():
     tp 2 (+SP) case, and a MoE GPT at dp 2 x ep 2 (ZeRO 0 and 3) and dp 4 x ep 2 with ZeRO-1;
     beyond the issue's grid, with tp_blocks = 4, tp 2 and tp 4 (+SP) and Llama at tp 2 and tp 4
     (those in 2 steps: a step's bits are a function of the state's bits and the batch, so
-    equality at every step is an induction); the default mode's controls (dense dp 4 m 2, MoE
-    dp 4 x ep 2) not equal."""
+    equality at every step is an induction); Ulysses cp 2 and dp 2 x cp 2 (ZeRO-2 too) against
+    one process with cp_chunks = 2 (4 steps, the suite's CPU budget); the default mode's controls
+    (dense dp 4 m 2, MoE dp 4 x ep 2) not equal."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "20", timeout=400)
     rows = reports(out)
     cases = {r["case"] for r in rows}
@@ -250,6 +274,7 @@ def test_layouts_same_bits_under_mpiexec():
     want |= {f"{p}.{c}" for p in precs for c in ("ep2", "ep2.zero3", "dp4xep2.zero1")}   # a MoE GPT, ep 2
     want |= {"fp32.tp2.b4.sp", "bf16.tp2.b4", "fp32.llama.tp2.sp", "bf16.llama.tp2"}       # tp_blocks 4; Llama
     want |= {"fp32.tp4", "fp32.tp4.sp", "bf16.tp4.sp", "fp32.llama.tp4", "bf16.llama.tp4.sp"}
+    want |= {f"{p}.{c}" for p in precs for c in ("cp2", "dp2xcp2")} | {"fp32.dp2xcp2.zero2"}   # Ulysses cp 2
     assert want <= cases, sorted(want - cases)
     bad = [r for r in rows if r["case"] in want and not r["equal"]]
     assert not bad, bad

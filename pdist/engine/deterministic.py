@@ -9,7 +9,9 @@ mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0
 ``deterministic=dict(tp_blocks=4)``) with or without sequence parallelism (every sum tp splits
 computed in tp_blocks fixed blocks as a balanced tree, one process included:
 pdist/parallel/tensor/blocks.py), and a mixture of experts with its experts over ep ranks,
-ZeRO 0-3 (each expert's gradient summed per source granule: pdist/parallel/expert_deterministic.py).
+ZeRO 0-3 (each expert's gradient summed per source granule: pdist/parallel/expert_deterministic.py),
+and Ulysses context parallelism over cp = ``cp_chunks`` ranks, with dp and ZeRO (the leaves are
+(token chunk, granule), C G of them: pdist/parallel/context_deterministic.py).
 
 Why bits differ otherwise. IEEE addition is commutative (a + b == b + a, bit for bit) but
 not associative: (a + b) + c != a + (b + c) in general. So a sum's bits depend only on the
@@ -114,10 +116,12 @@ class Deterministic:
     DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
     data-parallel wrapper; ``batched``: the rank's granules in one pass, the same bits
-    (pdist/parallel/deterministic_batched.py; False: one pass per granule)."""
+    (pdist/parallel/deterministic_batched.py; False: one pass per granule); ``cp_chunks`` C: the
+    token chunks of context parallelism over C ranks, each granule's gradient then C leaves
+    (pdist/parallel/context_deterministic.py; 1: the granules alone, the default)."""
 
-    def __init__(self, granules=DEFAULT_GRANULES, tp_blocks=TP_BLOCKS, batched=True):
-        for name, v in (("granules", granules), ("tp_blocks", tp_blocks)):
+    def __init__(self, granules=DEFAULT_GRANULES, tp_blocks=TP_BLOCKS, batched=True, cp_chunks=1):
+        for name, v in (("granules", granules), ("tp_blocks", tp_blocks), ("cp_chunks", cp_chunks)):
             if not _pow2(v):
                 raise ValueError(f"deterministic mode: {name} must be a power of two, got {v!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
@@ -125,11 +129,14 @@ class Deterministic:
         self.tp_blocks = int(tp_blocks)  # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
         self.experts = None             # expert parallelism's per-source trees (pdist/parallel/expert_deterministic.py)
+        self.cp_chunks = int(cp_chunks)  # C token chunks per row: C G leaves (pdist/parallel/context_deterministic.py)
+        self.cp_ranks = 1               # cp of this rank's layout (set by check_layout): the dp wrapper spans dp x cp
 
     @classmethod
     def of(cls, arg):
         """``True`` -> the default policy (G = 16, tp_blocks = 2); an int -> that many granules;
-        a dict -> ``Deterministic(**arg)`` (``dict(granules=16, tp_blocks=4, batched=True)``); a policy -> itself;
+        a dict -> ``Deterministic(**arg)`` (``dict(granules=16, tp_blocks=4, batched=True, cp_chunks=1)``);
+        a policy -> itself;
         ``False``/``None`` -> None (the default mode)."""
         if arg is None or arg is False:
             return None
@@ -138,10 +145,10 @@ class Deterministic:
         if arg is True:
             return cls()
         if isinstance(arg, dict):
-            unknown = sorted(set(arg) - {"granules", "tp_blocks", "batched"})
+            unknown = sorted(set(arg) - {"granules", "tp_blocks", "batched", "cp_chunks"})
             if unknown:
                 raise ValueError(f"deterministic mode: unknown option(s) {unknown}; use granules=<power of two>, "
-                                 "tp_blocks=<power of two>, batched=<bool>")
+                                 "tp_blocks=<power of two>, batched=<bool>, cp_chunks=<power of two>")
             return cls(**arg)
         return cls(arg)
 
@@ -164,7 +171,9 @@ class Deterministic:
                              f"deterministic={dp * microbatches}")
 
     def shard_over(self, n, microbatches, pipeline=False):
-        """The data-parallel wrapper's ``n`` ranks (``check``)."""
+        """The data-parallel wrapper's ``n`` ranks (``check``); under cp they span dp x cp, and
+        the batch's rows are cut over the n / cp dp ranks."""
+        n //= self.cp_ranks
         self.check(n, microbatches, pipeline)
         self.shards = n
 
@@ -196,14 +205,16 @@ class Deterministic:
         return out
 
     def write(self, params):
-        """g = (1/G) S(0, G) into every ``p.grad`` (in place where it exists: DDP's bucket views,
-        ZeRO's flat views), rounded once to the parameter's dtype."""
+        """g = (1/(C G)) S(0, C G) (C = cp_chunks, 1 by default) into every ``p.grad`` (in place
+        where it exists: DDP's bucket views, ZeRO's flat views), rounded once to the parameter's dtype."""
         level, _, root = self.root
-        if (1 << level) != self.granules:
-            raise RuntimeError(f"deterministic mode: the step's tree holds {1 << level} of {self.granules} "
-                               "granules; a data-parallel wrapper must join the ranks' subtrees, and a pipeline "
+        leaves = self.granules * self.cp_chunks        # (chunk, granule) leaves (C = 1: the granules)
+        if (1 << level) != leaves:
+            raise RuntimeError(f"deterministic mode: the step's tree holds {1 << level} of {leaves} leaves "
+                               f"({self.granules} granules x cp_chunks {self.cp_chunks}); a data-parallel wrapper must join "
+                               "the ranks' subtrees, and a pipeline "
                                "alone needs microbatches = granules (each micro-batch one granule)")
-        root *= np.float32(1.0 / self.granules)
+        root *= np.float32(1.0 / leaves)               # each leaf's seeds: 1 / (its g T / C tokens)
         off = 0
         for p, n, shape in zip(params, self.sizes, self.shapes):
             g = root[off:off + n].reshape(shape)
@@ -216,7 +227,7 @@ class Deterministic:
 
     def __repr__(self):
         return (f"Deterministic(granules={self.granules}, tp_blocks={self.tp_blocks}"
-                f"{'' if self.batched else ', batched=False'})")
+                f"{'' if self.batched else ', batched=False'}{f', cp_chunks={self.cp_chunks}' * (self.cp_chunks > 1)})")
 
 
 __all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]

@@ -147,6 +147,11 @@ class ContextParallel(ParallelModule):
 
     seq_shards = property(lambda self: self.cp_world_size * self.inner.seq_shards)
 
+    def span_group(self):
+        """The mesh's ranks hold the whole model together (a mesh over a sub-group keeps its
+        state-dict collectives there)."""
+        return self.mesh.world
+
     def local_batch(self, x, y):
         """Rows [d B/dp, (d+1) B/dp) of dp rank d, and this cp rank's tokens of each."""
         m, cp, sp = self.mesh, self.cp_world_size, self.inner.seq_shards

@@ -15,7 +15,8 @@ recursive doubling in the buffer's own dtype, so t > 2 ranks' partials are joine
 tree ((b_0 + b_1) + (b_2 + b_3)) that one process sums its blocks in (blocks.py).
 
 ``check_layout(...)``: what the mode refuses, raised the same on every rank before any
-collective, each with its reason.
+collective, each with its reason (context parallelism's: pdist/parallel/context_deterministic.py,
+which also gives ``join`` the dp x cp group's tree order).
 """
 import numpy as np
 
@@ -25,6 +26,7 @@ from pdist.engine.backend import to_numpy, words, xp
 from pdist.engine.deterministic import GranuleTree, exact_kernels
 from pdist.measure import hooks, trace
 from pdist.models.plan import plan_of
+from pdist.parallel.context_deterministic import check_cp, positions, under_context
 from pdist.parallel.deterministic_batched import batchable, batched_compute
 from pdist.parallel.tensor.transform import block_model, blockable
 
@@ -65,7 +67,13 @@ def deterministic_compute(local, x, y, loss_scale=1.0):
     (``GranuleTree``, keyed by the granule's index); this rank's subtree goes to ``det.root``.
     Returns the mean of the granules' losses. ``loss_scale`` S multiplies each granule's loss."""
     with exact_kernels():                                 # one BLAS thread, exact scatter-adds
-        if batchable(local.deterministic, local.module):  # the same bits in one pass per chunk of granules
+        det = local.deterministic
+        if det.cp_chunks > 1 and not under_context(local.module):   # one process: C G chunk leaves
+            if not det.batched:
+                raise ValueError("deterministic mode: cp_chunks > 1 in one process runs the batched pass; drop "
+                                 "batched=False")
+            return batched_compute(local, x, y, loss_scale)
+        if batchable(det, local.module):                  # the same bits in one pass per chunk of granules
             return batched_compute(local, x, y, loss_scale)
         return _granule_loop(local, x, y, loss_scale)
 
@@ -133,8 +141,9 @@ class TreeSums:
 
 
 def join(det, group):
-    """Join this rank's subtree ``det.root`` with the group's (module docstring)."""
-    det.root = join_root(det.root, group)
+    """Join this rank's subtree ``det.root`` with the group's (module docstring), its ranks in
+    the tree's order (under cp the dp x cp group's: pdist/parallel/context_deterministic.py)."""
+    det.root = join_root(det.root, group, positions(det, group.size))
 
 
 def join_all(det, group):
@@ -145,16 +154,19 @@ def join_all(det, group):
         det.experts.finish()
 
 
-def join_root(root, group):
-    """(level, index, buf) of this rank's subtree -> that of the group's joined tree."""
-    n, r = group.size, group.rank
+def join_root(root, group, order=None):
+    """(level, index, buf) of this rank's subtree -> that of the group's joined tree. ``order``:
+    (tree position of each group rank, group rank at each position); None: the identity."""
+    n = group.size
+    pos, rank_at = order or (range(n), range(n))
+    r = pos[group.rank]
     level, index, buf = root
     other = xp.empty_like(buf)
     s = 1
     t0 = trace.now()
     while s < n:
         q = r ^ s
-        group.sendrecv(buf, q, other, q, tag=0)
+        group.sendrecv(buf, rank_at[q], other, rank_at[q], tag=0)
         buf = xp.add(buf, other, out=buf) if r < q else xp.add(other, buf, out=buf)
         level, index, s = level + 1, index >> 1, s << 1
     trace.record("det.join", "dp", t0, trace.now(), bytes=int(buf.nbytes) * int(np.log2(n)))
@@ -215,12 +227,9 @@ class PipelineTree:
 
 
 def check_layout(det, cfg, dp, tp=1, pp=1, cp=1, ep=1, chunks=1, microbatches=1, precision="fp32",
-                 sequence_parallel=False):
+                 sequence_parallel=False, context_parallel=None):
     """Every layout the deterministic mode refuses, with the reason (docs/deterministic.md)."""
-    if cp > 1:
-        raise ValueError(f"deterministic mode covers data, tensor (tp <= {det.tp_blocks}), pipeline and expert "
-                         f"parallelism and ZeRO 0-3 so far; got cp = {cp}: the token-shard sums of context "
-                         f"parallelism are not granule trees yet. Use cp = 1, or deterministic=False")
+    check_cp(det, cfg, dp, cp, tp, pp > 1 or chunks > 1, context_parallel)    # cp: Ulysses, cp_chunks = cp
     check_experts(getattr(cfg, "n_expert", 0), pp > 1 or chunks > 1)
     if tp > 1:
         check_tp(det, tp, cfg, sequence_parallel)

@@ -23,13 +23,20 @@ the granules' own; sequence parallelism's per-granule tp sums of the partial gra
 per element). Where it does not apply (``batchable`` False: a mixture of experts, context
 parallelism) and under a pipeline (a micro-batch is one granule already), the loop of
 ``deterministic_compute`` runs, one pass per granule.
+
+With ``cp_chunks`` C > 1 (one process computing the leaves of context parallelism over C ranks,
+pdist/parallel/context_deterministic.py) a chunk of n granules runs as C n stacks, chunk-major
+(stack k n + i: granule i's rows at token chunk k), and each stack is leaf k G + i of the tree.
 """
+import contextlib
+
 import numpy as np
 
 from pdist.engine import granules
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks
+from pdist.parallel.context_deterministic import chunk_rows, one_process_chunks
 
 STACK_BYTES = 64 << 20          # the fp32 leaves of one chunk of granules (larger chunks: fresh pages, slower)
 
@@ -104,9 +111,9 @@ def _replay(params, saved, held, got):
 def batched_compute(local, x, y, loss_scale=1.0):
     """``deterministic_compute`` in chunks of n granules, one pass each (module docstring).
     Returns the mean of the granules' losses, as the loop does."""
-    det, params = local.deterministic, local.parameters()
+    det, params, C = local.deterministic, local.parameters(), local.deterministic.cp_chunks
     count, g = det.local_granules(len(x))
-    n, per_mb = chunk_of(count, det.sizes), max(count // local.microbatches, 1)
+    n, per_mb = max(chunk_of(count * C, det.sizes) // C, 1), max(count // local.microbatches, 1)
     saved, tree, losses = [p.grad for p in params], GranuleTree(), []
     held = [(p._hooks, p._post_acc_hooks) for p in params]    # DDP's, ZeRO's hooks: run on whole gradients
     try:
@@ -115,23 +122,29 @@ def batched_compute(local, x, y, loss_scale=1.0):
                 p.grad, p._post_acc_hooks = None, None
                 p._hooks = [h for h in p._hooks or () if getattr(h, "elementwise", False)] or None
             rows = slice(c * g, (c + n) * g)
-            with granules.batched(n):
+            xs, ys = (x[rows], y[rows]) if C == 1 else (chunk_rows(x[rows], C), chunk_rows(y[rows], C))
+            chunked = one_process_chunks(local.module, C, n * C) if C > 1 else contextlib.nullcontext()
+            with granules.batched(n * C), chunked:
                 with hooks.span("forward", mb=c // per_mb):
-                    _, loss = local.module(x[rows], y[rows])                              # (n,) L_j
+                    _, loss = local.module(xs, ys)                                        # (C n,) L_cj
                 with hooks.span("backward", mb=c // per_mb):
                     (loss * loss_scale if loss_scale != 1.0 else loss).sum().backward()
                 for hook in det.granule_hooks:       # sequence parallelism: the stacks' tp sums
                     hook()
             got = [p.grad is not None for p in params]
-            level, node = subtree(stacked_leaves(det, params, n))
-            tree.add(c // n, node, level)
+            if C == 1:
+                level, node = subtree(stacked_leaves(det, params, n))
+                tree.add(c // n, node, level)
+            else:                                       # stack k n + i: leaf (chunk k, granule c + i)
+                for s, leaf in enumerate(stacked_leaves(det, params, n * C)):
+                    tree.add((s // n) * count + c + s % n, leaf)
             losses.append(loss.data)
             _replay(params, saved, held, got)
     finally:
         for p, s, (h, a) in zip(params, saved, held):
             p.grad, p._hooks, p._post_acc_hooks = s, h, a
     det.root = tree.root()
-    return sum(float(v) for v in to_numpy(xp.concatenate(losses))) / count
+    return sum(float(v) for v in to_numpy(xp.concatenate(losses))) / (count * C)
 
 
 __all__ = ["batched_compute", "batchable", "chunk_of", "subtree", "STACK_BYTES"]

@@ -108,7 +108,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     if det is not None:                    # what the mode refuses, on every rank, before any collective
         check_deterministic(det, model.config, mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size,
                             getattr(mesh, "cp_world_size", 1), getattr(mesh, "ep_world_size", 1), chunks,
-                            microbatches, precision, sequence_parallel)
+                            microbatches, precision, sequence_parallel, context_parallel)
     pipelined = mesh.pp_world_size > 1 or chunks > 1
     check_context(model.config, mesh, context_parallel, precision, pipelined)
     dp_group = mesh.dp_cp_group if context_parallel else mesh.dp_group

@@ -25,11 +25,15 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
 * Llama (GQA 8 query / 4 key-value heads, SwiGLU, RoPE, RMSNorm, untied), G = 2: tp 2 on the
   halves with tp_blocks = 2 (float32 with SP, bf16 without) and tp 4 on the world with
   tp_blocks = 4 (float32; bf16 with SP). These run half the steps (the induction).
+* Ulysses cp 2 on the halves and dp 2 x cp 2 on the world (float32, bf16; ZeRO-2 in float32),
+  ``deterministic=dict(granules=4, cp_chunks=2)``, against one process with cp_chunks = 2 (ranks
+  0, 1 train it while ranks 2, 3 train MoE's), SC = 4 steps.
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
 reports one line per case. The controls: the DEFAULT mode at dp 4, m 2 against the default
 one process (m = 1), and at dp 4 x ep 2 (MoE) against the default one process with m = 4 (the
-same drops), must NOT give the same bits (the mode is what makes them equal)."""
+same drops), must NOT give the same bits (the mode is what makes them equal). (That one process
+without cp_chunks does not give the cp cases' bits: tests/test_deterministic.py, one process.)"""
 import argparse
 
 import numpy as np
@@ -62,6 +66,9 @@ GT = 4            # the tensor-parallel cases: 4 granules (each granule's collec
 CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
 CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
 G2, S2 = 2, min(2, args.steps)    # the tp_blocks = 4 and Llama tp cases (beyond the issue's grid): 2 granules, 2 steps
+# cp 2 (Ulysses): 4 granules x 2 token chunks, SC = 4 steps (the suite's CPU budget: 20 steps cost ~17 CPU-s on
+# 2 cores at load 2.6, and pass; the induction as for S2; 2 steps already catch a wrong leaf order in float32)
+DETC, SC = dict(granules=GT, cp_chunks=2), min(4, args.steps)
 B4 = dict(granules=G2, tp_blocks=4)     # a dict: each Local gets its own policy
 
 
@@ -134,6 +141,20 @@ def experts(refsE, half):
     compare("control.default.dp4xep2", ctrl, parallelize(GPT(CFGE, SEED), mesh4))
 
 
+def context(refsC, half):
+    """cp 2 (Ulysses) on the halves (half 0 float32, half 1 bf16), dp 2 x cp 2 on the world (float32,
+    bf16; ZeRO-2 in float32), against one process with cp_chunks = 2 (the chunks' leaves)."""
+    def cp(mesh, prec, zero=0):
+        return parallelize(GPT(cfg, SEED), mesh, zero_stage=zero, precision=prec, context_parallel="ulysses",
+                           deterministic=DETC)
+    prec = PRECS[world.rank // 2]
+    compare(f"{prec}.cp2", refsC[world.rank // 2], cp(comm.DeviceMesh(cp=2, world=half), prec), SC)
+    mesh = comm.DeviceMesh(dp=2, cp=2)
+    for prec, ref in zip(PRECS, refsC):
+        compare(f"{prec}.dp2xcp2", ref, cp(mesh, prec), SC)
+    compare("fp32.dp2xcp2.zero2", refsC[0], cp(mesh, "fp32", 2), SC)
+
+
 def dp_tp_pp():
     """8 ranks: dp 2 x tp 2 x pp 2 (parallelize; 1f1b, m = GT / dp; SP in bf16) against one process."""
     mine = reference(PRECS[world.rank], GT) if world.rank < 2 else None   # ranks 0, 1 at once
@@ -157,8 +178,9 @@ mine = reference(PRECS[world.rank % 2], *((GT, 1, cfg) if world.rank < 2 else (G
 refsT, refsL = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
 mine = reference(PRECS[world.rank % 2], B4, 1, (CFGH, CFGL)[world.rank // 2], S2)
 refsH, refsL4 = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((0, 1), (2, 3)))
-mine = reference(PRECS[world.rank % 2], GE, 1, CFGE) if world.rank >= 2 else None   # MoE's (ranks 2, 3)
-refsE = [world.broadcast_object(mine, src=r) for r in (2, 3)]
+# MoE's (ranks 2, 3) and cp 2's (ranks 0, 1: one process with cp_chunks = 2)
+mine = reference(PRECS[world.rank % 2], *((GE, 1, CFGE) if world.rank >= 2 else (DETC, 1, cfg, SC)))
+refsE, refsC = ([world.broadcast_object(mine, src=r) for r in pair] for pair in ((2, 3), (0, 1)))
 mesh = comm.DeviceMesh(dp=4)
 for prec, ref in zip(PRECS, refs):
     for name, zero, m in LAYOUTS:
@@ -167,6 +189,7 @@ for prec, ref in zip(PRECS, refs):
         compare(f"{prec}.dp4.{name}", ref, model)
 half = world.split(world.rank // 2, name="half")
 experts(refsE, half)
+context(refsC, half)
 prec = PRECS[world.rank // 2]
 for name, zero, m in LAYOUTS:
     compare(f"{prec}.dp2.{name}", refs[world.rank // 2], wrapped(prec, half, zero, m))
