@@ -249,23 +249,14 @@ if device_from_env() == "gpu":
     use_device("gpu")
 
 
-def _sequential_rows(a, rows, vals):
-    """a[rows] += vals for sorted ``rows``: pass k adds every row's k-th value (distinct rows)."""
-    starts = _np.flatnonzero(_np.r_[True, rows[1:] != rows[:-1]])
-    counts = _np.diff(_np.r_[starts, rows.size])
-    nth = _np.arange(rows.size) - _np.repeat(starts, counts)           # each value's place in its row
-    for k in range(int(counts.max())):
-        pick = nth == k
-        a[rows[pick]] += vals[pick]
-
-
 ONE_HOT_ROWS = 256  # scatter_add on the host: up to this many rows, one GEMM with a one-hot matrix
 
 
 def scatter_add(a, index, values, exact_rows=False):
     """a[index] += values, adding repeated indices (embedding backward). ``exact_rows``
-    (the deterministic mode): each row's values added one by one in the tokens' order,
-    a_i = ((a_i + v_1) + v_2) + ..., so a row's bits depend on its own values only: neither the
+    (the deterministic mode): each row's values added one by one in the tokens' order
+    (``np.add.at``, unbuffered, in index order), a_i = ((a_i + v_1) + v_2) + ..., so a row's
+    bits depend on its own values only: neither the
     one-hot GEMM (under OpenBLAS's Haswell sgemm a row's bits depend on how many rows ``a``
     has: a vocabulary-parallel rank's V/t against one process's V) nor reduceat (its sums pair
     the values, so the zeros a vocabulary-parallel rank adds for tokens it does not own move
@@ -273,6 +264,8 @@ def scatter_add(a, index, values, exact_rows=False):
     if is_device_array(a):  # pragma: no cover - GPU only
         import cupyx
         cupyx.scatter_add(a, index, values)
+    elif exact_rows:                                                  # one by one, in token order
+        _np.add.at(a, index, values)
     elif (a.ndim == 2 and getattr(index, "ndim", 0) == 1 and index.dtype.kind in "iu"
           and getattr(values, "shape", None) == (index.shape[0], a.shape[1])):
         # rows: sort the indices (stably), sum each run of equal rows in one pass
@@ -281,9 +274,6 @@ def scatter_add(a, index, values, exact_rows=False):
         rows = index[order]
         if rows.size and rows[0] < 0:  # negative indices could alias rows: the general path
             _np.add.at(a, index, values)
-        elif exact_rows:
-            if rows.size:
-                _sequential_rows(a, rows, values[order])
         elif a.shape[0] <= ONE_HOT_ROWS and a.dtype.kind == "f" and a.dtype.itemsize >= 4:
             # few rows (a small vocabulary, the positions): a += onehot(index)^T values, one
             # GEMM of (rows, N) x (N, C); reduceat down axis 0 runs at ~5 ns per element
