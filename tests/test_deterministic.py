@@ -261,7 +261,7 @@ def test_layouts_same_bits_under_mpiexec():
     beyond the issue's grid, with tp_blocks = 4, tp 2 and tp 4 (+SP) and Llama at tp 2 and tp 4
     (those in 2 steps: a step's bits are a function of the state's bits and the batch, so
     equality at every step is an induction); Ulysses cp 2 and dp 2 x cp 2 (ZeRO-2 too) against
-    one process with cp_chunks = 2 (4 steps, the suite's CPU budget); the default mode's controls
+    one process with cp_chunks = 2 (20 steps); the default mode's controls
     (dense dp 4 m 2, MoE dp 4 x ep 2) not equal."""
     out = mpirun(4, "tests/workers/deterministic.py", "--steps", "20", timeout=400)
     rows = reports(out)

@@ -27,7 +27,7 @@ Then, in float32 and bf16, every layout trains STEPS AdamW steps through the one
   tp_blocks = 4 (float32; bf16 with SP). These run half the steps (the induction).
 * Ulysses cp 2 on the halves and dp 2 x cp 2 on the world (float32, bf16; ZeRO-2 in float32),
   ``deterministic=dict(granules=4, cp_chunks=2)``, against one process with cp_chunks = 2 (ranks
-  0, 1 train it while ranks 2, 3 train MoE's), SC = 4 steps.
+  0, 1 train it while ranks 2, 3 train MoE's), the run's steps.
 
 Each rank compares every piece of its parameters and Adam m, v with ``np.array_equal`` and
 reports one line per case. The controls: the DEFAULT mode at dp 4, m 2 against the default
@@ -66,9 +66,9 @@ GT = 4            # the tensor-parallel cases: 4 granules (each granule's collec
 CFGH = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=4, n_embd=16)          # tp 4: 4 heads
 CFGL = lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=8, n_embd=32)   # n_kv_head 4
 G2, S2 = 2, min(2, args.steps)    # the tp_blocks = 4 and Llama tp cases (beyond the grid): 2 granules, 2 steps
-# cp 2 (Ulysses): 4 granules x 2 token chunks, SC = 4 steps (the suite's CPU budget: 20 steps cost ~17 CPU-s on
-# 2 cores at load 2.6, and pass; the induction as for S2; 2 steps already catch a wrong leaf order in float32)
-DETC, SC = dict(granules=GT, cp_chunks=2), min(4, args.steps)
+# cp 2 (Ulysses), part of the grid: 4 granules x 2 token chunks, the run's steps (20 in the test:
+# ~17 CPU-s on 2 cores at load 2.6; 2 steps already catch a wrong leaf order in float32)
+DETC, SC = dict(granules=GT, cp_chunks=2), args.steps
 B4 = dict(granules=G2, tp_blocks=4)     # a dict: each Local gets its own policy
 
 
