@@ -93,14 +93,11 @@ def worker(a):
 
 
 def bucket_sync(model, world, loops=15, iters=4):
-    """[(bucket bytes, DDP's sync s, raw MPI s, the old sync s)] for each bucket of the trained model: DDP's
-    own call on the bucket's buffer, as ``DataParallel._issue`` makes it (all_reduce with
-    op=``model.reduce_op``: "sum" where the 1/n rides on the loss, else "avg" and its pass;
-    async_op=True and ``wait()`` for every bucket but the last, which is blocking: the
-    fingerprint check, the transfer) against mpi4py's ``Allreduce`` of a buffer of the same
-    size and dtype, interleaved, each the best of ``loops`` loops of ``iters`` calls (the
-    slowest rank's time). "old": the call every bucket made before 2026-12-02 (op "avg",
-    async: a pass of x/n after the sum, MPI's Iallreduce for the last bucket too)."""
+    """[(bucket bytes, DDP's sync s, raw MPI s)] for each bucket of the trained model: DDP's
+    own call on the bucket's buffer (``DataParallel._issue``'s all_reduce(op="avg",
+    async_op=True), then ``wait()``: the fingerprint check, the transfer, the 1/n scaling)
+    against mpi4py's ``Allreduce`` of a buffer of the same size and dtype, interleaved, each
+    the best of ``loops`` loops of ``iters`` calls (the slowest rank's time)."""
     import numpy as np
     from mpi4py import MPI
 
@@ -115,19 +112,16 @@ def bucket_sync(model, world, loops=15, iters=4):
         return max(world.comm.allgather(trace.now() - t)) / iters
 
     for b in model.buckets:
-        buf, other, old, op = b.buffer, np.zeros_like(b.buffer), np.zeros_like(b.buffer), model.reduce_op
-        last = b.index == len(model.buckets) - 1
-        ms = {"ddp": ((lambda: world.all_reduce(buf, op=op)) if last else
-                      (lambda: world.all_reduce(buf, op=op, async_op=True).wait())),
-              "raw": lambda: raw.Allreduce(MPI.IN_PLACE, other, MPI.SUM),
-              "old": lambda: world.all_reduce(old, op="avg", async_op=True).wait()}   # before 2026-12-02
+        buf, other = b.buffer, np.zeros_like(b.buffer)
+        ms = {"ddp": lambda: world.all_reduce(buf, op="avg", async_op=True).wait(),
+              "raw": lambda: raw.Allreduce(MPI.IN_PLACE, other, MPI.SUM)}
         for fn in ms.values():
             fn()                                                   # warm-up
         best = dict.fromkeys(ms, float("inf"))
         for _ in range(loops):
             for k, fn in ms.items():
                 best[k] = min(best[k], timed(fn))
-        out.append((int(buf.nbytes), best["ddp"], best["raw"], best["old"]))
+        out.append((int(buf.nbytes), best["ddp"], best["raw"]))
     return out
 
 
@@ -192,20 +186,19 @@ def sync_table(res, model, repeats):
         if m != model or kind != "bucketed":
             continue
         runs = [r["sync"] for r in res[m, label]]
-        for i, (nbytes, *_) in enumerate(runs[0]):
-            ddp, raw, old = (statistics.median(r[i][j] for r in runs) for j in (1, 2, 3))
+        for i, (nbytes, _, _) in enumerate(runs[0]):
+            ddp = statistics.median(r[i][1] for r in runs)
+            raw = statistics.median(r[i][2] for r in runs)
             bus = 2 * (ranks - 1) / ranks * nbytes / 1e9
-            each = [r[i][2] / r[i][1] for r in runs]                 # raw/ddp of each run: the spread
-            rows.append((label, f"{i}{' (last)' if i == len(runs[0]) - 1 else ''}", f"{nbytes / 2**10:.1f}",
-                         f"{ddp * 1e3:.3f}", f"{raw * 1e3:.3f}", f"{bus / ddp:.2f}", f"{bus / raw:.2f}",
-                         f"{raw / ddp:.2f}", f"{min(each):.2f}-{max(each):.2f}", f"{raw / old:.2f}"))
+            rows.append((label, i, f"{nbytes / 2**10:.1f}", f"{ddp * 1e3:.3f}", f"{raw * 1e3:.3f}",
+                         f"{bus / ddp:.2f}", f"{bus / raw:.2f}", f"{raw / ddp:.2f}"))
     if not rows:
         return ""
     from pdist.course.lesson import table
     return (f"\nDDP's bucket sync in the trained model vs raw MPI Allreduce of the same size (median of "
             f"{repeats} runs, each the best of 15 loops x 4 calls):\n"
             + table(rows, ["configuration", "bucket", "KiB", "ddp ms", "raw ms", "ddp busbw GB/s",
-                           "raw busbw GB/s", "ddp/raw", "ddp/raw range", "old/raw"]))
+                           "raw busbw GB/s", "ddp/raw"]))
 
 
 if __name__ == "__main__":

@@ -41,24 +41,8 @@ accumulation: k backward passes, and the all-reduce follows the last one.
   order, so every rank issues the same collectives in the same order. When the
   wrapped strategy still changes gradients after backward (sequence parallelism's
   LayerNorm grads, a pipeline's tied embedding), every bucket is issued after that.
-  The last bucket (the first parameters registered, whose gradients backward finishes
-  last) has no backward left to overlap with: it runs as a blocking all-reduce in
-  ``finish_grad_sync`` (MPI's blocking Allreduce instead of its non-blocking twin, which
-  took 1.1-1.3x as long at 25 MiB on 2 ranks here, 2026-12-02; docs/performance.md).
-
-The 1/n of the mean. With n a power of two and float32/float64 buckets on the host, the
-1/n rides on the loss instead of a pass over every bucket after the sum: backward runs
-from the seed S/n instead of S (``compute``), and the buckets are all-reduced with op
-"sum". Backward is linear in its seed, and scaling by a power of two commutes with
-rounding, so every gradient is (1/n) times the one of seed S, bit for bit (outside the
-subnormal range), and the sum of the scaled gradients has the bits of the old
-sum-then-multiply: round(a/2 + b/2) = round(a + b)/2. (PyTorch DDP divides each bucket
-before its all-reduce; Horovod and DeepSpeed call the same idea "predivide".) Other n,
-2-byte floats and device buckets keep op "avg" (``reduce_op``).
 """
 import hashlib
-
-import numpy as np
 
 from pdist.measure import trace
 from pdist.engine.backend import to_numpy, xp
@@ -198,11 +182,6 @@ class DataParallel(_DataParallelBase):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0         # buckets [0, _next) are issued in this step
         self._overlap = not self.inner.has_late_grads
-        n, host = self.dp_world_size, {type(b.buffer) for b in self.buckets} == {np.ndarray}
-        exact = n & (n - 1) == 0 and host and self.deterministic is None and all(
-            b.buffer.dtype in (np.float32, np.float64) for b in self.buckets)
-        # the bucket all-reduce's op, and the factor on the loss's seed (module doc: the 1/n of the mean)
-        self.reduce_op, self._prescale = ("sum", 1.0 / n) if exact else ("avg", 1.0)
         for p in self._param_list:
             p.grad = self._bucket_of[id(p)].views[id(p)]
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -217,11 +196,6 @@ class DataParallel(_DataParallelBase):
                 view[...] = p.grad
             p.grad = view
 
-    def compute(self, x, y, loss_scale=1.0):
-        """The wrapped strategy's forward and backward, from the seed loss_scale/n when the
-        buckets are summed (``reduce_op == "sum"``, module doc), else from loss_scale."""
-        return self.inner.compute(x, y, loss_scale * self._prescale)
-
     def _on_grad_ready(self, p):
         """Post-accumulate-grad hook: p.grad is complete for this backward pass; after the
         last micro-batch's pass it is complete for the step."""
@@ -231,17 +205,15 @@ class DataParallel(_DataParallelBase):
         if not self._overlap:
             return
         k = self.microbatches
-        while self._next < len(self.buckets) - 1 and self.buckets[self._next].complete(k):
-            self._issue(self.buckets[self._next])     # (the last one: finish_grad_sync, blocking)
+        while self._next < len(self.buckets) and self.buckets[self._next].complete(k):
+            self._issue(self.buckets[self._next])
         for done in self.buckets[:self._next]:      # let MPI progress the in-flight ones
             done.work.is_completed()
 
     def _issue(self, b):
-        """Bucket b's all-reduce: asynchronous (a Work in b.work), the last bucket blocking."""
         t = trace.now()
         trace.record("dp.issue_bucket", "dp", t, t, bucket=b.index, bytes=int(b.buffer.nbytes))
-        last = b.index == len(self.buckets) - 1
-        b.work = self.group.all_reduce(b.buffer, op=self.reduce_op, async_op=not last)
+        b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
         self._next += 1
 
     def finish_grad_sync(self):
@@ -256,14 +228,13 @@ class DataParallel(_DataParallelBase):
             self._next = 0
             return
         self.inner.finish_grad_sync()
-        t0 = trace.now()
         for b in self.buckets[self._next:]:
             for p in b.params:
                 self._into_bucket(p)
             self._issue(b)
+        t0 = trace.now()
         for b in self.buckets:
-            if b.work is not None:
-                b.work.wait()
+            b.work.wait()
             b.work = None
             b.ready.clear()
         self._next = 0

@@ -101,12 +101,3 @@ expect_error(ValueError, lambda: make("bucketed", accum=2).local_batch(*data.get
 expect_error(ValueError, lambda: DataParallel(gpt.GPT(cfg), bucket_cap_mb=0), "bucket caps must be > 0")
 if rank == 0:
     report(case="errors and replica sync", n=n)
-
-# --- 5. the 1/n on the loss's seed (n a power of two, data_parallel.py): the bits of sum-then-divide
-summed, divided = make("bucketed"), make("bucketed")
-assert summed.reduce_op == ("sum" if n & (n - 1) == 0 else "avg"), summed.reduce_op
-divided.reduce_op, divided._prescale = "avg", 1.0
-for m in (summed, divided):
-    m.forward_backward(*m.local_batch(*batch(0)))
-for (name, p), q in zip(summed.named_parameters(), divided.parameters()):
-    assert np.array_equal(to_numpy(p.grad), to_numpy(q.grad)), name
