@@ -58,7 +58,7 @@ _blas = {}
 @contextlib.contextmanager
 def exact_kernels():
     """The mode's compute runs inside this: BLAS on ONE thread, and the embeddings' scatter-adds
-    by sorted runs (granules.exact_rows). Why: OpenBLAS cuts a GEMM's rows or columns among its
+    one value at a time in token order (granules.exact_rows, backend.scatter_add). Why: OpenBLAS cuts a GEMM's rows or columns among its
     threads, and under some kernels (its Haswell sgemm, AMD EPYC without AVX-512) an output
     element's bits depend on the block it falls in, so 2 threads give other bits than 1, and a
     one-hot GEMM over a vocabulary-parallel rank's V/t rows other bits than one process's V

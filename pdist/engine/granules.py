@@ -40,7 +40,8 @@ def batched(G):
 @contextlib.contextmanager
 def exact_rows():
     """The deterministic mode's compute (pdist/engine/deterministic.py, ``exact_kernels``): the
-    embeddings' scatter-adds by sorted runs, never a one-hot GEMM (backend.scatter_add)."""
+    embeddings' scatter-adds one value at a time in token order (``np.add.at``), never a
+    one-hot GEMM or reduceat (backend.scatter_add says why)."""
     prev, _state["exact"] = _state["exact"], True
     try:
         yield
