@@ -16,9 +16,9 @@ Columns, in-place float32 sum, S bytes per rank:
            "mpi/raw" is the whole price of a checked call
 * mpi-nochk  the same with ``PDIST_CHECK_COLLECTIVES=0`` behaviour
 * ddp-sync ``pg.all_reduce(x, async_op=True).wait()``: DDP's sync of a bucket that backward
-           overlaps (pdist.parallel.data_parallel: op "sum", the 1/n rides on the loss; its
-           last bucket is a blocking call, the "mpi" column); "ddp/raw" its bus bandwidth
-           over raw MPI's at the same size
+           overlaps (pdist.parallel.data_parallel: op "sum", as at n = 2^k DDP's hook has
+           already scaled each gradient by 1/n during backward); "ddp/raw" its bus
+           bandwidth over raw MPI's at the same size
 * ring / naive  the hand-built algorithms (algorithms.py)
 * memcpy   one core's ``np.copyto`` bandwidth (S / t): the physical reference,
            since on one node every byte moved is a memory copy

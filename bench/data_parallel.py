@@ -94,8 +94,9 @@ def worker(a):
 
 def bucket_sync(model, world, loops=15, iters=4):
     """[(bucket bytes, DDP's sync s, raw MPI s)] for each bucket of the trained model: DDP's
-    own call on the bucket's buffer (``DataParallel._issue``'s all_reduce(op="avg",
-    async_op=True), then ``wait()``: the fingerprint check, the transfer, the 1/n scaling)
+    own call on the bucket's buffer (``DataParallel._issue``'s all_reduce(op=sync_op(bucket),
+    async_op=True), then ``wait()``: the fingerprint check, the transfer, and with op "avg" the
+    1/n pass; at n = 2^k the hook scaled the gradients during backward and the op is "sum")
     against mpi4py's ``Allreduce`` of a buffer of the same size and dtype, interleaved, each
     the best of ``loops`` loops of ``iters`` calls (the slowest rank's time)."""
     import numpy as np
@@ -113,7 +114,8 @@ def bucket_sync(model, world, loops=15, iters=4):
 
     for b in model.buckets:
         buf, other = b.buffer, np.zeros_like(b.buffer)
-        ms = {"ddp": lambda: world.all_reduce(buf, op="avg", async_op=True).wait(),
+        op = model.sync_op(b)
+        ms = {"ddp": lambda: world.all_reduce(buf, op=op, async_op=True).wait(),
               "raw": lambda: raw.Allreduce(MPI.IN_PLACE, other, MPI.SUM)}
         for fn in ms.values():
             fn()                                                   # warm-up

@@ -234,3 +234,30 @@ def test_overwrite_and_keep_never_delete_files_pdist_did_not_write(tmp_path):
     assert sorted(os.listdir(tmp_path)) == ["step-000001", "step-000003"]       # step-000002 pruned
     assert verify(tmp_path / "step-000001")["step"] == 1
     assert (tmp_path / "step-000001" / "notes.txt").read_text() == "mine\n"
+
+
+@pytest.mark.parametrize("links", [True, False])
+def test_the_lock_is_created_whole_and_leaves_no_name_of_its_own(tmp_path, monkeypatch, links):
+    """The lock's JSON is in the file from the moment the lock's name exists (hard-linked from
+    a name of the writer's own), or, on a file system without hard links, O_EXCL and a write;
+    either way a second taker is refused and only the lock itself is left in the parent."""
+    seen = []
+    real_link = os.link
+
+    def link(src, dst):
+        seen.append(json.loads(open(src).read()))          # whole before it gets the lock's name
+        if not links:
+            raise PermissionError(1, "no hard links here")
+        return real_link(src, dst)
+    monkeypatch.setattr(owner.os, "link", link)
+    lock = owner.Lock(str(tmp_path / "ckpt")).acquire()
+    try:
+        assert seen and seen[0]["pid"] == os.getpid()
+        assert json.loads((tmp_path / ".ckpt.pdist-lock").read_text())["nonce"] == lock.held["nonce"]
+        assert os.listdir(tmp_path) == [".ckpt.pdist-lock"]
+        with pytest.raises(CheckpointError, match="another save is writing this checkpoint"):
+            owner.Lock(str(tmp_path / "ckpt")).acquire()
+        assert os.listdir(tmp_path) == [".ckpt.pdist-lock"]
+    finally:
+        lock.release()
+    assert os.listdir(tmp_path) == []

@@ -3,7 +3,8 @@
 Beside a checkpoint ``parent/<base>`` pdist writes only names that start with
 ``.<base>.pdist-``, and inside a checkpoint only ``index.json`` and ``rank-NNNNN.safetensors``:
 
-    .<base>.pdist-lock              the writer's lock: {"pid", "host", "start", "nonce"} (O_CREAT|O_EXCL)
+    .<base>.pdist-lock              the writer's lock: {"pid", "host", "start", "nonce"}, whole
+                                    from the start (hard-linked from .<base>.pdist-lock.new-*)
     .<base>.pdist-tmp-<pid>-<hex>   the directory being written; renamed to <base> when complete
     .<base>.pdist-old-<pid>-<hex>   the previous <base> during an overwrite where the file
                                     system cannot exchange two names atomically
@@ -93,22 +94,38 @@ class Lock:
         me = {"pid": os.getpid(), "host": socket.gethostname(), "start": _start_time(os.getpid()),
               "nonce": secrets.token_hex(8), "since": time.time()}
         for _ in range(5):
-            try:
-                fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
-            except FileExistsError:
+            if not self._create(json.dumps(me)):
                 holder = self._holder()
                 if holder is None:
                     continue                    # released in between: try again
                 if holder and _alive(holder):
-                    raise CheckpointError(self._busy(holder)) from None
+                    raise CheckpointError(self._busy(holder))
                 self._reclaim(holder)
                 continue
-            with os.fdopen(fd, "w") as f:
-                f.write(json.dumps(me))
             self.held = me
             return self
         raise CheckpointError(f"{self.path}: could not take the lock (it keeps changing hands); "
                               "another save to this path is running")
+
+    def _create(self, text):
+        """The lock, holding ``text`` from its first moment: a name of ours hard-linked to it (link(2)
+        fails where it exists, as O_EXCL does; no hard links: O_EXCL and a write). False: taken."""
+        mine = f"{self.path}.new-{os.getpid()}-{secrets.token_hex(4)}"
+        with open(mine, "x") as f:
+            f.write(text)
+        try:
+            try:
+                os.link(mine, self.path)
+            except FileExistsError:
+                return False
+            except OSError:                      # no hard links on this file system
+                with os.fdopen(os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), "w") as f:
+                    f.write(text)
+            return True
+        except FileExistsError:
+            return False
+        finally:
+            os.unlink(mine)
 
     def _reclaim(self, holder):
         """Remove the stale lock read as ``holder`` ({}: never finished): rename it to a

@@ -41,11 +41,19 @@ accumulation: k backward passes, and the all-reduce follows the last one.
   order, so every rank issues the same collectives in the same order. When the
   wrapped strategy still changes gradients after backward (sequence parallelism's
   LayerNorm grads, a pipeline's tied embedding), every bucket is issued after that.
+
+  The mean's 1/n. With n a power of two, g/n = g * 2^-k exactly (short of subnormals),
+  so sum_r (g_r * 2^-k) has the bits of (sum_r g_r) * 2^-k. The hook therefore scales each parameter's
+  finished gradient (after its last micro-batch) while backward has just written it,
+  and the bucket's all-reduce is a plain sum: no pass over the whole bucket after the
+  transfer (PyTorch's default comm hook divides before its all-reduce too). Other n,
+  2-byte floats, late gradients and the deterministic mode keep ``op="avg"`` (x / n
+  after the sum, group.py).
 """
 import hashlib
 
 from pdist.measure import trace
-from pdist.engine.backend import to_numpy, xp
+from pdist.engine.backend import is_low, to_numpy, xp
 from pdist.data import shard
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.deterministic import join
@@ -140,6 +148,7 @@ class _Bucket:
             off += p.size
         self.ready = {}        # id(param) -> backward passes that completed its gradient this step
         self.work = None       # the in-flight all-reduce
+        self.scale = None      # 1/n applied by the hook (then the all-reduce sums), or None: op="avg"
 
     def complete(self, passes):
         return len(self.ready) == len(self.params) and min(self.ready.values()) >= passes
@@ -182,6 +191,11 @@ class DataParallel(_DataParallelBase):
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}
         self._next = 0         # buckets [0, _next) are issued in this step
         self._overlap = not self.inner.has_late_grads
+        n = self.dp_world_size
+        if self._overlap and self.deterministic is None and n > 1 and n & (n - 1) == 0:
+            for b in self.buckets:           # 1/n = 2^-k is exact: scaled in the hook (module doc)
+                dt = b.buffer.dtype
+                b.scale = 1.0 / n if dt.kind == "f" and not is_low(dt) else None
         for p in self._param_list:
             p.grad = self._bucket_of[id(p)].views[id(p)]
             p.register_post_accumulate_grad_hook(self._on_grad_ready)
@@ -201,10 +215,12 @@ class DataParallel(_DataParallelBase):
         last micro-batch's pass it is complete for the step."""
         b = self._bucket_of[id(p)]
         self._into_bucket(p)
-        b.ready[id(p)] = b.ready.get(id(p), 0) + 1
+        b.ready[id(p)] = passes = b.ready.get(id(p), 0) + 1
         if not self._overlap:
             return
         k = self.microbatches
+        if b.scale is not None and passes == k:       # its last pass: g_r * 2^-k while it is hot
+            p.grad *= b.scale
         while self._next < len(self.buckets) and self.buckets[self._next].complete(k):
             self._issue(self.buckets[self._next])
         for done in self.buckets[:self._next]:      # let MPI progress the in-flight ones
@@ -213,7 +229,7 @@ class DataParallel(_DataParallelBase):
     def _issue(self, b):
         t = trace.now()
         trace.record("dp.issue_bucket", "dp", t, t, bucket=b.index, bytes=int(b.buffer.nbytes))
-        b.work = self.group.all_reduce(b.buffer, op="avg", async_op=True)
+        b.work = self.group.all_reduce(b.buffer, op=self.sync_op(b), async_op=True)
         self._next += 1
 
     def finish_grad_sync(self):
@@ -231,6 +247,8 @@ class DataParallel(_DataParallelBase):
         for b in self.buckets[self._next:]:
             for p in b.params:
                 self._into_bucket(p)
+                if b.scale is not None and b.ready.get(id(p), 0) < self.microbatches:
+                    p.grad *= b.scale             # unused in the last pass (or at all): not yet scaled
             self._issue(b)
         t0 = trace.now()
         for b in self.buckets:
@@ -239,6 +257,11 @@ class DataParallel(_DataParallelBase):
             b.ready.clear()
         self._next = 0
         self.last_wait_seconds = trace.now() - t0
+
+    @staticmethod
+    def sync_op(b):
+        """The all-reduce op of bucket ``b``: "sum" when the hook scaled it by 1/n, else "avg"."""
+        return "avg" if b.scale is None else "sum"
 
     def zero_grad(self):
         """Zero the bucket buffers in place; every p.grad stays a view into its bucket
