@@ -82,18 +82,18 @@ def agree(g, fp, error, describe, buf=None):
     agree_start(g, fp, error, describe, buf)()
 
 
-def agree_start(g, fp, error, describe, buf=None, carry=None):
+def agree_start(g, fp, error, describe, buf=None):
     """Post the fingerprint exchange (a non-blocking all-reduce) and return
     ``finish()``, which waits for it and raises on a mismatch. An ``async_op``
     collective posts its data right after this; the group calls ``finish()``
-    in ``Work.wait()`` or before its next collective, whichever comes first. ``carry``: a
-    two-rank all-reduce's payload that rides in the same message (pair.py)."""
+    in ``Work.wait()`` or before its next collective, whichever comes first. (A two-rank
+    small all-reduce carries its payload in its check's message instead: pair_async.py.)"""
     if g.size == 1:
         if error:
             raise CollectiveMismatchError(f"{OPS[fp[0]]} #{fp[1]} on group '{g.name}': {error}")
         return _nothing
     if g._pair is not None:
-        return g._pair.start(g, fp, error, describe, carry)
+        return g._pair.start(g, fp, error, describe)
     both = np.empty(2 * K, np.int64) if buf is None or len(buf) < 2 * K else buf[:2 * K]
     both[:K] = fp
     both[K:] = [-v for v in fp]

@@ -25,7 +25,7 @@ hand-built algorithms and in send/isend (MPI's own collectives are opaque to
 us: they add 0), so a lesson can set an algorithm beside the theory.
 """
 from pdist.engine.backend import array_module, words
-from pdist.comm import algorithms as alg
+from pdist.comm import algorithms as alg, pair_async
 from pdist.comm.algorithms import chunk_bounds
 
 
@@ -45,7 +45,9 @@ class Collectives:
                 if pre is None:
                     return pair.all_reduce(self, buf, op, slot)
             elif slot is not None and self.check:          # async: the payload rides on its check
-                return pair.all_reduce_async(self, buf, op)
+                pre = self._settle(None, block=False) if self._pending else None
+                if pre is None:
+                    return pair_async.all_reduce_async(pair, self, buf, op, slot)
         flat, err = self._flat(buf, "all_reduce buf")
         err = pre or err or self._redop_error(op, buf.dtype)
         hand = {"naive": lambda t: alg.allreduce_naive(t, flat, op),

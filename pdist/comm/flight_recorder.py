@@ -17,6 +17,7 @@ step's first collective; ``set_batch(0)`` ends it when the step's work is done.
 """
 import collections
 import json
+import operator
 import os
 import tempfile
 import time
@@ -30,17 +31,17 @@ _flight = collections.deque(maxlen=env_number("PDIST_FLIGHT_RECORDER", 64, "inte
                                               integer=True, zero_ok=True))
 
 
-class Entry:
-    """One flight-recorder record: a collective (seq > 0) or a point-to-point call."""
-    __slots__ = ("group", "ranks", "op", "seq", "step", "size", "dtype", "peer", "t", "state")
-
-    def __init__(self, group, ranks, op, seq, step, size, dtype, peer=None):
-        self.group, self.ranks, self.op, self.seq, self.step = group, ranks, op, seq, step
-        self.size, self.dtype, self.peer = size, dtype, peer
-        self.t, self.state = time.time(), "started"
+class Entry(list):
+    """One flight-recorder record: a collective (seq > 0) or a point-to-point call. The list
+    [group, ranks, op, seq, step, size, dtype, peer, t] (read as attributes) and its
+    ``state``: built as ``Entry((...))`` by list's own constructor, a third of a Python
+    ``__init__``'s cost on the two-rank hot path (pair.py), whose record this is."""
+    __slots__ = ("state",)
+    FIELDS = ("group", "ranks", "op", "seq", "step", "size", "dtype", "peer", "t")
+    group, ranks, op, seq, step, size, dtype, peer, t = (property(operator.itemgetter(i)) for i in range(9))
 
     def as_dict(self):
-        d = {k: getattr(self, k) for k in self.__slots__}
+        d = dict(zip(self.FIELDS, self), state=self.state)
         d["dtype"], d["ranks"] = None if self.dtype is None else str(self.dtype), list(self.ranks)
         return d
 
@@ -104,7 +105,8 @@ def enter(group, op, seq, size=0, dtype=None, peer=None):
     if ON_ENTER:
         for hook in ON_ENTER:
             hook()
-    e = Entry(group.name, group.ranks, op, seq, _step[0], size, dtype, peer)
+    e = Entry((group.name, group.ranks, op, seq, _step[0], size, dtype, peer, time.time()))
+    e.state = "started"
     _flight.append(e)
     _cur[0] = e
     return e

@@ -138,7 +138,7 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         return work
 
     def _run_op(self, op, arr, theory, native, hand, algorithm, async_op,
-                redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None, carry=None):
+                redop="", root=-1, error=None, then=None, keep=(), fp_size=None, verify=None):
         if algorithm is None:
             algorithm = self.default_algorithm if self.default_algorithm in ALGORITHMS[op] else "mpi"
             if arr is not None and is_low(arr.dtype):
@@ -160,7 +160,7 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
             if async_op and algorithm == "mpi" and error is None and verify is None and not self._on_nccl(arr):
                 # verified in Work.wait() or at the next collective, so issuing stays non-blocking
                 # (NCCL: checked before it is queued, as a mismatched kernel would hang the GPU)
-                pending_check = agree_start(self, fp, error, describe, carry=carry)
+                pending_check = agree_start(self, fp, error, describe)
             else:
                 agree(self, fp, error, describe, self._fpbuf)
                 if verify is not None and self.size > 1:   # every rank is here: check the pairs

@@ -31,18 +31,19 @@ its deadline, is the slower one at 8 B: docs/collectives.md).
 
 Never a hang: the exchange is non-blocking requests finished by ``mpi.wait_all`` (the
 watchdog's deadline and control channel). Cost: persistent requests (MPI_Send_init,
-MPI_Recv_init) and cached views per (dtype, shape), so a blocking call allocates no buffer
-(an async op's header exchange takes a fresh receive buffer: several may be in flight); see
-bench/collectives.py's latency table ("mpi" beside "raw").
+MPI_Recv_init) and cached views per (dtype, shape), so a blocking call allocates no buffer;
+an async one takes a pooled channel of its own (pair_async.py: several may be in flight).
+The blocking call sends first and writes its flight record and byte count while the
+partner's message travels. See bench/collectives.py's latency table ("mpi" beside "raw").
 """
 import struct
+from time import time
 
 import numpy as np
 
 from pdist.comm.check import K, _ALG, _OP, _RED, _verdict, dtype_code
 from pdist.comm.flight_recorder import ON_ENTER, Entry, _batch, _cur, _flight, _step
 from pdist.comm.mpi import MPI, wait_all
-from pdist.comm.work import Work
 from pdist.measure import blocked, trace
 from pdist.measure.trace import _cfg as _trace_on    # {"on": ...}: record a span only when tracing
 
@@ -112,17 +113,9 @@ class PairCheck:
         if not self._exchange(fp) or error:
             self.judge(g, fp, error, describe, self.rbuf)
 
-    def start(self, g, fp, error, describe, carry=None):
-        """check.agree_start for two ranks: the exchange posted now, judged by ``finish()``.
-        ``carry``: [buf, recv, None] of ``all_reduce_async``: buf's bytes ride after the
-        header, the partner's land in recv, and carry[2] becomes the exchange's ``ready``."""
-        if carry is None:
-            send, recv = np.array(fp + [0], np.int64).view(np.uint8), np.empty(HEAD + SMALL_BYTES, np.uint8)
-        else:
-            buf, recv = carry[0], carry[1]
-            send = np.empty(HEAD + buf.nbytes, np.uint8)                  # (HEAD + nbytes,) bytes
-            _HEAD.pack_into(send, 0, *fp, buf.nbytes)
-            send[HEAD:].view(buf.dtype)[...] = buf.reshape(-1)
+    def start(self, g, fp, error, describe):
+        """check.agree_start for two ranks: the exchange posted now, judged by ``finish()``."""
+        send, recv = np.array(fp + [0], np.int64).view(np.uint8), np.empty(HEAD + SMALL_BYTES, np.uint8)
         reqs = [self.comm.Irecv(recv, self.peer, TAG), self.comm.Isend(send, self.peer, TAG)]
 
         def finish():
@@ -130,33 +123,12 @@ class PairCheck:
             if error or recv[:HEAD].tobytes() != send[:HEAD].tobytes():
                 self.judge(g, fp, error, describe, recv)
         finish.ready = lambda: MPI.Request.Testall(reqs)
-        if carry is not None:
-            carry[2] = finish.ready
         return finish
-
-    def all_reduce_async(self, g, buf, op):
-        """The async small all-reduce: its payload rides on the check's message (``start``),
-        so ``wait()`` judges the header and reduces, buf <- buf_r (op) buf_q: one message each
-        way instead of the check's and MPI's Iallreduce (the group's ``_run`` does the rest:
-        sequence, flight recorder, pending check, trace, bytes)."""
-        n, recv = buf.nbytes, np.empty(HEAD + SMALL_BYTES, np.uint8)  # the largest message fits
-        rview, ufunc = recv[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape), _UFUNC[op]
-        carry = [buf, recv, None]
-
-        def then():                            # after the check passed (Work._finish)
-            ufunc(buf, rview, buf)
-            if op == "avg":
-                np.multiply(buf, 0.5, out=buf)  # == buf / 2, bit for bit
-
-        def native(c, nb):
-            return Work(wait=_nothing, test=lambda: carry[2]())
-        return g._run("all_reduce", buf.reshape(-1), n, native, {}, "mpi", True, redop=op, then=then,
-                      keep=(buf, recv), carry=carry)
 
     # ------------------------------------------------------ the fused all-reduce
     def fused(self, g, buf, op, algorithm):
-        """This blocking all_reduce's slot (sizes, views, dtype code, trace args) when it is
-        fused, else None. Only its fingerprint's fields decide, and the group's own state
+        """This all_reduce's slot (sizes, views, dtype code, trace args, requests, the async
+        calls' idle channels) when it is fused, else None. Only its fingerprint's fields decide, and the group's own state
         (no simulated link), the same on both ranks."""
         if type(buf) is not np.ndarray or g._link is not None or op not in _UFUNC:
             return None
@@ -181,30 +153,23 @@ class PairCheck:
             n, self.sbuf[HEAD:HEAD + n].view(buf.dtype).reshape(shape),
             self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(shape), dtype_code(buf.dtype),
             {"op": "all_reduce", "bytes": n, "group": self.name, "algorithm": "mpi"},
-            [self.recv, send])
+            [self.recv, send], [])              # [] : the idle channels of its async calls (pair_async.py)
         return s
 
     def all_reduce(self, g, buf, op, slot):
         """buf <- buf_r (op) buf_q, checked in the same exchange (module doc). The flight
-        recorder's ``enter`` and the exchange are inlined: this is the hot path."""
+        recorder's ``enter`` and the exchange are inlined: this is the hot path. The message
+        goes out first; the flight record and the byte count are written while it travels
+        (the partner's message takes as long to arrive), before anything can block."""
         rec = blocked.ON[0]
         t_in = blocked.enter() if rec else 0.0
-        n, sview, rview, code, args, reqs = slot
-        g._seq += 1
-        seq, step, batch = g._seq, _step[0], _batch[0]
-        if ON_ENTER:
-            for hook in ON_ENTER:
-                hook()
-        _flight.append(ent := Entry(g.name, g.ranks, "all_reduce", seq, step, buf.size, buf.dtype))
-        _cur[0] = ent
-        t0 = trace.now() if _trace_on["on"] else 0.0
-        sview[...] = buf                       # (cheaper than np.copyto for a small array)
-        _HEAD.pack_into(self.sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0, n)
-        MPI.Prequest.Startall(reqs)
+        n, sview, rview, code, args, reqs, _ = slot
+        seq, step, batch, t0 = post(g, self.sbuf, sview, buf, code, op, 0, reqs)
         try:
+            _cur[0] = ent = record(g, buf, seq, step, n)
             wait_all(reqs)
         except BaseException:
-            self._requests()
+            self._requests()                   # the started ones may still be active
             raise
         if self.shead != self.rhead and g.check:
             self.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0], None,
@@ -213,10 +178,6 @@ class PairCheck:
         _UFUNC[op](buf, rview, buf)             # out=buf, positional (cheaper)
         if op == "avg":
             buf *= 0.5                         # == buf / 2, bit for bit (a power of two)
-        st = g.stats.get("all_reduce") or g.stats.setdefault("all_reduce", {"calls": 0, "bytes": 0,
-                                                                             "wire_bytes": 0})
-        st["calls"] += 1
-        st["bytes"] += n                       # the ring accounting: 2(n-1)/n * S = S at n = 2
         if t0:
             trace.record_args("all_reduce", "comm", t0, trace.now(), args)
         ent.state, g._last, _cur[0] = "done", ent, None
@@ -224,8 +185,30 @@ class PairCheck:
             blocked.leave("c", g, t_in, seq)
 
 
-def _nothing():
-    return None
+def post(g, sbuf, sview, buf, code, op, async_op, reqs):
+    """The next sequence number's message [f | p | x] into ``sbuf`` (``sview``: its payload
+    view), sent and its receive posted (``reqs``, persistent); (seq, step, batch, trace start)."""
+    g._seq += 1
+    seq, step, batch = g._seq, _step[0], _batch[0]
+    if ON_ENTER:
+        for hook in ON_ENTER:
+            hook()
+    t0 = trace.now() if _trace_on["on"] else 0.0
+    sview[...] = buf                           # (cheaper than np.copyto for a small array)
+    _HEAD.pack_into(sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, async_op, batch, 0, buf.nbytes)
+    MPI.Prequest.Startall(reqs)
+    return seq, step, batch, t0
 
 
-__all__ = ["PairCheck", "SMALL_BYTES", "FUSED"]
+def record(g, buf, seq, step, n):
+    """The call's flight-recorder entry and byte count, written while its message travels."""
+    ent = Entry((g.name, g.ranks, "all_reduce", seq, step, buf.size, buf.dtype, None, time()))
+    ent.state = "started"
+    _flight.append(ent)
+    st = g.stats.get("all_reduce") or g.stats.setdefault("all_reduce", {"calls": 0, "bytes": 0, "wire_bytes": 0})
+    st["calls"] += 1
+    st["bytes"] += n                           # the ring accounting: 2(n-1)/n * S = S at n = 2
+    return ent
+
+
+__all__ = ["PairCheck", "SMALL_BYTES", "FUSED", "post", "record"]

@@ -81,9 +81,12 @@ class Work:
         if p is not None:
             p.verify()
             p.waited, p.keep, p.entry.state = True, None, "done"
-            last = p.group._last                  # what an exit announces: "exited after #k"
+            g = p.group
+            last = g._last                        # what an exit announces: "exited after #k"
             if last is None or last.seq < p.entry.seq:
-                p.group._last = p.entry
+                g._last = p.entry
+            if g._pending and g._pending[-1] is p:
+                g._pending.pop()                  # (settle would drop it: it is waited)
         self._done, self._keep = True, None
         if self._fin is not None:
             self._fin()
@@ -91,7 +94,7 @@ class Work:
             self._then()
         if self._span is not None:
             name, t0, args = self._span
-            trace.record(name, "comm", t0, trace.now(), **args)
+            trace.record_args(name, "comm", t0, trace.now(), args)   # (events() copies args)
 
     def wait(self):
         """Block until done; afterwards the output buffers hold the result."""

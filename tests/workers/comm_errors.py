@@ -110,9 +110,10 @@ def fused_pair(g, r):
             last = flight_recorder.flight()[-1]
             assert (last["op"], last["seq"], last["state"], g._seq) == ("all_reduce", seq + 1, "done", seq + 1)
             w = g.all_reduce(xa, op=op, async_op=True)        # async: the payload rides on the check too
-            assert len(w._keep) == 2 and w._keep[1].nbytes == g._pair.rbuf.nbytes, "async call not fused"
+            assert len(w._keep) == 2 and w._keep[1].rbuf.nbytes == g._pair.rbuf.nbytes, "async call not fused"
             w.wait()
             assert np.array_equal(xa, want), ("async", dt, op, xa, want)
+    in_flight(g, r)
     g.check, x = False, np.full(5, r + 1.0)                # checks off: the same one-message path
     try:
         g._pair.slots.clear()
@@ -132,6 +133,32 @@ def fused_pair(g, r):
     expect(g, lambda: g.all_reduce(np.zeros(8)), CollectiveMismatchError, "carried its payload")
     if r == 1:
         del g._pair.fused
+
+
+def in_flight(g, r):
+    """Several small async all_reduces in flight (a DDP backward's buckets), a blocking call
+    between them, waited on in reverse: each has a channel of its own (pair_async.py), the
+    k-th receive gets the partner's k-th message, and a finished op's channel is reused."""
+    xs = [np.full(7, float(r + k)) for k in range(5)]
+    ws = [g.all_reduce(x, async_op=True) for x in xs]
+    y = np.full(3, float(r))
+    g.all_reduce(y)
+    chans = [w._keep[1] for w in ws]
+    assert len({id(c) for c in chans}) == 5 and np.all(y == 1.0)
+    for w in reversed(ws):
+        w.wait()
+    assert all(np.all(x == 2 * k + 1) for k, x in enumerate(xs)), xs
+    x = np.full(7, float(r))
+    w = g.all_reduce(x, async_op=True)
+    assert any(w._keep[1] is c for c in chans), "a finished op's channel was not reused"
+    while not w.is_completed():
+        pass
+    assert np.all(x == 1.0)
+    expect(g, lambda: g.all_reduce(np.zeros(7 if r == 0 else 6), async_op=True).wait(), CollectiveMismatchError,
+           "size=7", "size=6")
+    w = g.all_reduce(x, async_op=True)
+    w.wait()
+    assert np.all(x == 2.0), "the channel after a mismatch"
 
 
 if __name__ == "__main__":

@@ -1,0 +1,104 @@
+"""Two ranks, a small async all-reduce: the payload rides on its check's message, from a pool
+of persistent requests (DDP's small buckets, issued during backward and waited on after it).
+
+Math. As in pair.py, rank r sends m_r = [ f_r | p_r | x_r ] (f: the fingerprint, with
+async_op = 1; p: the payload's byte count), receives m_q, and ``wait()`` checks
+[f_q | p_q] == [f_r | p_r] before it reduces x <- x_r (op) x_q: one message each way, the
+bits of MPI's two-rank Allreduce. Several may be in flight at once (a DDP backward issues a
+bucket as soon as its last gradient is written), so each op takes a *channel* of its own: a
+send buffer of its size, a receive buffer of the largest message (header + ``SMALL_BYTES``,
+so a mismatched message never truncates) and their persistent requests
+(MPI_Send_init/MPI_Recv_init). A finished op gives its channel back to its slot's pool, so a
+training loop allocates nothing after its first step. Receives are matched in the order they
+were posted (MPI's non-overtaking rule for one pair, communicator and tag), and both ranks
+post them in issue order, so the k-th op's receive gets the partner's k-th message whatever
+channel holds it.
+
+Lifetime. A channel whose requests may still be active (an exception after they started, a
+wait that timed out, a mismatch) is never reused: it stays referenced (the op's ``Pending``,
+or the group's orphans) so MPI never writes into freed memory. The check, the flight record,
+the dropped-handle report and the ``blocked`` intervals are those of every async collective
+(work.py), so a rank in this path and a rank in any other call still meet and raise the same
+CollectiveMismatchError.
+"""
+import numpy as np
+
+from pdist.comm.check import _RED
+from pdist.comm.flight_recorder import _cur
+from pdist.comm.mpi import MPI, wait_all
+from pdist.comm.pair import _AR, _MPI_ALG, _UFUNC, HEAD, SMALL_BYTES, TAG, post, record
+from pdist.comm.work import Pending, Work
+from pdist.measure import blocked
+
+POOL = 16                        # idle channels kept per (dtype, shape)
+
+
+class Channel:
+    """One in-flight op's buffers, header views and persistent requests."""
+    __slots__ = ("sbuf", "rbuf", "sview", "rview", "shead", "rhead", "reqs")
+
+    def __init__(self, pair, buf):
+        n = buf.nbytes
+        self.sbuf, self.rbuf = np.empty(HEAD + n, np.uint8), np.empty(HEAD + SMALL_BYTES, np.uint8)
+        self.sview = self.sbuf[HEAD:].view(buf.dtype).reshape(buf.shape)          # (buf.shape)
+        self.rview = self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape)
+        self.shead, self.rhead = (memoryview(b)[:HEAD].cast("q") for b in (self.sbuf, self.rbuf))
+        self.reqs = [pair.comm.Recv_init(self.rbuf, pair.peer, TAG), pair.comm.Send_init(self.sbuf, pair.peer, TAG)]
+
+
+def all_reduce_async(pair, g, buf, op, slot):
+    """buf <- buf_r (op) buf_q once ``wait()`` returns (module doc); ``slot``: the fused call's
+    (pair.PairCheck.fused), whose pool of idle channels this op draws from."""
+    rec = blocked.ON[0]
+    t_in = blocked.enter() if rec else 0.0
+    n, code, free = slot[0], slot[3], slot[6]
+    ch = free.pop() if free else Channel(pair, buf)
+    seq, step, batch, t0 = post(g, ch.sbuf, ch.sview, buf, code, op, 1, ch.reqs)
+    try:
+        ent = record(g, buf, seq, step, n)
+        work = _work(pair, g, buf, op, ch, free, ent, seq, step, batch, code, t0, slot[4])
+    except BaseException:
+        g._orphans.append(ch)                  # its requests are active: MPI still writes to it
+        raise
+    finally:
+        if rec:
+            blocked.leave("c", g, t_in, seq)
+    if rec:
+        work._wf = ("w", g, seq)
+    return work
+
+
+def _work(pair, g, buf, op, ch, free, ent, seq, step, batch, code, t0, args):
+    """The op's Work and the group's Pending record: ``check`` (run by ``wait()`` or the next
+    collective) waits for the exchange and judges the header; ``then`` reduces and gives the
+    channel back."""
+    reqs, rview, ufunc = ch.reqs, ch.rview, _UFUNC[op]
+
+    def check():
+        wait_all(reqs)
+        if ch.shead != ch.rhead:
+            pair.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 1, batch, 0], None,
+                       lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
+                                f"algorithm=mpi async_op=True"), ch.rbuf)
+    check.ready = lambda: MPI.Request.Testall(reqs)
+
+    def then():                                # after the check passed (Work._finish)
+        ufunc(buf, rview, buf)
+        if op == "avg":
+            np.multiply(buf, 0.5, out=buf)     # == buf / 2, bit for bit
+        if len(free) < POOL:
+            free.append(ch)
+
+    work = Work(wait=_nothing, test=check.ready, then=then, keep=(buf, ch),
+                span=("all_reduce", t0, args) if t0 else None)
+    work._pending = p = Pending(check, _nothing, work._keep, ent, g)
+    g._pending.append(p)
+    _cur[0] = None
+    return work
+
+
+def _nothing():
+    return None
+
+
+__all__ = ["all_reduce_async", "Channel", "POOL"]
