@@ -72,7 +72,7 @@ class PairCheck:
     def _requests(self):
         """Fresh persistent requests (also after a wait that raised: those may still be active)."""
         self.recv = self.comm.Recv_init(self.rbuf, self.peer, TAG)
-        self.sends, self.slots = {}, {}       # message bytes -> send; (dtype, shape) -> slot
+        self.sends, self.slots, self.bigs = {}, {}, {}   # message bytes -> send; (dtype, shape) -> slot
 
     def _send(self, nbytes):
         req = self.sends.get(nbytes)
@@ -126,10 +126,12 @@ class PairCheck:
         return finish
 
     # ------------------------------------------------------ the fused all-reduce
-    def fused(self, g, buf, op, algorithm):
+    def fused(self, g, buf, op, algorithm, big=False):
         """This all_reduce's slot (sizes, views, dtype code, trace args, requests, the async
-        calls' idle channels) when it is fused, else None. Only its fingerprint's fields decide, and the group's own state
-        (no simulated link), the same on both ranks."""
+        calls' idle channels) when it is fused, else None; ``big``: an async call of more than
+        ``SMALL_BYTES`` gets a slot without views or requests (its data goes by MPI's
+        Iallreduce, pair_async.py). Only its fingerprint's fields decide, and the group's own
+        state (no simulated link), the same on both ranks."""
         if type(buf) is not np.ndarray or g._link is not None or op not in _UFUNC:
             return None
         if algorithm is None:                  # the group's default, as _run_op resolves it
@@ -137,12 +139,25 @@ class PairCheck:
                 return None
         elif algorithm != "mpi":
             return None
-        s = self.slots.get((buf.dtype, buf.shape, buf.strides))
+        s = self.slots.get(key := (buf.dtype, buf.shape, buf.strides))
         if s is None:
-            if not (buf.nbytes <= SMALL_BYTES and buf.dtype in FUSED and buf.flags.c_contiguous):
+            if not (buf.dtype in FUSED and buf.flags.c_contiguous):
                 return None
-            s = self._slot(buf)
+            if buf.nbytes > SMALL_BYTES:
+                if not big:
+                    return None
+                s = self.bigs.get(key) or self._big(buf, key)
+            else:
+                s = self._slot(buf)
         return s if op != "avg" or buf.dtype.kind == "f" else None
+
+    def _big(self, buf, key):
+        if len(self.bigs) >= 256:
+            self.bigs.clear()
+        n = buf.nbytes
+        s = self.bigs[key] = (n, None, None, dtype_code(buf.dtype),
+                              {"op": "all_reduce", "bytes": n, "group": self.name, "algorithm": "mpi"}, None, [])
+        return s
 
     def _slot(self, buf):
         if len(self.slots) >= 256:
@@ -187,15 +202,18 @@ class PairCheck:
 
 def post(g, sbuf, sview, buf, code, op, async_op, reqs):
     """The next sequence number's message [f | p | x] into ``sbuf`` (``sview``: its payload
-    view), sent and its receive posted (``reqs``, persistent); (seq, step, batch, trace start)."""
+    view; None: [f | 0], the header alone), sent and its receive posted (``reqs``,
+    persistent); (seq, step, batch, trace start)."""
     g._seq += 1
     seq, step, batch = g._seq, _step[0], _batch[0]
     if ON_ENTER:
         for hook in ON_ENTER:
             hook()
     t0 = trace.now() if _trace_on["on"] else 0.0
-    sview[...] = buf                           # (cheaper than np.copyto for a small array)
-    _HEAD.pack_into(sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, async_op, batch, 0, buf.nbytes)
+    if sview is not None:                      # (None: a header without its payload)
+        sview[...] = buf                       # (cheaper than np.copyto for a small array)
+    _HEAD.pack_into(sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, async_op, batch, 0,
+                    0 if sview is None else buf.nbytes)
     MPI.Prequest.Startall(reqs)
     return seq, step, batch, t0
 

@@ -14,6 +14,11 @@ were posted (MPI's non-overtaking rule for one pair, communicator and tag), and 
 post them in issue order, so the k-th op's receive gets the partner's k-th message whatever
 channel holds it.
 
+Larger calls. An async all-reduce of more than ``SMALL_BYTES`` sends [f_r | 0] (the header
+alone, the general path's message) on a channel without a payload and posts MPI's
+``Iallreduce`` on the group's data communicator; ``wait()`` judges the header, then waits for
+the data. It skips only the general path's Python (group.py ``_run_op``).
+
 Lifetime. A channel whose requests may still be active (an exception after they started, a
 wait that timed out, a mismatch) is never reused: it stays referenced (the op's ``Pending``,
 or the group's orphans) so MPI never writes into freed memory. The check, the flight record,
@@ -26,6 +31,7 @@ import numpy as np
 from pdist.comm.check import _RED
 from pdist.comm.flight_recorder import _cur
 from pdist.comm.mpi import MPI, wait_all
+from pdist.comm.mpi_collectives import REDUCE_OPS
 from pdist.comm.pair import _AR, _MPI_ALG, _UFUNC, HEAD, SMALL_BYTES, TAG, post, record
 from pdist.comm.work import Pending, Work
 from pdist.measure import blocked
@@ -38,25 +44,29 @@ class Channel:
     __slots__ = ("sbuf", "rbuf", "sview", "rview", "shead", "rhead", "reqs")
 
     def __init__(self, pair, buf):
-        n = buf.nbytes
+        n = 0 if buf is None else buf.nbytes  # None: the header alone (a call of more than SMALL_BYTES)
         self.sbuf, self.rbuf = np.empty(HEAD + n, np.uint8), np.empty(HEAD + SMALL_BYTES, np.uint8)
-        self.sview = self.sbuf[HEAD:].view(buf.dtype).reshape(buf.shape)          # (buf.shape)
-        self.rview = self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape)
+        self.sview = None if buf is None else self.sbuf[HEAD:].view(buf.dtype).reshape(buf.shape)  # (buf.shape)
+        self.rview = None if buf is None else self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape)
         self.shead, self.rhead = (memoryview(b)[:HEAD].cast("q") for b in (self.sbuf, self.rbuf))
         self.reqs = [pair.comm.Recv_init(self.rbuf, pair.peer, TAG), pair.comm.Send_init(self.sbuf, pair.peer, TAG)]
 
 
 def all_reduce_async(pair, g, buf, op, slot):
     """buf <- buf_r (op) buf_q once ``wait()`` returns (module doc); ``slot``: the fused call's
-    (pair.PairCheck.fused), whose pool of idle channels this op draws from."""
+    (pair.PairCheck.fused), whose pool of idle channels this op draws from. A call of more
+    than SMALL_BYTES (a slot without views) sends the header alone on its channel and its
+    data by MPI's Iallreduce on the group's data communicator, as the general path does."""
     rec = blocked.ON[0]
     t_in = blocked.enter() if rec else 0.0
-    n, code, free = slot[0], slot[3], slot[6]
-    ch = free.pop() if free else Channel(pair, buf)
+    n, code, free, big = slot[0], slot[3], slot[6], slot[1] is None
+    ch = free.pop() if free else Channel(pair, None if big else buf)
     seq, step, batch, t0 = post(g, ch.sbuf, ch.sview, buf, code, op, 1, ch.reqs)
     try:
         ent = record(g, buf, seq, step, n)
-        work = _work(pair, g, buf, op, ch, free, ent, seq, step, batch, code, t0, slot[4])
+        data = [g._mpi.comm.Iallreduce(MPI.IN_PLACE, buf, REDUCE_OPS[op])] if big else None
+        work = _work(g, buf, op, ch, free, ent, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 1, batch, 0],
+                     (pair.judge, t0, slot[4]), data)
     except BaseException:
         g._orphans.append(ch)                  # its requests are active: MPI still writes to it
         raise
@@ -68,30 +78,34 @@ def all_reduce_async(pair, g, buf, op, slot):
     return work
 
 
-def _work(pair, g, buf, op, ch, free, ent, seq, step, batch, code, t0, args):
+def _work(g, buf, op, ch, free, ent, fp, judge_t0_args, data):
     """The op's Work and the group's Pending record: ``check`` (run by ``wait()`` or the next
-    collective) waits for the exchange and judges the header; ``then`` reduces and gives the
-    channel back."""
+    collective) waits for the header and judges it (the small call's payload came with it);
+    ``then`` reduces the small call's payload (the big one's MPI reduced) and scales an avg."""
     reqs, rview, ufunc = ch.reqs, ch.rview, _UFUNC[op]
+    judge, t0, args = judge_t0_args
 
     def check():
         wait_all(reqs)
         if ch.shead != ch.rhead:
-            pair.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 1, batch, 0], None,
-                       lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
-                                f"algorithm=mpi async_op=True"), ch.rbuf)
+            judge(g, fp, None, lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
+                                        f"algorithm=mpi async_op=True"), ch.rbuf)
+        if data is not None and len(free) < POOL:
+            free.append(ch)                    # the header is all a big call's channel holds
     check.ready = lambda: MPI.Request.Testall(reqs)
 
     def then():                                # after the check passed (Work._finish)
-        ufunc(buf, rview, buf)
+        if data is None:
+            ufunc(buf, rview, buf)
         if op == "avg":
             np.multiply(buf, 0.5, out=buf)     # == buf / 2, bit for bit
-        if len(free) < POOL:
+        if data is None and len(free) < POOL:
             free.append(ch)
 
-    work = Work(wait=_nothing, test=check.ready, then=then, keep=(buf, ch),
-                span=("all_reduce", t0, args) if t0 else None)
-    work._pending = p = Pending(check, _nothing, work._keep, ent, g)
+    wait = _nothing if data is None else (lambda: wait_all(data))
+    work = Work(wait=wait, test=check.ready if data is None else (lambda: MPI.Request.Testall(data)), then=then,
+                keep=(buf, ch), span=("all_reduce", t0, args) if t0 else None)
+    work._pending = p = Pending(check, wait, work._keep, ent, g)
     g._pending.append(p)
     _cur[0] = None
     return work

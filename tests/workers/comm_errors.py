@@ -129,7 +129,7 @@ def fused_pair(g, r):
     expect(g, lambda: g.all_reduce(np.zeros(8), op="max" if r == 0 else "sum"), CollectiveMismatchError,
            "reduce-op", "max", "sum")
     if r == 1:                                           # an equal call that does not fuse (a device array
-        g._pair.fused = lambda *a: None                  # would not): both ranks refuse it
+        g._pair.fused = lambda *a, **k: None             # would not): both ranks refuse it
     expect(g, lambda: g.all_reduce(np.zeros(8)), CollectiveMismatchError, "carried its payload")
     if r == 1:
         del g._pair.fused
@@ -138,7 +138,9 @@ def fused_pair(g, r):
 def in_flight(g, r):
     """Several small async all_reduces in flight (a DDP backward's buckets), a blocking call
     between them, waited on in reverse: each has a channel of its own (pair_async.py), the
-    k-th receive gets the partner's k-th message, and a finished op's channel is reused."""
+    k-th receive gets the partner's k-th message, and a finished op's channel is reused. Then
+    async calls of more than the fused size (their header on a channel, their data by MPI's
+    Iallreduce), sum and avg, and mismatches of size and of async_op."""
     xs = [np.full(7, float(r + k)) for k in range(5)]
     ws = [g.all_reduce(x, async_op=True) for x in xs]
     y = np.full(3, float(r))
@@ -159,6 +161,23 @@ def in_flight(g, r):
     w = g.all_reduce(x, async_op=True)
     w.wait()
     assert np.all(x == 2.0), "the channel after a mismatch"
+    from pdist.comm.pair import SMALL_BYTES
+    big = SMALL_BYTES // 8 + 1               # float64: more than the fused size, the header alone
+    xs = [np.full(big, float(r + k)) for k in range(3)]
+    ws = [g.all_reduce(x, op="avg" if k == 1 else "sum", async_op=True) for k, x in enumerate(xs)]
+    chans = [w._keep[1] for w in ws]
+    assert all(c.sview is None for c in chans)   # (a checked header's channel may serve the next call)
+    for w in ws:
+        w.wait()
+    assert np.all(xs[0] == 1.0) and np.all(xs[1] == 1.5) and np.all(xs[2] == 5.0), [x[:2] for x in xs]
+    w = g.all_reduce(xs[0], async_op=True)
+    assert any(w._keep[1] is c for c in chans), "a big call's header channel was not reused"
+    w.wait()
+    assert np.all(xs[0] == 2.0)
+    expect(g, lambda: g.all_reduce(np.zeros(big if r == 0 else big + 1), async_op=True).wait(),
+           CollectiveMismatchError, f"size={big}", f"size={big + 1}")
+    expect(g, lambda: g.all_reduce(np.zeros(big), async_op=r == 0).wait() if r == 0 else g.all_reduce(np.zeros(big)),
+           CollectiveMismatchError, "async_op")
 
 
 if __name__ == "__main__":
