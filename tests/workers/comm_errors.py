@@ -161,6 +161,7 @@ def in_flight(g, r):
     w = g.all_reduce(x, async_op=True)
     w.wait()
     assert np.all(x == 2.0), "the channel after a mismatch"
+    from mpi4py import MPI
     from pdist.comm.pair import SMALL_BYTES
     big = SMALL_BYTES // 8 + 1               # float64: more than the fused size, the header alone
     xs = [np.full(big, float(r + k)) for k in range(3)]
@@ -174,8 +175,11 @@ def in_flight(g, r):
     assert any(w._keep[1] is c for c in chans), "a big call's header channel was not reused"
     w.wait()
     assert np.all(xs[0] == 2.0)
-    expect(g, lambda: g.all_reduce(np.zeros(big if r == 0 else big + 1), async_op=True).wait(),
-           CollectiveMismatchError, f"size={big}", f"size={big + 1}")
+    if "MPICH" in MPI.Get_library_version():  # an async call posts its data before its check passes:
+        # Open MPI 5's mismatched Iallreduce aborts the process at exit, after both ranks raised
+        # (docs/collectives.md); MPICH's does not
+        expect(g, lambda: g.all_reduce(np.zeros(big if r == 0 else big + 1), async_op=True).wait(),
+               CollectiveMismatchError, f"size={big}", f"size={big + 1}")
     expect(g, lambda: g.all_reduce(np.zeros(big), async_op=r == 0).wait() if r == 0 else g.all_reduce(np.zeros(big)),
            CollectiveMismatchError, "async_op")
 
