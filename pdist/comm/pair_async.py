@@ -65,8 +65,8 @@ def all_reduce_async(pair, g, buf, op, slot):
     try:
         ent = record(g, buf, seq, step, n)
         data = [g._mpi.comm.Iallreduce(MPI.IN_PLACE, buf, REDUCE_OPS[op])] if big else None
-        work = _work(g, buf, op, ch, free, ent, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 1, batch, 0],
-                     (pair.judge, t0, slot[4]), data)
+        work = _work(pair, g, buf, op, ch, free, ent, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 1,
+                                                       batch, 0], ("all_reduce", t0, slot[4]) if t0 else None, data)
     except BaseException:
         g._orphans.append(ch)                  # its requests are active: MPI still writes to it
         raise
@@ -78,18 +78,17 @@ def all_reduce_async(pair, g, buf, op, slot):
     return work
 
 
-def _work(g, buf, op, ch, free, ent, fp, judge_t0_args, data):
+def _work(pair, g, buf, op, ch, free, ent, fp, span, data):
     """The op's Work and the group's Pending record: ``check`` (run by ``wait()`` or the next
     collective) waits for the header and judges it (the small call's payload came with it);
     ``then`` reduces the small call's payload (the big one's MPI reduced) and scales an avg."""
     reqs, rview, ufunc = ch.reqs, ch.rview, _UFUNC[op]
-    judge, t0, args = judge_t0_args
 
     def check():
         wait_all(reqs)
         if ch.shead != ch.rhead:
-            judge(g, fp, None, lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
-                                        f"algorithm=mpi async_op=True"), ch.rbuf)
+            pair.judge(g, fp, None, lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
+                                             f"algorithm=mpi async_op=True"), ch.rbuf)
         if data is not None and len(free) < POOL:
             free.append(ch)                    # the header is all a big call's channel holds
     check.ready = lambda: MPI.Request.Testall(reqs)
@@ -104,7 +103,7 @@ def _work(g, buf, op, ch, free, ent, fp, judge_t0_args, data):
 
     wait = _nothing if data is None else (lambda: wait_all(data))
     work = Work(wait=wait, test=check.ready if data is None else (lambda: MPI.Request.Testall(data)), then=then,
-                keep=(buf, ch), span=("all_reduce", t0, args) if t0 else None)
+                keep=(buf, ch), span=span)
     work._pending = p = Pending(check, wait, work._keep, ent, g)
     g._pending.append(p)
     _cur[0] = None
