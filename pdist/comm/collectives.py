@@ -39,7 +39,7 @@ class Collectives:
         blocking or async."""
         pre, pair = None, self._pair
         if pair is not None:
-            slot = pair.fused(self, buf, op, algorithm, big=async_op and self.check)
+            slot = pair.fused(self, buf, op, algorithm, async_op and self.check)
             if slot is not None and not async_op:
                 pre = self._settle(None) if self._pending else None
                 if pre is None:

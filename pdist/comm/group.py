@@ -65,7 +65,7 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         self._pair = PairCheck(self) if self.size == 2 else None   # two ranks: checks point-to-point (pair.py)
         self._pending, self._orphans = [], []      # async ops not yet waited on; abandoned ones
         self._last = None                          # the last collective finished (flight entry)
-        self.stats = {}
+        self._stats = {}
         self._link = topology.link_for(self.ranks)   # simulated cluster (topology.py): None = off
         watchdog.register(self)
         if is_gpu():       # the device transport now, while every member is here (a lazy NCCL
@@ -75,18 +75,29 @@ class ProcessGroup(Collectives, PointToPoint, ObjectCollectives):
         return f"<ProcessGroup {self.name} rank {self.rank}/{self.size} world ranks {self.ranks}>"
 
     # ------------------------------------------------------------ accounting
+    @property
+    def stats(self):
+        """{op: {"calls", "bytes", "wire_bytes"}} since the last ``reset_stats()`` (bytes: the
+        ring accounting of collectives.py). A two-rank group's fused all-reduces count on
+        their own (pair.py: two additions, the hot path) and are folded in here."""
+        if self._pair is not None and self._pair.calls:
+            self._pair.fold(self._count)
+        return self._stats
+
     def reset_stats(self):
-        self.stats = {}
+        if self._pair is not None:
+            self._pair.fold(self._count)
+        self._stats = {}
 
     def bytes_sent(self):
         """Sum over ops of the accounted bytes (the ring accounting of docs/design.md)."""
         return sum(s["bytes"] for s in self.stats.values())
 
-    def _count(self, op, nbytes, wire=0):
-        s = self.stats.get(op)
+    def _count(self, op, nbytes, wire=0, calls=1):
+        s = self._stats.get(op)
         if s is None:
-            s = self.stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0}
-        s["calls"] += 1
+            s = self._stats[op] = {"calls": 0, "bytes": 0, "wire_bytes": 0}
+        s["calls"] += calls
         s["bytes"] += int(nbytes)
         s["wire_bytes"] += int(wire)
 

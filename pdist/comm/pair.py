@@ -30,9 +30,11 @@ move it either way (MPI's own Iallreduce, which a checks-off call would otherwis
 its deadline, is the slower one at 8 B: docs/collectives.md).
 
 Never a hang: the exchange is non-blocking requests finished by ``mpi.wait_all`` (the
-watchdog's deadline and control channel). Cost: persistent requests (MPI_Send_init,
-MPI_Recv_init) and cached views per (dtype, shape), so a blocking call allocates no buffer;
-an async one takes a pooled channel of its own (pair_async.py: several may be in flight).
+watchdog's deadline and control channel). Cost: each (dtype, shape, op) has a slot with a
+message of its own, its header packed once (a call writes seq, step and batch, and its
+payload) and persistent requests (MPI_Send_init, MPI_Recv_init), so a blocking call
+allocates nothing; an async one takes a pooled channel of its own, which starts from its
+slot's header (pair_async.py: several may be in flight).
 The blocking call sends first and writes its flight record and byte count while the
 partner's message travels. See bench/collectives.py's latency table ("mpi" beside "raw").
 """
@@ -55,6 +57,7 @@ FUSED = frozenset(np.dtype(t) for t in ("float32", "float64", "int8", "int16", "
                                         "uint8", "uint16", "uint32", "uint64"))
 _UFUNC = {"sum": np.add, "avg": np.add, "max": np.maximum, "min": np.minimum}
 _AR, _MPI_ALG = _OP["all_reduce"], _ALG["mpi"]
+_UNSEEN = object()
 
 
 class PairCheck:
@@ -63,31 +66,25 @@ class PairCheck:
 
     def __init__(self, group):
         self.comm, self.peer, self.name = group._fp, 1 - group.rank, group.name
-        self.sbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)        # (HEAD + SMALL_BYTES,) bytes
-        self.rbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)
+        self.sbuf = np.zeros(HEAD, np.uint8)                      # a check's message: the header alone
+        self.rbuf = np.zeros(HEAD + SMALL_BYTES, np.uint8)        # (HEAD + SMALL_BYTES,) bytes: the largest
         # the headers as int64 views: comparing 12 items is ~8x cheaper than 96 bytes ('B')
         self.shead, self.rhead = (memoryview(b)[:HEAD].cast("q") for b in (self.sbuf, self.rbuf))
         self._requests()
+        self.calls = self.nbytes = 0           # fused calls and their bytes, not yet in the group's stats
 
     def _requests(self):
-        """Fresh persistent requests (also after a wait that raised: those may still be active)."""
+        """Fresh persistent requests and slots (also after a wait that raised: the old ones
+        may still be active, and the slots hold their own sends)."""
         self.recv = self.comm.Recv_init(self.rbuf, self.peer, TAG)
-        self.sends, self.slots, self.bigs = {}, {}, {}   # message bytes -> send; (dtype, shape) -> slot
-
-    def _send(self, nbytes):
-        req = self.sends.get(nbytes)
-        if req is None:
-            if len(self.sends) >= 64:          # a bounded cache (inactive requests only)
-                self._requests()
-                return self._send(nbytes)
-            req = self.sends[nbytes] = self.comm.Send_init(self.sbuf[:nbytes], self.peer, TAG)
-        return req
+        self.send = self.comm.Send_init(self.sbuf, self.peer, TAG)
+        self.slots = {}                        # fused()'s key -> slot (or None: not fused)
 
     def _exchange(self, fp):
         """Send [fp | 0] (no payload), receive the partner's message; True when its header
         equals ours (a partner that fused an equal call sends a non-zero payload length)."""
         _HEAD.pack_into(self.sbuf, 0, *fp, 0)
-        reqs = [self.recv, self._send(HEAD)]
+        reqs = [self.recv, self.send]
         MPI.Prequest.Startall(reqs)
         try:
             wait_all(reqs)
@@ -126,50 +123,48 @@ class PairCheck:
         return finish
 
     # ------------------------------------------------------ the fused all-reduce
-    def fused(self, g, buf, op, algorithm, big=False):
-        """This all_reduce's slot (sizes, views, dtype code, trace args, requests, the async
-        calls' idle channels) when it is fused, else None; ``big``: an async call of more than
-        ``SMALL_BYTES`` gets a slot without views or requests (its data goes by MPI's
-        Iallreduce, pair_async.py). Only its fingerprint's fields decide, and the group's own
-        state (no simulated link), the same on both ranks."""
-        if type(buf) is not np.ndarray or g._link is not None or op not in _UFUNC:
+    def fused(self, g, buf, op, algorithm, async_op=False):
+        """This all_reduce's slot (``_slot``) when it is fused, else None; ``async_op``: an async
+        call with its check on, whose slot may exceed ``SMALL_BYTES`` (its data then goes by
+        MPI's Iallreduce, pair_async.py). Only its fingerprint's fields decide, and the group's
+        own state (no simulated link; the algorithm given, or the group's default), the same
+        on both ranks. The verdict is cached per (dtype, shape, strides, op, algorithm,
+        async_op), the None of a call that is not fused too."""
+        if type(buf) is not np.ndarray or g._link is not None:
             return None
-        if algorithm is None:                  # the group's default, as _run_op resolves it
-            if g.default_algorithm in ("naive", "ring"):
-                return None
-        elif algorithm != "mpi":
-            return None
-        s = self.slots.get(key := (buf.dtype, buf.shape, buf.strides))
-        if s is None:
-            if not (buf.dtype in FUSED and buf.flags.c_contiguous):
-                return None
-            if buf.nbytes > SMALL_BYTES:
-                if not big:
-                    return None
-                s = self.bigs.get(key) or self._big(buf, key)
-            else:
-                s = self._slot(buf)
-        return s if op != "avg" or buf.dtype.kind == "f" else None
+        key = (buf.dtype, buf.shape, buf.strides, op, algorithm or g.default_algorithm, async_op)
+        s = self.slots.get(key, _UNSEEN)
+        if s is _UNSEEN:
+            if len(self.slots) >= 256:
+                self.slots.clear()
+            s = self.slots[key] = self._decide(buf, op, key[4], async_op)
+        return s
 
-    def _big(self, buf, key):
-        if len(self.bigs) >= 256:
-            self.bigs.clear()
+    def _decide(self, buf, op, algorithm, async_op):
+        if op not in _UFUNC or algorithm != "mpi" or buf.dtype not in FUSED or not buf.flags.c_contiguous:
+            return None
+        if op == "avg" and buf.dtype.kind != "f":
+            return None
+        if buf.nbytes > SMALL_BYTES and not async_op:
+            return None
+        return self._slot(buf, op, async_op)
+
+    def _slot(self, buf, op, async_op):
+        """(n, send view, receive view, send header, ufunc, avg, trace args, requests, idle
+        channels, header): a blocking call's own message (its header packed once: only seq,
+        step and batch change per call) and persistent send; an async call's header, which
+        each of its channels (pair_async.py) starts from. A call of more than SMALL_BYTES
+        (async only) sends its header alone."""
         n = buf.nbytes
-        s = self.bigs[key] = (n, None, None, dtype_code(buf.dtype),
-                              {"op": "all_reduce", "bytes": n, "group": self.name, "algorithm": "mpi"}, None, [])
-        return s
-
-    def _slot(self, buf):
-        if len(self.slots) >= 256:
-            self.slots.clear()
-        n, shape = buf.nbytes, buf.shape
-        send = self._send(HEAD + n)            # first: a full cache renews every request
-        s = self.slots[buf.dtype, shape, buf.strides] = (
-            n, self.sbuf[HEAD:HEAD + n].view(buf.dtype).reshape(shape),
-            self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(shape), dtype_code(buf.dtype),
-            {"op": "all_reduce", "bytes": n, "group": self.name, "algorithm": "mpi"},
-            [self.recv, send], [])              # [] : the idle channels of its async calls (pair_async.py)
-        return s
+        carried = 0 if n > SMALL_BYTES else n                 # the payload's bytes in the message
+        head = _HEAD.pack(_AR, 0, 0, buf.size, dtype_code(buf.dtype), _RED[op], -1, _MPI_ALG, int(async_op),
+                          0, 0, carried)
+        args = {"op": "all_reduce", "bytes": n, "group": self.name, "algorithm": "mpi"}
+        if async_op:
+            return (n, None, None, None, _UFUNC[op], op == "avg", args, None, [], head)
+        sbuf, shead, sview = message(head, buf)
+        return (n, sview, self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape), shead, _UFUNC[op],
+                op == "avg", args, [self.recv, self.comm.Send_init(sbuf, self.peer, TAG)], None, head)
 
     def all_reduce(self, g, buf, op, slot):
         """buf <- buf_r (op) buf_q, checked in the same exchange (module doc). The flight
@@ -178,20 +173,18 @@ class PairCheck:
         (the partner's message takes as long to arrive), before anything can block."""
         rec = blocked.ON[0]
         t_in = blocked.enter() if rec else 0.0
-        n, sview, rview, code, args, reqs, _ = slot
-        seq, step, batch, t0 = post(g, self.sbuf, sview, buf, code, op, 0, reqs)
+        n, sview, rview, shead, ufunc, avg, args, reqs, _, _ = slot
         try:
-            _cur[0] = ent = record(g, buf, seq, step, n)
+            ent, seq, t0 = post(self, g, shead, sview, buf, reqs, n)
             wait_all(reqs)
         except BaseException:
             self._requests()                   # the started ones may still be active
             raise
-        if self.shead != self.rhead and g.check:
-            self.judge(g, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 0, batch, 0], None,
-                       lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
-                                f"algorithm=mpi async_op=False"), self.rbuf)
-        _UFUNC[op](buf, rview, buf)             # out=buf, positional (cheaper)
-        if op == "avg":
+        if shead != self.rhead and g.check:
+            self.judge(g, list(shead[:K]), None, lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} "
+                                                           f"op={op} root=-1 algorithm=mpi async_op=False"), self.rbuf)
+        ufunc(buf, rview, buf)                 # out=buf, positional (cheaper)
+        if avg:
             buf *= 0.5                         # == buf / 2, bit for bit (a power of two)
         if t0:
             trace.record_args("all_reduce", "comm", t0, trace.now(), args)
@@ -199,34 +192,46 @@ class PairCheck:
         if rec:
             blocked.leave("c", g, t_in, seq)
 
+    def fold(self, count):
+        """Hand the calls and bytes counted since the last fold to ``count`` (the group's
+        ``_count``: ``ProcessGroup.stats`` folds them in when it is read)."""
+        calls, nbytes, self.calls, self.nbytes = self.calls, self.nbytes, 0, 0
+        count("all_reduce", nbytes, 0, calls)
 
-def post(g, sbuf, sview, buf, code, op, async_op, reqs):
-    """The next sequence number's message [f | p | x] into ``sbuf`` (``sview``: its payload
-    view; None: [f | 0], the header alone), sent and its receive posted (``reqs``,
-    persistent); (seq, step, batch, trace start)."""
+
+def message(head, buf):
+    """A message's send buffer [header | payload] (``buf``: the payload's dtype and shape;
+    None: the header alone), the packed ``head`` written in; (buffer, its header as int64
+    items, the payload's view)."""
+    n = 0 if buf is None else buf.nbytes
+    sbuf = np.empty(HEAD + n, np.uint8)                        # (HEAD + n,) bytes
+    sbuf[:HEAD] = np.frombuffer(head, np.uint8)
+    sview = None if buf is None else sbuf[HEAD:].view(buf.dtype).reshape(buf.shape)
+    return sbuf, memoryview(sbuf)[:HEAD].cast("q"), sview
+
+
+def post(pair, g, shead, sview, buf, reqs, n):
+    """The next sequence number's message: seq, step and batch into its header ``shead``
+    (the rest was packed with its slot), the payload into ``sview`` (None: a header alone),
+    sent and its receive posted (``reqs``, persistent); then, while it travels, its
+    flight-recorder entry (the one this rank now works on) and its ``n`` bytes counted on
+    ``pair``; (entry, seq, trace start)."""
     g._seq += 1
-    seq, step, batch = g._seq, _step[0], _batch[0]
+    seq, step = g._seq, _step[0]
     if ON_ENTER:
         for hook in ON_ENTER:
             hook()
     t0 = trace.now() if _trace_on["on"] else 0.0
-    if sview is not None:                      # (None: a header without its payload)
+    if sview is not None:
         sview[...] = buf                       # (cheaper than np.copyto for a small array)
-    _HEAD.pack_into(sbuf, 0, _AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, async_op, batch, 0,
-                    0 if sview is None else buf.nbytes)
+    shead[1], shead[2], shead[9] = seq, step, _batch[0]
     MPI.Prequest.Startall(reqs)
-    return seq, step, batch, t0
-
-
-def record(g, buf, seq, step, n):
-    """The call's flight-recorder entry and byte count, written while its message travels."""
-    ent = Entry((g.name, g.ranks, "all_reduce", seq, step, buf.size, buf.dtype, None, time()))
+    _cur[0] = ent = Entry((g.name, g.ranks, "all_reduce", seq, step, buf.size, buf.dtype, None, time()))
     ent.state = "started"
     _flight.append(ent)
-    st = g.stats.get("all_reduce") or g.stats.setdefault("all_reduce", {"calls": 0, "bytes": 0, "wire_bytes": 0})
-    st["calls"] += 1
-    st["bytes"] += n                           # the ring accounting: 2(n-1)/n * S = S at n = 2
-    return ent
+    pair.calls += 1
+    pair.nbytes += n                           # the ring accounting: 2(n-1)/n * S = S at n = 2
+    return ent, seq, t0
 
 
-__all__ = ["PairCheck", "SMALL_BYTES", "FUSED", "post", "record"]
+__all__ = ["PairCheck", "SMALL_BYTES", "FUSED", "message", "post"]

@@ -28,11 +28,11 @@ CollectiveMismatchError.
 """
 import numpy as np
 
-from pdist.comm.check import _RED
+from pdist.comm.check import K
 from pdist.comm.flight_recorder import _cur
 from pdist.comm.mpi import MPI, wait_all
 from pdist.comm.mpi_collectives import REDUCE_OPS
-from pdist.comm.pair import _AR, _MPI_ALG, _UFUNC, HEAD, SMALL_BYTES, TAG, post, record
+from pdist.comm.pair import HEAD, SMALL_BYTES, TAG, message, post
 from pdist.comm.work import Pending, Work
 from pdist.measure import blocked
 
@@ -43,52 +43,55 @@ class Channel:
     """One in-flight op's buffers, header views and persistent requests."""
     __slots__ = ("sbuf", "rbuf", "sview", "rview", "shead", "rhead", "reqs")
 
-    def __init__(self, pair, buf):
-        n = 0 if buf is None else buf.nbytes  # None: the header alone (a call of more than SMALL_BYTES)
-        self.sbuf, self.rbuf = np.empty(HEAD + n, np.uint8), np.empty(HEAD + SMALL_BYTES, np.uint8)
-        self.sview = None if buf is None else self.sbuf[HEAD:].view(buf.dtype).reshape(buf.shape)  # (buf.shape)
+    def __init__(self, pair, buf, head):
+        """``buf``: the payload's dtype and shape (None: the header alone, a call of more than
+        SMALL_BYTES); ``head``: its slot's packed header."""
+        n = 0 if buf is None else buf.nbytes
+        self.sbuf, self.shead, self.sview = message(head, buf)
+        self.rbuf = np.empty(HEAD + SMALL_BYTES, np.uint8)
         self.rview = None if buf is None else self.rbuf[HEAD:HEAD + n].view(buf.dtype).reshape(buf.shape)
-        self.shead, self.rhead = (memoryview(b)[:HEAD].cast("q") for b in (self.sbuf, self.rbuf))
+        self.rhead = memoryview(self.rbuf)[:HEAD].cast("q")
         self.reqs = [pair.comm.Recv_init(self.rbuf, pair.peer, TAG), pair.comm.Send_init(self.sbuf, pair.peer, TAG)]
 
 
 def all_reduce_async(pair, g, buf, op, slot):
     """buf <- buf_r (op) buf_q once ``wait()`` returns (module doc); ``slot``: the fused call's
     (pair.PairCheck.fused), whose pool of idle channels this op draws from. A call of more
-    than SMALL_BYTES (a slot without views) sends the header alone on its channel and its
-    data by MPI's Iallreduce on the group's data communicator, as the general path does."""
+    than SMALL_BYTES sends the header alone on its channel and its data by MPI's Iallreduce
+    on the group's data communicator, as the general path does."""
     rec = blocked.ON[0]
     t_in = blocked.enter() if rec else 0.0
-    n, code, free, big = slot[0], slot[3], slot[6], slot[1] is None
-    ch = free.pop() if free else Channel(pair, None if big else buf)
-    seq, step, batch, t0 = post(g, ch.sbuf, ch.sview, buf, code, op, 1, ch.reqs)
+    n, ufunc, avg, args, free = slot[0], slot[4], slot[5], slot[6], slot[8]
+    big = n > SMALL_BYTES
+    ch = free.pop() if free else Channel(pair, None if big else buf, slot[9])
     try:
-        ent = record(g, buf, seq, step, n)
+        ent, seq, t0 = post(pair, g, ch.shead, ch.sview, buf, ch.reqs, n)
         data = [g._mpi.comm.Iallreduce(MPI.IN_PLACE, buf, REDUCE_OPS[op])] if big else None
-        work = _work(pair, g, buf, op, ch, free, ent, [_AR, seq, step, buf.size, code, _RED[op], -1, _MPI_ALG, 1,
-                                                       batch, 0], ("all_reduce", t0, slot[4]) if t0 else None, data)
+        work = _work(pair, g, buf, op, (ch, free, ufunc, avg), ent, ("all_reduce", t0, args) if t0 else None, data)
     except BaseException:
         g._orphans.append(ch)                  # its requests are active: MPI still writes to it
         raise
     finally:
         if rec:
-            blocked.leave("c", g, t_in, seq)
+            blocked.leave("c", g, t_in, g._seq)
     if rec:
         work._wf = ("w", g, seq)
     return work
 
 
-def _work(pair, g, buf, op, ch, free, ent, fp, span, data):
+def _work(pair, g, buf, op, how, ent, span, data):
     """The op's Work and the group's Pending record: ``check`` (run by ``wait()`` or the next
     collective) waits for the header and judges it (the small call's payload came with it);
-    ``then`` reduces the small call's payload (the big one's MPI reduced) and scales an avg."""
-    reqs, rview, ufunc = ch.reqs, ch.rview, _UFUNC[op]
+    ``then`` reduces the small call's payload (the big one's MPI reduced) and scales an avg.
+    ``how``: (channel, its slot's idle channels, ufunc, avg)."""
+    ch, free, ufunc, avg = how
+    reqs, rview = ch.reqs, ch.rview
 
     def check():
         wait_all(reqs)
         if ch.shead != ch.rhead:
-            pair.judge(g, fp, None, lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} op={op} root=-1 "
-                                             f"algorithm=mpi async_op=True"), ch.rbuf)
+            pair.judge(g, list(ch.shead[:K]), None, lambda: (str(buf.dtype), f"size={buf.size} dtype={buf.dtype} "
+                                                             f"op={op} root=-1 algorithm=mpi async_op=True"), ch.rbuf)
         if data is not None and len(free) < POOL:
             free.append(ch)                    # the header is all a big call's channel holds
     check.ready = lambda: MPI.Request.Testall(reqs)
@@ -96,7 +99,7 @@ def _work(pair, g, buf, op, ch, free, ent, fp, span, data):
     def then():                                # after the check passed (Work._finish)
         if data is None:
             ufunc(buf, rview, buf)
-        if op == "avg":
+        if avg:
             np.multiply(buf, 0.5, out=buf)     # == buf / 2, bit for bit
         if data is None and len(free) < POOL:
             free.append(ch)

@@ -103,22 +103,25 @@ def fused_pair(g, r):
             raw.Allreduce(MPI.IN_PLACE, want, {"avg": MPI.SUM, "sum": MPI.SUM, "max": MPI.MAX, "min": MPI.MIN}[op])
             if op == "avg":
                 want /= 2
-            seq = g._seq
+            seq, st = g._seq, dict(g.stats.get("all_reduce", {"calls": 0, "bytes": 0}))
             g.all_reduce(x, op=op)
             assert np.array_equal(x, want), (dt, op, x, want)
-            assert (x.dtype, x.shape, x.strides) in g._pair.slots, "the small all_reduce was not fused"
+            assert fused(g, x, op), "the small all_reduce was not fused"
+            now = dict(g.stats["all_reduce"])                 # counted on the pair, folded in on read
+            assert (now["calls"], now["bytes"]) == (st["calls"] + 1, st["bytes"] + x.nbytes), (st, now)
             last = flight_recorder.flight()[-1]
             assert (last["op"], last["seq"], last["state"], g._seq) == ("all_reduce", seq + 1, "done", seq + 1)
             w = g.all_reduce(xa, op=op, async_op=True)        # async: the payload rides on the check too
             assert len(w._keep) == 2 and w._keep[1].rbuf.nbytes == g._pair.rbuf.nbytes, "async call not fused"
             w.wait()
             assert np.array_equal(xa, want), ("async", dt, op, xa, want)
+            assert fused(g, xa, op, True) and g.stats["all_reduce"]["calls"] == now["calls"] + 1
     in_flight(g, r)
     g.check, x = False, np.full(5, r + 1.0)                # checks off: the same one-message path
     try:
         g._pair.slots.clear()
         g.all_reduce(x)
-        assert np.all(x == 3.0) and (x.dtype, x.shape, x.strides) in g._pair.slots, "checks-off call not fused"
+        assert np.all(x == 3.0) and fused(g, x, "sum"), "checks-off call not fused"
     finally:
         g.check = True
     big = SMALL_BYTES // 8 + 1                              # float64 elements: just over the fused size
@@ -133,6 +136,11 @@ def fused_pair(g, r):
     expect(g, lambda: g.all_reduce(np.zeros(8)), CollectiveMismatchError, "carried its payload")
     if r == 1:
         del g._pair.fused
+
+
+def fused(g, x, op, async_op=False):
+    """The fused slot of this call (pair.py's cache), None if it was not fused."""
+    return g._pair.slots.get((x.dtype, x.shape, x.strides, op, "mpi", async_op))
 
 
 def in_flight(g, r):
