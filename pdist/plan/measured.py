@@ -13,8 +13,8 @@ the step it is compared with:
     mem_bw             one large array copy, bytes read + written per second (the roofline's
                        slope for the elementwise work)
     links, per group   an all-reduce calibration on that very group at two sizes (8 B and 1 MiB,
-                       or the layout's own: tp's activations at both batches), the median of 15
-                       under the job's own concurrency: beta = ring bytes / (t(big) - t(small)),
+                       or the layout's own: tp's activations at both batches), the median of 41
+                       calls of each, the sizes alternating, under the job's own concurrency: beta = ring bytes / (t(big) - t(small)),
                        alpha = the rest of t(small) / ring steps, cached per group; with a
                        simulated topology (PDIST_TOPOLOGY, pdist/comm/topology.py) the group's
                        charged link is added: alpha + alpha_topo, 1/beta + 1/beta_topo
@@ -46,7 +46,7 @@ import numpy as np
 from pdist.plan.presets import Cluster, Link
 from pdist.plan.timing import as_measured
 
-ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 15
+ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 41
 _links = {}               # (group name, world ranks, topology link) -> Link (this process)
 _bw, _op = [], []
 
@@ -114,18 +114,21 @@ def memory_bandwidth():
     return _bw[0]
 
 
-def _allreduce_s(group, n_elems):
-    """Median seconds of one blocking all-reduce of ``n_elems`` float64 (a barrier before each),
-    the statistic the compared steps use, under the job's own concurrency (every member calls)."""
+def _allreduce_s(group, sizes):
+    """Median seconds of one blocking all-reduce of each of ``sizes`` bytes (float64, a barrier
+    before each), the statistic the compared steps use, under the job's own concurrency (every
+    member calls); the sizes alternate call by call, so a drift in the machine's speed moves
+    both medians alike."""
     from pdist.engine.backend import xp
-    buf = xp.ones(max(1, n_elems), dtype="float64")
-    ts = []
+    bufs = [xp.ones(max(1, n // 8), dtype="float64") for n in sizes]
+    ts = [[] for _ in sizes]
     for _ in range(REPS):
-        group.barrier()
-        t0 = time.perf_counter()
-        group.all_reduce(buf)
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+        for buf, t in zip(bufs, ts):
+            group.barrier()
+            t0 = time.perf_counter()
+            group.all_reduce(buf)
+            t.append(time.perf_counter() - t0)
+    return [float(np.median(t)) for t in ts]
 
 
 def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES)):
@@ -141,7 +144,7 @@ def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES)):
         saved, group._link = getattr(group, "_link", None), None
         try:
             steps, ring = 2 * (group.size - 1), 2 * (group.size - 1) / group.size
-            (s0, t_s), (s1, t_b) = ((n, _allreduce_s(group, n // 8)) for n in sorted(sizes))
+            (s0, s1), (t_s, t_b) = sorted(sizes), _allreduce_s(group, sorted(sizes))
         finally:
             group._link = saved
         beta = ring * (s1 - s0) / max(t_b - t_s, 0.5 * t_b)     # noise: beta at most 2x t(big)'s

@@ -113,7 +113,8 @@ def one_layout(world, tokens, vocab, axes, kw, steps):
     count = measured.counted(groups, steps, {g: {k: v for k, v in a.items() if k != "_link_s"} for g, a in acc.items()})
     for g, pg in groups.items():
         count[g]["charged_s"] = acc[g].get("_link_s", 0.0) / steps if pg._link is not None else None
-    act = lambda rows: rows * T * cfg.n_embd * 8             # noqa: E731  (tp's activation all-reduce, bytes)
+    item = np.dtype(cfg.dtype).itemsize                       # the activations' (float32: the lessons' GPT)
+    act = lambda rows: rows * T * cfg.n_embd * item          # noqa: E731  (tp's activation all-reduce, bytes)
     sizes = {"tp": (act(1), act(lay.micro_batch))}           # the messages tp sends at the two batches
     plan, plan_tiny = (measured.plan_for(model, (b, T), world, sizes) for b in (B, tiny))
     pp_rank = groups["pp"].rank if "pp" in groups else 0
