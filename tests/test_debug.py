@@ -99,7 +99,7 @@ def test_detector_names_compute_straggler():
 
 @pytest.mark.cores("all")      # timing-sensitive: alone under pytest-xdist (tests/conftest.py)
 def test_detector_names_uneven_shard():
-    got = reports(mpirun(4, W / "debug_worker.py", "detect", "uneven-shard:rank=1,extra=1.0", 16, timeout=120))
+    got = reports(mpirun(4, W / "debug_worker.py", "detect", "uneven-shard:rank=1,extra=1.0", 32, timeout=120))
     assert got[0]["rank"] == 1 and got[0]["cause"] == "uneven shard", got
 
 
