@@ -261,3 +261,28 @@ def test_the_lock_is_created_whole_and_leaves_no_name_of_its_own(tmp_path, monke
     finally:
         lock.release()
     assert os.listdir(tmp_path) == []
+
+
+def test_a_killed_writers_lock_temporaries_are_cleaned_only_when_old_and_dead(tmp_path):
+    """A writer killed between creating its lock's temporary name and unlinking it leaves
+    ``.<base>.pdist-lock.new-<pid>-<hex>`` (or ``.stale-``). The next save's cleaning removes such
+    a file once it is LOCK_GRACE_S old and its pid runs nothing here; a fresh one, one whose pid
+    is alive, a directory and a name that is not pdist's stay."""
+    import subprocess
+    import sys
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True, check=True).stdout.strip()
+    old = time.time() - 2 * owner.LOCK_GRACE_S
+    names = {f".ck.pdist-lock.new-{dead}-deadbeef": (old, True), f".ck.pdist-lock.stale-{dead}-0123abcd": (old, True),
+             f".ck.pdist-lock.new-{dead}-cafebabe": (None, False), f".ck.pdist-lock.new-{os.getpid()}-aaaaaaaa":
+             (old, False), ".ck.pdist-lock.new-mine": (old, False), f".ck.pdist-lock.new-{dead}-0000": (old, False)}
+    for n, (t, _) in names.items():
+        (tmp_path / n).write_text("{}")
+        if t is not None:
+            os.utime(tmp_path / n, (t, t))
+    os.mkdir(tmp_path / f".ck.pdist-lock.new-{dead}-bbbbbbbb")
+    os.utime(tmp_path / f".ck.pdist-lock.new-{dead}-bbbbbbbb", (old, old))
+    done = owner.clean_leftovers(tmp_path)
+    assert sorted(done) == sorted(n for n, (_, gone) in names.items() if gone), done
+    assert sorted(os.listdir(tmp_path)) == sorted([n for n, (_, gone) in names.items() if not gone]
+                                                  + [f".ck.pdist-lock.new-{dead}-bbbbbbbb"])

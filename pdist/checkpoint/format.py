@@ -114,6 +114,24 @@ def fsync_dir(path):
 LEFTOVER = re.compile(r"\.(?P<base>.+)\.pdist-(?P<kind>tmp|old)-\d+-[0-9a-f]+")
 
 
+def exchange(a, b):
+    """Swap two names atomically (Linux renameat2 RENAME_EXCHANGE); False where the
+    platform or file system cannot."""
+    try:
+        import ctypes
+        libc = ctypes.CDLL(None, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError):
+        return False
+    at_fdcwd, rename_exchange = -100, 2
+    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (22, 38, 95):                 # EINVAL, ENOSYS, EOPNOTSUPP: not here
+        return False
+    raise OSError(err, os.strerror(err), b)
+
+
 def aside_copies(dir):
     """The complete-or-not old copies an interrupted overwrite left of ``dir``
     (``.<base>.pdist-old-*``), for a message that says where the previous checkpoint is."""

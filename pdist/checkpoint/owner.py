@@ -3,8 +3,8 @@
 Beside a checkpoint ``parent/<base>`` pdist writes only names that start with
 ``.<base>.pdist-``, and inside a checkpoint only ``index.json`` and ``rank-NNNNN.safetensors``:
 
-    .<base>.pdist-lock              the writer's lock: {"pid", "host", "start", "nonce"}, whole
-                                    from the start (hard-linked from .<base>.pdist-lock.new-*)
+    .<base>.pdist-lock              the writer's lock: {"pid", "host", "start", "nonce"}, whole from
+                                    the start (hard-linked from its .new-<pid>-<hex>; reclaimed via .stale-*)
     .<base>.pdist-tmp-<pid>-<hex>   the directory being written; renamed to <base> when complete
     .<base>.pdist-old-<pid>-<hex>   the previous <base> during an overwrite where the file
                                     system cannot exchange two names atomically
@@ -12,7 +12,8 @@ Beside a checkpoint ``parent/<base>`` pdist writes only names that start with
 A lock whose process is gone (same host, and the pid is dead or was reused by a later
 process) is stale: the next writer reclaims it. The next ``save`` in a parent removes the
 leftovers of saves that died there (whose lock is free or stale), deleting only the names
-above; a leftover ``-old-`` whose ``<base>`` is missing is renamed back (it is complete).
+above (a lock's .new-/.stale- name once 10 s old and its pid gone); a leftover ``-old-`` whose
+``<base>`` is missing is renamed back (it is complete).
 """
 import json
 import os
@@ -22,10 +23,11 @@ import socket
 import time
 import warnings
 
-from pdist.checkpoint.format import INDEX, LEFTOVER, CheckpointError, aside_copies, fsync_dir, read_index
+from pdist.checkpoint.format import INDEX, LEFTOVER, CheckpointError, aside_copies, exchange, fsync_dir, read_index
 
 RANK_FILE = re.compile(r"rank-\d{5}\.safetensors")
 LOCK = re.compile(r"\.(?P<base>.+)\.pdist-lock")
+LOCK_TEMP = re.compile(r"\.(?P<base>.+)\.pdist-lock\.(new|stale)-(?P<pid>\d+)-[0-9a-f]{8}")   # Lock's own names
 LOCK_GRACE_S = 10.0       # a lock file still empty after this long was never finished: stale
 
 
@@ -195,24 +197,6 @@ def remove_pdist_dir(path):
     return sorted(left)
 
 
-def exchange(a, b):
-    """Swap two names atomically (Linux renameat2 RENAME_EXCHANGE); False where the
-    platform or file system cannot."""
-    try:
-        import ctypes
-        libc = ctypes.CDLL(None, use_errno=True)
-        fn = libc.renameat2
-    except (OSError, AttributeError):
-        return False
-    at_fdcwd, rename_exchange = -100, 2
-    if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
-        return True
-    err = ctypes.get_errno()
-    if err in (22, 38, 95):                 # EINVAL, ENOSYS, EOPNOTSUPP: not here
-        return False
-    raise OSError(err, os.strerror(err), b)
-
-
 def between_renames():
     """Called between the two renames of the fallback overwrite (a test kills the process here)."""
 
@@ -252,7 +236,8 @@ def clean_leftovers(parent, mine=None):
             found.setdefault(m.group("base"), []).append((m.group("kind"), n))
         elif lock:
             found.setdefault(lock.group("base"), [])        # a stale lock alone: taking it removes it
-    done = []
+    done = [n for n in os.listdir(parent) if (t := LOCK_TEMP.fullmatch(n))
+            and _dead_temp(os.path.join(parent, n), int(t.group("pid")))]
     for base, items in sorted(found.items()):
         dir = os.path.join(parent, base)
         lock = None if base == mine else Lock(dir).try_acquire()
@@ -264,6 +249,21 @@ def clean_leftovers(parent, mine=None):
             if lock is not None:
                 lock.release()
     return done
+
+
+def _dead_temp(path, pid):
+    """Remove a lock's temporary name (``.new-``, ``.stale-``: a writer holds one for the
+    microseconds between two calls) that a killed writer left: a plain file older than
+    LOCK_GRACE_S whose pid runs no process here. True when removed."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or time.time() - os.lstat(path).st_mtime < LOCK_GRACE_S:
+            return False
+        if _start_time(pid) is not None:        # that pid runs here: maybe the writer, stopped
+            return False
+        os.unlink(path)
+        return True
+    except OSError:
+        return False
 
 
 def _clean_base(parent, dir, items):
