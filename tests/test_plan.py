@@ -219,3 +219,16 @@ def test_text_chart_and_bad_layouts():
 def test_plan_never_imports_mpi():
     code = "import sys, pdist.plan; sys.exit(any(m.startswith('mpi4py') or m.startswith('pdist.comm') for m in sys.modules))"
     assert subprocess.run([sys.executable, "-c", code], cwd=ROOT).returncode == 0
+
+
+def test_the_readmes_planner_example_is_what_the_planner_prints():
+    """The README's ``$ python -m pdist.plan ...`` block is the command's output, line for line
+    (it went stale once: its pp column predated a change of the pp model)."""
+    text = open(os.path.join(ROOT, "README.md")).read()
+    blocks = [b.split("\n```")[0] for b in text.split("```\n$ python -m pdist.plan ")[1:]]
+    assert blocks, "the README has no planner example"
+    for b in blocks:
+        args, _, shown = b.partition("\n")
+        got = subprocess.run([sys.executable, "-m", "pdist.plan", *args.split()], cwd=ROOT, capture_output=True,
+                             text=True, check=True).stdout
+        assert got.rstrip("\n") == shown.rstrip("\n"), f"README: python -m pdist.plan {args}\n{got}"
