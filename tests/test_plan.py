@@ -232,3 +232,23 @@ def test_the_readmes_planner_example_is_what_the_planner_prints():
         got = subprocess.run([sys.executable, "-m", "pdist.plan", *args.split()], cwd=ROOT, capture_output=True,
                              text=True, check=True).stdout
         assert got.rstrip("\n") == shown.rstrip("\n"), f"README: python -m pdist.plan {args}\n{got}"
+
+
+def test_fp8_runs_the_linear_layers_at_the_fp8_peak_and_attention_and_the_head_at_bf16():
+    """Transformer Engine's and torchtitan's Float8 convert the linear layers only (DeepSeek-V3 keeps
+    attention and the output head in their precision too): under fp8 a layer's GEMMs take about half their
+    bf16 time (the peak doubles), its attention scores and the head the same time as in bf16."""
+    from pdist.plan.arch import arch_of
+    from pdist.plan.efficiency import head_time, layer_time
+    a, cl = arch_of(MODELS["llama3-8b"]), CLUSTERS["h100"]
+    fp8, bf16 = Layout(precision="fp8", seq_len=8192), Layout(precision="mixed", seq_len=8192)
+    (g8, s8, _), (g16, s16, _) = layer_time(a, fp8, 8192, cl), layer_time(a, bf16, 8192, cl)
+    assert g8 == pytest.approx(g16 / 2, rel=0.01) and s8 == pytest.approx(s16, rel=1e-9)   # (a few GEMMs are memory-bound)
+    assert head_time(a, fp8, 8192, cl) == pytest.approx(head_time(a, bf16, 8192, cl), rel=1e-9)
+    assert "fp8 linears; attention and the head at 989 bf16" in main_output(["--model", "llama3-8b", "--cluster",
+                                                                            "h100", "--dp", "8", "--precision", "fp8"])
+
+
+def main_output(argv):
+    r = subprocess.run([sys.executable, "-m", "pdist.plan", *argv], cwd=ROOT, capture_output=True, text=True, check=True)
+    return r.stdout

@@ -13,12 +13,15 @@ The cluster's ``profile`` (e_max, d_half) is that software profile; the GPU pres
 which therefore is not an independent check: docs/planning.md says which cases are). A flat
 ``efficiency`` (the cluster's, or ``--efficiency``) replaces e(M, N, K) for every shape.
 Causal attention under context parallelism computes (cp+1)/(2cp) of the s × s scores (whole
-blocks on and below the diagonal); `attention="flash"` half.
+blocks on and below the diagonal); `attention="flash"` half. Under ``fp8`` the linear layers run at
+the FP8 peak, the attention scores and the output head at bf16's (``_HIGH``: what Transformer
+Engine's and torchtitan's Float8 recipes convert, and what DeepSeek-V3's report, §3.3.1, keeps).
 Everything else a layer runs (norms, activations, softmax, residuals) is memory-bound: its bytes
 are counted as 16 reads/writes of sbh elements per layer forward, 32 backward, over the
 memory bandwidth.
 """
 
+_HIGH = {"fp8": "mixed"}  # the precision attention and the output head run at (FP8 recipes keep them in bf16)
 ELEMENTWISE = 16          # sbh elements read + written per layer forward outside the GEMMs (backward 2x)
 
 
@@ -62,7 +65,8 @@ def layer_time(a, lay, tokens, cluster, flat=None, moe_layer=False):
     keys = s if lay.cp > 1 else sl
     if a.window and a.window < keys:       # a sliding window: each query scores `window` keys, no causal halving
         causal, keys = 1.0, a.window
-    score = causal * b * heads * sum(gemm_time(sl, keys, d, cluster, lay.precision, flat, itemsize)
+    high = _HIGH.get(lay.precision, lay.precision)
+    score = causal * b * heads * sum(gemm_time(sl, keys, d, cluster, high, flat, itemsize)
                                      for d in a.score_dims)           # QKᵀ and AV
     elem = ELEMENTWISE * tokens * a.h / (lay.tp if lay.sp else 1) * itemsize / cluster.mem_bw
     return gemm, score, elem
@@ -70,4 +74,5 @@ def layer_time(a, lay, tokens, cluster, flat=None, moe_layer=False):
 
 def head_time(a, lay, tokens, cluster, flat=None):
     itemsize = 4 if lay.precision == "fp32" else 8 if lay.precision == "fp64" else 2
-    return gemm_time(tokens, a.vocab // lay.tp, a.h, cluster, lay.precision, flat, itemsize)
+    high = _HIGH.get(lay.precision, lay.precision)
+    return gemm_time(tokens, a.vocab // lay.tp, a.h, cluster, high, flat, itemsize)

@@ -21,6 +21,10 @@ def name(lay):
 def header(cluster, lay, plans, efficiency):
     """The assumptions, stated: peak, α, β, efficiency model, overlap, byte and memory accounting."""
     pk = cluster.peak[lay.precision] / 1e12
+    if lay.precision == "fp8":                 # efficiency.py's _HIGH: what FP8 recipes leave in bf16
+        pk = f"{pk:.4g} TFLOP/s (fp8 linears; attention and the head at {cluster.peak['mixed'] / 1e12:.4g} bf16)"
+    else:
+        pk = f"{pk:.4g} TFLOP/s ({lay.precision})"
     eff = (f"flat {efficiency:.2f}" if efficiency else f"flat {cluster.efficiency:.2f}" if cluster.efficiency else
            f"roofline per GEMM shape x profile e_max {cluster.profile[0]:.2f}, d_half {cluster.profile[1]} "
            f"(memory {cluster.mem_bw / 1e12:.2f} TB/s)")
@@ -33,7 +37,7 @@ def header(cluster, lay, plans, efficiency):
     fit = plans[0]["fit_fraction"] if plans else 0.9
     lines = [
         f"cluster: {cluster.name}; {cluster.gpus_per_node} GPUs per node, {gib(cluster.memory)} GiB each",
-        f"peak {pk:.4g} TFLOP/s ({lay.precision}); intra-node beta {cluster.intra.beta / 1e9:.3g} GB/s alpha "
+        f"peak {pk}; intra-node beta {cluster.intra.beta / 1e9:.3g} GB/s alpha "
         f"{cluster.intra.alpha * 1e6:.3g} us; inter-node beta {cluster.inter.beta / 1e9:.3g} GB/s alpha "
         f"{cluster.inter.alpha * 1e6:.3g} us (per GPU per direction)",
         f"efficiency: {eff}",
