@@ -229,15 +229,15 @@ swap_in.exchange, swap_in.between_renames = exchange, between_renames      # tes
 def clean_leftovers(parent, mine=None):
     """Remove what dead saves left in ``parent`` (see the module docstring); ``mine``: the
     base whose lock the caller holds. Returns the names removed or restored."""
-    found = {}
+    found, done = {}, []
     for n in os.listdir(parent):
         m, lock = LEFTOVER.fullmatch(n), LOCK.fullmatch(n)
         if m and os.path.isdir(os.path.join(parent, n)) and not os.path.islink(os.path.join(parent, n)):
             found.setdefault(m.group("base"), []).append((m.group("kind"), n))
         elif lock:
             found.setdefault(lock.group("base"), [])        # a stale lock alone: taking it removes it
-    done = [n for n in os.listdir(parent) if (t := LOCK_TEMP.fullmatch(n))
-            and _dead_temp(os.path.join(parent, n), int(t.group("pid")))]
+        elif (t := LOCK_TEMP.fullmatch(n)) and _dead_temp(os.path.join(parent, n), int(t.group("pid"))):
+            done.append(n)
     for base, items in sorted(found.items()):
         dir = os.path.join(parent, base)
         lock = None if base == mine else Lock(dir).try_acquire()

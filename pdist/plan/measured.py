@@ -14,7 +14,7 @@ the step it is compared with:
                        slope for the elementwise work)
     links, per group   an all-reduce calibration on that very group at two sizes (8 B and 1 MiB,
                        or the layout's own: tp's activations at both batches), the median of 41
-                       calls of each, the sizes alternating, under the job's own concurrency: beta = ring bytes / (t(big) - t(small)),
+                       calls of each, sizes alternating: beta = ring bytes / (t(big) - t(small)),
                        alpha = the rest of t(small) / ring steps, cached per group; with a
                        simulated topology (PDIST_TOPOLOGY, pdist/comm/topology.py) the group's
                        charged link is added: alpha + alpha_topo, 1/beta + 1/beta_topo
