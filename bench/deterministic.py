@@ -33,7 +33,7 @@ from step_time import SIZES, VOCAB  # noqa: E402
 
 from pdist.course import lesson  # noqa: E402
 from pdist.engine import precision  # noqa: E402
-from pdist.engine.deterministic import Deterministic  # noqa: E402
+from pdist.parallel.deterministic import Deterministic  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402
 from pdist.parallel import Local, MixedPrecision  # noqa: E402
 

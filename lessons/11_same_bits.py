@@ -140,12 +140,6 @@ def act_drift(world, cfg, args, root):
                 "no_identical_step": none_same}
 
 
-def deterministic_available():
-    """True when ``parallelize``/``Local`` take ``deterministic=`` (the mode of docs/deterministic.md)."""
-    import inspect
-    return "deterministic" in inspect.signature(Local.__init__).parameters
-
-
 def conditions(world):
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     return (f"{world.size} rank(s) on {os.cpu_count()} cores, load average {load:.1f}, {platform.processor() or platform.machine()}, "
@@ -155,9 +149,6 @@ def conditions(world):
 def act_same_bits(world, cfg, args, root):
     (na, sa), (nb, sb) = layouts(world.size)
     say(world, f"\n== act 2: the deterministic mode, {na} (A) against {nb} (B)")
-    if not deterministic_available():
-        say(world, "deterministic mode not built yet (parallelize(..., deterministic=True)); act 2 is skipped")
-        return True, {"name": "deterministic", "built": False}
     dirs = [os.path.join(root, k) for k in ("da", "db")]
     G = min(16, args.batch_size & -args.batch_size)     # granules: a power of two dividing the batch
     la, sda, _ = run(world, cfg, args, sa, dirs[0], deterministic=G)
@@ -182,7 +173,7 @@ def act_same_bits(world, cfg, args, root):
     say(world, f"{'PASS' if ok else 'FAIL'}: act 2 -- deterministic mode: {na} and {nb} hold "
                f"{'identical' if equal else 'DIFFERENT'} parameters after {args.steps} steps, the bisector finds "
                f"{'a divergence' if found else 'nothing'}; cost {ratio:.2f}x the default step")
-    return ok, {"name": "deterministic", "built": True, "layouts": [na, nb], "identical": equal,
+    return ok, {"name": "deterministic", "layouts": [na, nb], "identical": equal,
                 "seconds_per_step": times[1], "baseline_seconds_per_step": times[0], "cost_ratio": ratio}
 
 

@@ -178,8 +178,6 @@ class Embedding(Module):
 
 
 class LayerNorm(Module):
-    token_blocks = 1      # the deterministic mode's token blocks of dw, db (pdist/engine/reductions.py)
-
     def __init__(self, dim, eps=1e-5, dtype=None):
         super().__init__()
         self.eps = eps
@@ -187,13 +185,11 @@ class LayerNorm(Module):
         self.bias = Parameter(_cast(np.zeros(dim), dtype))
 
     def forward(self, x):
-        return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps,
-                            self.token_blocks)
+        return F.layer_norm(x, precision.weight(self.weight), precision.weight(self.bias), self.eps)
 
 
 class RMSNorm(Module):
     """y = x / sqrt(mean(x^2) + eps) * w over the last axis (Llama's; weight init 1)."""
-    token_blocks = 1      # the deterministic mode's token blocks of dw (pdist/engine/reductions.py)
 
     def __init__(self, dim, eps=1e-6, dtype=None):
         super().__init__()
@@ -201,7 +197,7 @@ class RMSNorm(Module):
         self.weight = Parameter(_cast(np.ones(dim), dtype))
 
     def forward(self, x):
-        return F.rms_norm(x, precision.weight(self.weight), self.eps, self.token_blocks)
+        return F.rms_norm(x, precision.weight(self.weight), self.eps)
 
 
 class ReLU(Module):

@@ -14,12 +14,11 @@ from threadpoolctl import threadpool_info, threadpool_limits
 from pdist import data
 from pdist.course import lesson
 from pdist.engine import precision
-from pdist.engine.deterministic import Deterministic, GranuleTree
 from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import Local, MixedPrecision
-from pdist.parallel.deterministic import check_layout
-from pdist.parallel.tensor.blocks import Fan, tree_sum
+from pdist.parallel.deterministic import Deterministic, GranuleTree, check_layout
+from pdist.parallel.deterministic.blocks import Fan, tree_sum
 from pdist.testing import mpirun, reports
 from pdist.training import train
 
@@ -82,7 +81,7 @@ def test_blas_bits_at_a_fixed_shape():
     bits. It does NOT need a row's bits to be independent of the rows (or columns) around it,
     nor of the thread count: OpenBLAS picks other kernels for other shapes, and its Haswell
     sgemm (AMD EPYC without AVX-512) gives other bits at 2 threads (the report below)."""
-    from pdist.engine.deterministic import exact_kernels
+    from pdist.parallel.deterministic import exact_kernels
     rng = np.random.default_rng(1)
     moved = []
     for M, K, N in [(T, 16, 48), (4 * T, 16, 64), (512, 64, 256)]:
@@ -127,7 +126,7 @@ def test_exact_scatter_gives_a_vocabulary_shard_one_processs_rows():
 
 @pytest.mark.parametrize("threads", [1, 2])
 def test_blas_stack_slices_are_the_granules_own_gemms(threads):
-    """What the batched pass (pdist/engine/granules.py) relies on: NumPy's matmul of a stack
+    """What the batched pass (pdist/parallel/deterministic/granules.py) relies on: NumPy's matmul of a stack
     (G, n, K) @ (K, N) runs one gemm per slice with the slice's shape, so slice j has the bits
     of granule j's own 2-D product; the same for dX = G W^T, both dW (X^T G, G^T X: per-granule
     stacks), the bias's 1^T G, and a row's gemv (LayerNorm's g @ w) whatever rows surround it."""
@@ -152,7 +151,7 @@ def test_batched_pass_has_the_loops_bits(model, monkeypatch):
     np.array_equal, fp32 and bf16, micro-batches 2; and in chunks of 2 granules (a small
     ``STACK_BYTES``), the memory bound. GPT-2 runs its tp blocks (one process), Llama its
     RMSNorm, RoPE, SwiGLU, grouped-query attention."""
-    from pdist.parallel import deterministic_batched
+    from pdist.parallel.deterministic import batched as deterministic_batched
     cfg = CFG if model == "gpt" else lesson.gpt_config(64, model="llama", block_size=T, n_layer=2, n_head=2, n_embd=16)
     for prec in ("fp32", "bf16"):
         loop = run_local(2, Deterministic(8, batched=False), prec, steps=2, cfg=cfg)
@@ -181,7 +180,7 @@ def same(a, b):
 
 
 def test_one_process_cp_chunks():
-    """One process with cp_chunks = 2 (the leaves a cp 2 layout holds, pdist/parallel/context_deterministic.py):
+    """One process with cp_chunks = 2 (the leaves a cp 2 layout holds, pdist/parallel/deterministic/context.py):
     the same training as the plain tree (losses to rtol 1e-5), other bits (another tree); m = 2 gives
     its bits; the loop (batched=False) is refused, naming the option. Under mpiexec: the 4-rank launch."""
     chunks = run_local(1, dict(granules=4, cp_chunks=2), steps=2)

@@ -13,7 +13,6 @@ from pdist.testing import mpirun, reports
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORKER = os.path.join(ROOT, "tests", "workers", "diverge_cases.py")
-BUILT = {}
 PLANT = ("fwd", "transformer.h.1.mlp.c_proj", "out")
 
 
@@ -23,7 +22,6 @@ def runs(tmp_path_factory):
     out = mpirun(2, WORKER, str(d), timeout=120)
     changed = {r["rank"]: r["changed"] for r in reports(out)}
     assert changed[1] and all(c > 0 for c in changed[1]), out    # the split-K plant changed some bits
-    BUILT["deterministic"] = reports(out)[0]["deterministic"]
     return d
 
 
@@ -62,9 +60,7 @@ def test_exact_compare_names_the_first_split_reduction(runs):
 
 
 def test_deterministic_runs_compare_exactly(runs):
-    """Recorded in the deterministic mode (where built), the default comparison demands identical bits."""
-    if not BUILT["deterministic"]:
-        pytest.skip("the deterministic mode (parallelize(..., deterministic=True)) is not built in this tree")
+    """Recorded in the deterministic mode, the default comparison demands identical bits."""
     d = diverge(runs / "det_local", runs / "det_dp2")
     assert d.exact and d.rtol == 0 and not d.found and d.tensors_compared > 250, str(d)
     d = diverge(runs / "det_local", runs / "det_dp2_splitk")     # across layouts, a reduction-order change

@@ -40,6 +40,7 @@ from pdist.engine.backprop import run_backward
 from pdist.engine.split_backward import run_backward_input
 
 _grad_enabled = [True]
+_swapped = {}            # Function class -> the class that runs in its place (``substitute``)
 
 
 @contextlib.contextmanager
@@ -55,6 +56,21 @@ def no_grad():
 
 def is_grad_enabled():
     return _grad_enabled[0]
+
+
+@contextlib.contextmanager
+def substitute(table):
+    """Inside this block ``Op.apply`` runs ``table[Op]`` in Op's place: a subclass that takes the
+    same inputs and computes the same function another way (PyTorch's function modes swap
+    kernels the same way). A mode applied from outside brings its own kernels this way, so
+    no op names it. Blocks nest; the inner table wins."""
+    prev = dict(_swapped)
+    _swapped.update(table)
+    try:
+        yield
+    finally:
+        _swapped.clear()
+        _swapped.update(prev)
 
 
 class Tensor:
@@ -194,7 +210,7 @@ class Function:
 
     @classmethod
     def apply(cls, *inputs, **kw):
-        fn = cls()
+        fn = _swapped.get(cls, cls)() if _swapped else cls()
         arrays = [x.data if isinstance(x, Tensor) else x for x in inputs]
         out = fn.forward(*arrays, **kw)
         requires = _grad_enabled[0] and any(isinstance(x, Tensor) and x.requires_grad for x in inputs)

@@ -16,7 +16,6 @@ pdist/engine/split_backward.py; it reuses this walk's gradient sums and leaf acc
 The walk reads tensors' ``_ctx`` (their Function), ``_hooks``, ``grad`` and
 ``_post_acc_hooks`` only; it imports nothing from autograd (no cycle).
 """
-from pdist.engine.granules import count
 
 
 def _topo_order(root):
@@ -129,8 +128,8 @@ def _add_pending(pending, owned, key, gp, fresh):
 
 def _accumulate_leaf(t, g, owned=False):
     """t.grad = g (a copy, or g itself when the engine owns it and it fits), or t.grad += g."""
-    if g.shape != t.data.shape and not (count() is not None and g.shape[1:] == t.data.shape):
-        g = g.reshape(t.data.shape)      # (a per-granule stack (G, *shape) stays: pdist/engine/granules.py)
+    if g.shape != t.data.shape and g.shape[1:] != t.data.shape:
+        g = g.reshape(t.data.shape)      # (a stack (k, *shape) of k gradients stays: a substituted kernel's)
     if t.grad is None:
         if owned and g.dtype == t.data.dtype and g.flags.c_contiguous and g.base is None:
             t.grad = g  # nobody else holds this array: no copy

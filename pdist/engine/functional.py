@@ -6,12 +6,11 @@ scaled_causal_softmax, cross_entropy, mse_loss, and from their own files gelu, s
 (activations.py), layer_norm, rms_norm (norms.py) and apply_rotary (rope.py).
 """
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine.backend import array_module, xp
+from pdist.engine.backend import array_module, scatter_add, xp
 from pdist.engine.index_checks import check_indices
 from pdist.engine.activations import GELU, SwiGLU, gelu, swiglu  # noqa: F401  (re-exported)
 from pdist.engine.norms import LayerNorm, RMSNorm, layer_norm, rms_norm  # noqa: F401
-from pdist.engine import granules
-from pdist.engine.reductions import col_sums, row_dots, row_sums, token_col_sums  # noqa: F401
+from pdist.engine.reductions import col_sums, row_dots, row_sums  # noqa: F401
 from pdist.engine.rope import apply_rotary  # noqa: F401
 
 
@@ -29,6 +28,8 @@ class Linear(Function):
     round the input it keeps, compute with its parameters in the compute dtype, and round
     the parameters' gradients back to their own dtype: ``_input``, ``_param``, ``_grad``;
     ``_mm`` (``a @ b`` here) lets it run the three products as bf16/fp16 GEMMs on a device.
+    ``_rows`` (the leading axes folded into one) and ``_sum_rows`` (db, one gemv) let a
+    subclass cut the rows into independent groups, each its own GEMM and sum.
     ``split_backward``: a split backward asks for dX (B) and for dW, db (W) in two calls."""
     fresh_grads = True
     split_backward = True
@@ -39,7 +40,7 @@ class Linear(Function):
         if x.shape[-1] != n_in:
             raise ValueError(f"linear: input has {x.shape[-1]} features but the weight is {w.shape} "
                              f"(layout {layout!r}: in_features={n_in})")
-        x2 = granules.per_granule(x.reshape(-1, x.shape[-1]))  # (N, in); batched: (G, N/G, in)
+        x2 = self._rows(x)                     # (N, in)
         self.x2, self.lead = self._input(x2, w), x.shape[:-1]
         wc = self._param(w, x.dtype)
         y = self._mm(self.x2, wc.T if out_in else wc)  # (N, out)
@@ -51,17 +52,22 @@ class Linear(Function):
         w, out_in = self.parents[1].data, self.out_in
         nx, nw = self.needs_input_grad[:2]
         nb = len(self.needs_input_grad) > 2 and self.needs_input_grad[2]
-        g2 = g.reshape(-1, g.shape[-1])  # (N, out)
-        g3 = granules.per_granule(g2)    # batched: (G, N/G, out), one GEMM per granule
+        g2 = self._rows(g)               # (N, out)
         gx = gw = None
         if nx:
             wc = self._param(w, g.dtype)
-            gx = self._mm(g3, wc if out_in else wc.T).reshape(*self.lead, self.x2.shape[-1])
-        if nw:   # (out, in) / (in, out); batched: a (G, ...) stack, granule j's X_j^T G_j
-            gw = self._grad(self._mm(xp.swapaxes(g3, -1, -2), self.x2) if out_in
-                            else self._mm(xp.swapaxes(self.x2, -1, -2), g3), w)
-        gb = self._grad(token_col_sums(g2, g.shape, 1), w) if nb else None
+            gx = self._mm(g2, wc if out_in else wc.T).reshape(*self.lead, self.x2.shape[-1])
+        if nw:   # (out, in) / (in, out)
+            gw = self._grad(self._mm(xp.swapaxes(g2, -1, -2), self.x2) if out_in
+                            else self._mm(xp.swapaxes(self.x2, -1, -2), g2), w)
+        gb = self._grad(self._sum_rows(g2), w) if nb else None
         return gx, gw, gb
+
+    def _rows(self, a):
+        return a.reshape(-1, a.shape[-1])      # (..., K) -> (N, K): one GEMM over all N rows
+
+    def _sum_rows(self, a2):
+        return col_sums(a2)                    # 1^T a2: (N, K) -> (K,)
 
     def _input(self, x2, w):
         return x2
@@ -153,7 +159,14 @@ class Embedding(Function):
         return w[idx]
 
     def backward(self, g):
-        return granules.embedding_grad(self.wshape, g.dtype, self.idx, g), None   # batched: (G, V, C)
+        return embedding_grad(self.wshape, g.dtype, self.idx, g), None
+
+
+def embedding_grad(wshape, dtype, idx, g):
+    """dW of y = W[idx]: zeros of ``wshape`` with g (..., C) scatter-added at the rows idx (...)."""
+    gw = xp.zeros(wshape, dtype=dtype)                                              # (V, C)
+    scatter_add(gw, idx.reshape(-1), g.reshape(-1, wshape[1]))
+    return gw
 
 
 class Dropout(Function):
@@ -192,25 +205,21 @@ class CrossEntropy(Function):
             nll = nll * keep
         self.p, self.tt, self.rows, self.keep = e / se, tt, rows, keep
         self.count, self.shape = max(count, 1), logits.shape
-        G = granules.count()
-        if G is not None:            # the batched pass: each granule's mean loss, (G,)
-            if keep is not None:
-                raise ValueError("cross_entropy: ignore_index in the deterministic mode's batched pass (granules "
-                                 "with other token counts); use Deterministic(batched=False)")
-            self.count = z.shape[0] // G
-            return xp.asarray(nll.reshape(G, -1).sum(axis=1) / self.count, dtype=logits.dtype)
-        return xp.asarray(nll.sum() / self.count, dtype=logits.dtype)
+        return self._mean(nll, logits.dtype)
+
+    def _mean(self, nll, dtype):
+        return xp.asarray(nll.sum() / self.count, dtype=dtype)    # the mean over the counted rows
 
     def backward(self, g):
         d = self.p  # reuse forward's buffer: softmax -> gradient, in place
         d[self.rows, self.tt] -= 1.0
         if self.keep is not None:
             d *= self.keep[:, None]
-        if g.ndim:                   # batched: granule j's rows scaled by g_j / its count
-            d.reshape(g.shape[0], -1, d.shape[-1])[...] *= (g / self.count)[:, None, None]
-        else:
-            d *= g / self.count
+        self._scale(d, g)
         return d.reshape(self.shape), None
+
+    def _scale(self, d, g):
+        d *= g / self.count                    # dL/dz = g (softmax - onehot) / count
 
 
 LAYOUTS = ("in_out", "out_in")

@@ -5,10 +5,12 @@
 
 Both keep x_hat and 1/sigma per row and reuse them in backward. Under mixed precision
 the weights come in upcast (``precision.weight``) and the norm runs in the compute dtype.
+The weights' gradients sum over the tokens (the rows) in ``_sum_rows``, one gemv each; a
+subclass may sum them in another order.
 """
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
-from pdist.engine.reductions import row_dots, row_sums, token_col_sums
+from pdist.engine.reductions import col_sums, row_dots, row_sums
 
 
 class LayerNorm(Function):
@@ -17,8 +19,8 @@ class LayerNorm(Function):
     dx = rstd (dxhat - mean(dxhat) - xhat mean(dxhat xhat)), dw = sum g xhat, db = sum g."""
     fresh_grads = True
 
-    def forward(self, x, w, b, eps=1e-5, token_blocks=1):
-        C, self.token_blocks = x.shape[-1], token_blocks       # token_blocks: deterministic mode (reductions.py)
+    def forward(self, x, w, b, eps=1e-5):
+        C = x.shape[-1]
         x2 = x.reshape(-1, C)  # (N, C)
         mean = row_sums(x2)
         mean /= C
@@ -45,9 +47,9 @@ class LayerNorm(Function):
         gx = gw = gb = None
         gxh = g2 * xhat  # (N, C)
         if nw:
-            gw = token_col_sums(gxh, self.shape, self.token_blocks)
+            gw = self._sum_rows(gxh)  # (C,)
         if nb:
-            gb = token_col_sums(g2, self.shape, self.token_blocks)
+            gb = self._sum_rows(g2)
         if nx:
             a = (g2 @ w)[:, None] / C  # mean(dxhat), (N, 1)
             c = (gxh @ w)[:, None] / C  # mean(dxhat xhat), (N, 1)
@@ -60,6 +62,9 @@ class LayerNorm(Function):
         self.xhat = None
         return gx, gw, gb
 
+    def _sum_rows(self, a2):
+        return col_sums(a2)  # 1^T a2: (N, C) -> (C,)
+
 
 class RMSNorm(Function):
     """y = x r w with r = 1 / sqrt(mean(x^2) + eps) over the last axis (Zhang & Sennrich, 2019,
@@ -67,8 +72,8 @@ class RMSNorm(Function):
     dxhat = g w (per row): dx = r (dxhat - xhat mean(dxhat xhat)), dw = sum g xhat."""
     fresh_grads = True
 
-    def forward(self, x, w, eps=1e-6, token_blocks=1):
-        C, self.token_blocks = x.shape[-1], token_blocks       # token_blocks: deterministic mode (reductions.py)
+    def forward(self, x, w, eps=1e-6):
+        C = x.shape[-1]
         x2 = x.reshape(-1, C)  # (N, C)
         ms = row_dots(x2, x2)  # (N, 1)
         ms /= C
@@ -85,7 +90,7 @@ class RMSNorm(Function):
         nx, nw = self.needs_input_grad[:2]
         g2 = g.reshape(xhat.shape)  # (N, C)
         gxh = g2 * xhat  # (N, C)
-        gw = token_col_sums(gxh, self.shape, self.token_blocks) if nw else None   # (C,); batched: (G, C)
+        gw = self._sum_rows(gxh) if nw else None  # (C,)
         gx = None
         if nx:
             c = (gxh @ w)[:, None] / xhat.shape[1]  # mean(dxhat xhat), (N, 1)
@@ -97,11 +102,16 @@ class RMSNorm(Function):
         self.xhat = None
         return gx, gw
 
+    def _sum_rows(self, a2):
+        return col_sums(a2)  # 1^T a2: (N, C) -> (C,)
 
-def layer_norm(x, weight, bias, eps=1e-5, token_blocks=1):
-    return LayerNorm.apply(x, weight, bias, eps=eps, token_blocks=token_blocks)
-def rms_norm(x, weight, eps=1e-6, token_blocks=1):
-    return RMSNorm.apply(x, weight, eps=eps, token_blocks=token_blocks)
+
+def layer_norm(x, weight, bias, eps=1e-5):
+    return LayerNorm.apply(x, weight, bias, eps=eps)
+
+
+def rms_norm(x, weight, eps=1e-6):
+    return RMSNorm.apply(x, weight, eps=eps)
 
 
 __all__ = ["LayerNorm", "RMSNorm", "layer_norm", "rms_norm"]

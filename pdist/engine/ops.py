@@ -9,7 +9,6 @@ output's shape, ``dL/dx`` is ``dL/dy`` summed over the broadcast axes
 (``unbroadcast``).
 """
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine import granules
 from pdist.engine.backend import xp
 from pdist.engine.shape_ops import _getitem, permute, reshape, split, transpose
 
@@ -39,17 +38,7 @@ class Add(Function):
         return a + b
 
     def backward(self, g):
-        return _unbroadcast_add(g, self.sa), _unbroadcast_add(g, self.sb)
-
-
-def _unbroadcast_add(g, shape):
-    """An Add's gradient: ``unbroadcast``, or, for an operand broadcast over the batch axis in
-    the deterministic mode's batched pass (GPT-2's positions), per granule (granules.py)."""
-    if granules.count() is not None:
-        stack = granules.unbroadcast_rows(g, shape)
-        if stack is not None:
-            return stack
-    return unbroadcast(g, shape)
+        return unbroadcast(g, self.sa), unbroadcast(g, self.sb)
 
 
 class Sub(Function):

@@ -48,7 +48,7 @@ import numpy as np
 
 from pdist.engine import functional as F
 from pdist.engine.autograd import Function, Tensor
-from pdist.engine import backend, granules
+from pdist.engine import backend
 from pdist.engine.backend import is_low, to_numpy, xp
 from pdist.engine.grad_rounding import (FullGradAccumulator, FullPartialGrads, FullPipelineGrads, GradAccumulator,
                                         PartialGrads, PipelineGrads)
@@ -146,7 +146,7 @@ class LowEmbedding(Function):
         return w[idx].astype(dtype)
 
     def backward(self, g):
-        gw = granules.embedding_grad(self.wshape, g.dtype, self.idx, g)                    # (V, C); batched: (G, V, C)
+        gw = F.embedding_grad(self.wshape, g.dtype, self.idx, g)                           # (V, C)
         return (gw if self.keep else gw.astype(self.wdtype)), None
 
 

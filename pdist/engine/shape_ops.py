@@ -5,9 +5,7 @@ for repeated indices), the slices of a concat. ``pdist.engine.ops`` attaches
 them to ``Tensor`` (``x.reshape``, ``x.T``, ``x[i]``, ``x.split``).
 """
 import builtins
-import math
 
-from pdist.engine import granules
 from pdist.engine.autograd import Function, Tensor
 from pdist.engine.backend import scatter_add, xp
 
@@ -20,9 +18,6 @@ class Reshape(Function):
         return a.reshape(shape)
 
     def backward(self, g):
-        G = granules.count()
-        if G is not None and g.size == G * math.prod(self.shape) != math.prod(self.shape):   # a (G, ...) stack
-            return g.reshape((G,) + tuple(self.shape))
         return g.reshape(self.shape)
 
 
@@ -37,8 +32,6 @@ class Permute(Function):
         return a.transpose(axes)
 
     def backward(self, g):
-        if g.ndim == len(self.inv) + 1 and granules.count() is not None:   # a weight's (G, ...) stack
-            return g.transpose((0,) + tuple(i + 1 for i in self.inv))
         return g.transpose(self.inv)
 
 

@@ -22,7 +22,8 @@ chain through the wrappers:
 so L = (1/B) Σ_i l_i and every gradient equal single-process training on the global
 batch. The instruments (straggler detector, fault injection, trace, memory timeline)
 subscribe to step hooks around the phases (pdist/measure/hooks.py); this file imports
-none of them. ``pieces()`` says where each piece of each single-process tensor lives
+none of them. A mode (pdist/parallel/modes.py) is applied from outside: it gives each
+strategy class of a chain a mixin of its own; this file names none. ``pieces()`` says where each piece of each single-process tensor lives
 (layout.py): ``full_state_dict``, ``load_full_state_dict`` and
 ``sharded_state_dict`` follow from it for every layout. The precision is a policy that
 ``Local`` holds and wrappers read (``policy``, pdist/engine/precision.py).
@@ -35,9 +36,8 @@ from pdist.measure import hooks
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
-from pdist.engine.deterministic import Deterministic
-from pdist.parallel.deterministic import deterministic_compute, prepare
 from pdist.engine.precision import policy_of
+from pdist.parallel import modes
 from pdist.parallel.layout import whole
 from pdist.parallel.batch_check import BatchCheck, _pending, batch_default
 from pdist.parallel.nonfinite import NonFiniteCheck, finite_default
@@ -55,7 +55,12 @@ class Strategy(StateDicts, NonFiniteCheck, BatchCheck):
     pipeline = False          # True when a pipeline runs the micro-batches (it replaces compute)
     stamps_step = True        # forward_backward stamps the training step into every collective's check
     seq_shards = 1            # activations between blocks hold T / seq_shards tokens (sequence parallel)
-    deterministic = None      # the deterministic mode's policy (pdist/engine/deterministic.py), or None
+    mode = None               # the mode this chain runs in (pdist/parallel/modes.py), or None
+
+    def __new__(cls, *args, **kw):
+        """A wrapper takes the mode of the strategy it wraps (its first argument)."""
+        inner = modes.inner_of(args, kw)
+        return object.__new__(modes.in_mode(cls, inner.mode if isinstance(inner, Strategy) else None))
 
     def parameters(self):
         """What this rank's optimizer updates (``named_parameters()``, without the names)."""
@@ -129,19 +134,19 @@ class Local(Strategy):
     ``microbatches`` forward/backward passes, each on 1/k of the rows with its loss
     scaled by 1/k (gradient accumulation: the sum is the gradient of the mean).
     Alone it talks to no rank, so it leaves the process's step stamp alone. ``policy``
-    (precision.py): by default what the parameters' dtypes say, read once here."""
+    (precision.py): by default what the parameters' dtypes say, read once here.
+    ``**mode``: a registered mode's keyword (pdist/parallel/modes.py), which, when it turns
+    the mode on, makes this ``Local`` the mode's subclass."""
 
     stamps_step = False
 
-    def __init__(self, module, microbatches=1, policy=None, check_finite=None, deterministic=False):
+    def __new__(cls, module=None, microbatches=1, policy=None, check_finite=None, **mode):
+        return object.__new__(modes.in_mode(cls, modes.mode_of(mode)))
+
+    def __init__(self, module, microbatches=1, policy=None, check_finite=None, **mode):
         if not isinstance(microbatches, int) or microbatches < 1:
             raise ValueError(f"microbatches must be a positive integer, got {microbatches!r}")
         self.module, self.microbatches, self.inner = module, microbatches, None
-        self.deterministic = Deterministic.of(deterministic)    # True / G / a policy: the same bits on any layout
-        if self.deterministic is not None:
-            self.deterministic.check(1, microbatches)
-            prepare(self.deterministic, module)                # tensor-parallel sums in fixed blocks
-            self.deterministic.bind(self.parameters())
         self.check_finite = finite_default() if check_finite is None else bool(check_finite)
         self.check_batch = batch_default()
         self.policy = policy_of(self.parameters()) if policy is None else policy
@@ -171,11 +176,9 @@ class Local(Strategy):
     @property
     def has_late_grads(self):
         """Mixed precision with micro-batches: the rounded sum is written after the last one."""
-        return self.deterministic is not None or self.policy.late_grads(self.microbatches)
+        return self.policy.late_grads(self.microbatches)
 
     def compute(self, x, y, loss_scale=1.0):
-        if self.deterministic is not None:        # one forward/backward per granule, a fixed tree
-            return deterministic_compute(self, x, y, loss_scale)
         k = self.microbatches
         if len(x) % k:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
@@ -194,8 +197,7 @@ class Local(Strategy):
         return sum(float(v) / k for v in to_numpy(xp.stack(losses)))
 
     def finish_grad_sync(self):
-        if self.deterministic is not None:        # the tree's root (joined over dp), / G, rounded once
-            self.deterministic.write(self.parameters())
+        pass
 
     def reduce_stats(self, v):
         return v
@@ -237,7 +239,6 @@ class ParallelModule(Strategy):
     pipeline = property(lambda self: self.inner.pipeline)
     seq_shards = property(lambda self: self.inner.seq_shards)
     policy = property(lambda self: self.inner.policy)
-    deterministic = property(lambda self: self.inner.deterministic)
 
     def set_policy(self, policy):
         self.inner.set_policy(policy)

@@ -47,8 +47,7 @@ accumulation: k backward passes, and the all-reduce follows the last one.
   finished gradient (after its last micro-batch) while backward has just written it,
   and the bucket's all-reduce is a plain sum: no pass over the whole bucket after the
   transfer (PyTorch's default comm hook divides before its all-reduce too). Other n,
-  2-byte floats, late gradients and the deterministic mode keep ``op="avg"`` (x / n
-  after the sum, group.py).
+  2-byte floats and late gradients keep ``op="avg"`` (x / n after the sum, group.py).
 """
 import hashlib
 
@@ -56,7 +55,6 @@ from pdist.measure import trace
 from pdist.engine.backend import is_low, to_numpy, xp
 from pdist.data import shard
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.deterministic import join
 
 MB = 1024 * 1024
 
@@ -73,8 +71,6 @@ class _DataParallelBase(ParallelModule):
         self.loss_weight = 1.0 / self.dp_world_size
         self.inner.materialize()            # a meta model: every replica holds it whole
         self._param_list = self.parameters()
-        if self.deterministic is not None:        # the batch's granules are cut over these ranks
-            self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         self._check_same_model()
         if init_sync == "broadcast":
             for p in self._param_list:      # rank 0's weights everywhere (PyTorch DDP does the same)
@@ -105,12 +101,6 @@ class _DataParallelBase(ParallelModule):
                              f"{bad[:5]}{' ...' if len(bad) > 5 else ''}. Seed the model identically on "
                              f"every rank, or use init_sync='broadcast' to copy rank 0's weights.")
 
-    def _finish_deterministic(self):
-        """The deterministic mode: join the ranks' granule subtrees in the tree's order (recursive
-        doubling, pdist/parallel/deterministic.py); ``Local`` then writes the mean into p.grad."""
-        join(self.deterministic, self.group)
-        self.inner.finish_grad_sync()
-
     def local_batch(self, x, y):
         """This rank's rows of the global batch: [r B/n, (r+1) B/n). Raises the same clear
         error on every rank when B does not divide by n."""
@@ -123,8 +113,6 @@ class DataParallelNaive(_DataParallelBase):
 
     def finish_grad_sync(self):
         """All-reduce (average) each parameter's gradient, one after the other."""
-        if self.deterministic is not None:
-            return self._finish_deterministic()
         self.inner.finish_grad_sync()
         t0 = trace.now()
         for p in self._param_list:
@@ -192,7 +180,7 @@ class DataParallel(_DataParallelBase):
         self._next = 0         # buckets [0, _next) are issued in this step
         self._overlap = not self.inner.has_late_grads
         n = self.dp_world_size
-        if self._overlap and self.deterministic is None and n > 1 and n & (n - 1) == 0:
+        if self._overlap and n > 1 and n & (n - 1) == 0:
             for b in self.buckets:           # 1/n = 2^-k is exact: scaled in the hook (module doc)
                 dt = b.buffer.dtype
                 b.scale = 1.0 / n if dt.kind == "f" and not is_low(dt) else None
@@ -235,14 +223,6 @@ class DataParallel(_DataParallelBase):
     def finish_grad_sync(self):
         """Issue the buckets backward did not complete (parameters that got no gradient on
         this rank contribute zeros), wait for all."""
-        if self.deterministic is not None:
-            for p in self._param_list:
-                self._into_bucket(p)
-            self._finish_deterministic()
-            for b in self.buckets:
-                b.ready.clear()
-            self._next = 0
-            return
         self.inner.finish_grad_sync()
         for b in self.buckets[self._next:]:
             for p in b.params:

@@ -46,9 +46,6 @@ What composes (tests/test_expert_parallel.py, every piece against one process, f
                  any schedule (1F1B, interleaved, ZB-H1/ZB-V: the all-to-alls run in B). Each
                  stage's load-balancing loss rides on its output's backward (moe.stage_aux, as
                  Megatron's MoEAuxLossAutoScaler) and joins the reported loss over pp.
-    deterministic  ``parallelize(..., deterministic=True)``: one process's bits with dp and ZeRO 0-3
-                 (each local expert runs per source rank, its gradient a leaf keyed by the source's
-                 granule: pdist/parallel/expert_deterministic.py); pp and tp refused in the mode.
     not yet      cp > 1 (refused by parallelize).
 
 Checkpoints (pdist/checkpoint): an expert is its own tensor under its single-process name
@@ -65,8 +62,6 @@ from pdist.engine.shape_ops import concat
 from pdist.models.moe import Gather, moe_layers, moe_stats
 from pdist.models.plan import expert_of, plan_of
 from pdist.parallel.base import Local, ParallelModule, Strategy
-from pdist.parallel.deterministic import check_experts, join_all
-from pdist.parallel.expert_deterministic import ExpertTrees
 from pdist.parallel.zero import ZeRO
 
 
@@ -94,7 +89,6 @@ class ExpertDispatch:
     def __init__(self, layer, group, n_expert):
         self.layer, self.group, self.E = layer, group, n_expert
         self.El = n_expert // group.size
-        self.trees = None       # the deterministic mode: each expert once per source (expert_deterministic.py)
 
     def __call__(self, xs, counts):
         ep, El = self.group.size, self.El
@@ -111,14 +105,12 @@ class ExpertDispatch:
         return AllToAllV.apply(back, group=self.group, send=recv, recv=send)   # (M, C), xs's order
 
     def _local(self, xe, per_expert, by_src):
-        outs, a, trees = [], 0, self.trees
+        """Each local expert on its rows (from every source), regrouped by expert: (R, C)."""
+        outs, a = [], 0
         for e, c in enumerate(per_expert):
-            blocks = [(q, int(by_src[q, e])) for q in range(len(by_src))] if trees else [(None, c)]
-            for q, n in blocks:                   # deterministic: source q's rows alone, its own leaf
-                if n:
-                    x, expert = xe[a:a + n], self.layer.experts[e]
-                    outs.append(expert(x) if q is None else trees.run(expert, q, x))
-                a += n
+            if c:
+                outs.append(self.layer.experts[e](xe[a:a + c]))
+            a += c
         return concat(outs, axis=0) if len(outs) > 1 else outs[0] if outs else xe * 0.0
 
 
@@ -161,8 +153,6 @@ class ExpertParallel(ParallelModule):
         inner = inner if isinstance(inner, Strategy) else Local(inner)
         split_experts(inner.module, mesh)
         self.zero_stage = zero_stage
-        if inner.deterministic is not None:
-            _deterministic(inner, mesh, zero_stage)
         if zero_stage:
             inner = ZeRO(inner, zero_stage, mesh.dp_group, expert_group=mesh.edp_group)
         super().__init__(inner, mesh.dp_group)
@@ -206,31 +196,10 @@ class ExpertParallel(ParallelModule):
 
     def finish_grad_sync(self):
         """Dense gradients averaged over dp; expert gradients summed over edp, divided by dp
-        (under ZeRO: ZeRO's reduce-scatters do both). The deterministic mode: the dense granule
-        trees joined over dp, the experts' over edp (under ZeRO: in ZeRO's finish)."""
-        if self.deterministic is not None:
-            if not self.zero_stage:
-                join_all(self.deterministic, self.group)
-            return self.inner.finish_grad_sync()
+        (under ZeRO: ZeRO's reduce-scatters do both)."""
         self.inner.finish_grad_sync()
         _reduce(self._dense, self.group, "avg", 1.0)
         _reduce(self._experts, self.edp_group, "sum", 1.0 / self.dp_world_size)
-
-
-def _deterministic(inner, mesh, zero_stage):
-    """The deterministic mode's part (pdist/parallel/expert_deterministic.py): what it refuses,
-    the policy re-bound to this rank's experts, the batch's granules cut over dp (ZeRO's
-    own, under ZeRO), and under ep > 1 the per-source trees the dispatchers feed."""
-    det, layers = inner.deterministic, moe_layers(inner.module)
-    check_experts(layers[0][1].n_expert if layers else 0, inner.pipeline)
-    det.bind(inner.parameters())
-    if not zero_stage:
-        det.shard_over(mesh.dp_world_size, inner.microbatches, inner.pipeline)
-    if mesh.ep_world_size > 1:
-        experts = {id(p) for _, layer in layers for p in layer.experts.parameters()}
-        trees = ExpertTrees(det, inner.parameters(), experts, mesh)
-        for _, layer in layers:
-            layer.apply_experts.trees = trees
 
 
 def _reduce(params, group, op, scale):

@@ -46,9 +46,6 @@ class MixedPrecision(Strategy):
         if dt is None:
             raise ValueError("MixedPrecision needs precision 'bf16' or 'fp16'; fp32 needs no wrapper")
         self.inner, self.module, self.precision, self.dtype = inner, inner.module, precision, dt
-        if precision == "fp16" and inner.deterministic is not None:
-            raise ValueError("deterministic mode covers 'fp32' and 'bf16', not 'fp16' (its dynamic loss scale "
-                             "skips steps on overflow); use precision='bf16' or deterministic=False")
         self.scaler = scaler if scaler is not None else (GradScaler() if precision == "fp16" else None)
         self.low = [t for _, t in inner.named_parameters()]
         bad = [n for n, t in inner.named_parameters() if t.dtype != dt]
@@ -74,7 +71,6 @@ class MixedPrecision(Strategy):
     seq_shards = property(lambda self: self.inner.seq_shards)
     stamps_step = property(lambda self: self.inner.stamps_step)
     last_wait_seconds = property(lambda self: self.inner.last_wait_seconds)
-    deterministic = property(lambda self: self.inner.deterministic)
 
     @property
     def check_finite(self):

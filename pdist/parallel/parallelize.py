@@ -37,8 +37,7 @@ from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
 from pdist.engine.precision import cast_module, low_dtype, policy_for
-from pdist.engine.deterministic import Deterministic
-from pdist.parallel.deterministic import check_layout as check_deterministic
+from pdist.parallel.deterministic import Deterministic, check_layout as check_deterministic
 
 
 def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1b", microbatches=1,
@@ -100,7 +99,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     ``context_parallel``: "ring", "ring-zigzag" or "ulysses" with ``DeviceMesh(cp=)``
     (pdist/parallel/context_parallel.py): DDP/ZeRO then span the dp x cp ranks.
     ``deterministic``: True (or a power-of-two granule count, or a ``Deterministic``): the same
-    bits as one process on every layout it accepts (pdist/engine/deterministic.py)."""
+    bits as one process on every layout it accepts (pdist/parallel/deterministic/)."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,
                  data_parallel, precision)
     chunks = default_chunks(schedule, chunks)

@@ -40,8 +40,6 @@ every rank through the [loss, #non-finite] all-reduce, and every rank skips the 
 (mixed_precision.py).
 """
 
-import contextlib
-
 from pdist import nn
 from pdist.measure import hooks, trace
 from pdist.engine.autograd import Tensor
@@ -49,8 +47,6 @@ from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.moe import stage_aux
 from pdist.models.plan import get, plan_of
 from pdist.parallel.base import ParallelModule
-from pdist.engine.deterministic import exact_kernels
-from pdist.parallel.deterministic import PipelineTree
 from pdist.parallel.pipeline.stages import partition_layers, stage_chunks
 from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, OPTIMIZER_STEP,
                                                RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, make_schedule,
@@ -122,8 +118,6 @@ class PipelineParallel(ParallelModule):
             e = g.split(0 if ends else 1, name="embedding")
             self.embedding_group = e if ends and self.tied else None
         self.loss_weight = 1.0       # every stage's share: the last stage's loss, MoE aux losses (0 elsewhere)
-        if self.deterministic is not None:               # this stage's parameters: a granule tree per micro-batch
-            self.deterministic.bind(self.inner.parameters())
         self.record_timeline, self.timeline, self.peak_stash = False, [], 0
         self.peak_held_w = self.peak_held_w_bytes = 0
         self._dispatch = {FORWARD: self._forward, BACKWARD: self._backward, SEND_ACT: self._send_act,
@@ -157,17 +151,20 @@ class PipelineParallel(ParallelModule):
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
         self.losses, self.timeline, self.peak_stash, self._held_w = [], [], 0, {}
         self.peak_held_w = self.peak_held_w_bytes = 0
-        self._keeper = PipelineTree(self) if self.deterministic is not None else self.policy.pipeline_grads(
-            self.inner.parameters(), self.tied, (0, self.num_virtual_stages - 1), m, self.local_tied)
+        self._keeper = self.grad_keeper()
         self._scale = self._keeper.backward_scale(loss_scale)   # fp32: S/m; bf16/fp16: S (fp32 sums)
         if self.record_timeline:
             self.group.barrier()
         self._t0 = trace.now()
-        with exact_kernels() if self.deterministic is not None else contextlib.nullcontext():
-            self._run_program()
+        self._run_program()
         self._keeper.finish()                        # bf16/fp16: round(Σ_mb fp32(g_mb) / m), one rounding
         # the last stage's micro-batch losses in one device -> host copy per step
         return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
+
+    def grad_keeper(self):
+        """The step's keeper of this stage's gradients: the precision policy's (grad_rounding.py)."""
+        return self.policy.pipeline_grads(self.inner.parameters(), self.tied, (0, self.num_virtual_stages - 1),
+                                          self.num_microbatches, self.local_tied)
 
     def _run_program(self):
         for j, ins in enumerate(self.program):

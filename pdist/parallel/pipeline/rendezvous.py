@@ -74,8 +74,8 @@ def rendezvous_batches(schedule):
     next batch, until ``run_rendezvous`` finishes. Deferring a send is always legal
     (its data is ready; only its departure moves). Where deferring one batch at a time gets
     stuck (the V schedules, whose ranks receive out of their peers' send order),
-    ``matched_batches`` places each send where its receive is posted. Deterministic: every
-    rank computes the same plan."""
+    ``matched_batches`` places each send where its receive is posted. A pure function of
+    the schedule: every rank computes the same plan."""
     plan = _deferred_batches(schedule)
     return plan if plan is not None else matched_batches(schedule)
 

@@ -25,16 +25,15 @@ split the vocabulary so that no rank ever holds the full logits.
 import numpy as np
 
 from pdist import nn
-from pdist.engine import granules, precision
+from pdist.engine import precision
 from pdist.engine.autograd import Function, Tensor
 from pdist.engine.backend import asarray, default_dtype, xp
+from pdist.engine.functional import embedding_grad
 from pdist.engine.index_checks import check_indices
 from pdist.comm import default_group
 from pdist.parallel.layout import Cut
-from pdist.parallel.tensor.blocks import (  # noqa: F401  (SharedInput: re-exported)
-    SharedInput, _linear, blocked_column, blocked_row, blocked_row_sums, token_bias)
 from pdist.parallel.tensor.regions import (  # noqa: F401  (re-exported: the public API)
-    SEQ_AXIS, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
+    SEQ_AXIS, SharedInput, copy_to_tensor_parallel_region, divide, gather_from_sequence_parallel_region,
     gather_from_tensor_parallel_region, partition, reduce_from_tensor_parallel_region,
     reduce_scatter_to_sequence_parallel_region, scatter_to_sequence_parallel_region,
     scatter_to_tensor_parallel_region)
@@ -66,6 +65,11 @@ def _shard(full, cut, dtype):
     return p
 
 
+def _linear(x, w, b, layout):
+    """y = x W + b (W stored (in, out)) or x W^T + b (W stored (out, in))."""
+    return precision.linear(x, w if layout == "in_out" else w.T, b)
+
+
 def _check_layout(layout):
     if layout not in ("in_out", "out_in"):
         raise ValueError(f"layout must be 'in_out' (W stored (in, out)) or 'out_in' (W stored (out, in)), "
@@ -89,7 +93,7 @@ class ColumnParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, gather_output=True, group=None,
                  sequence_parallel=False, stride=1, master_weight=None, master_bias=None, rng=None,
-                 dtype=None, layout="in_out", weight=None, shared_input=None, blocks=1):
+                 dtype=None, layout="in_out", weight=None, shared_input=None):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
@@ -98,7 +102,7 @@ class ColumnParallelLinear(nn.Module):
         self.layout, self.shared_input = _check_layout(layout), shared_input
         self.consumer = shared_input.join() if shared_input is not None else 0   # its place among the readers
         dim = 1 if layout == "in_out" else 0
-        self.dim, self.stride, self.blocks = dim, stride, blocks  # blocks: deterministic mode
+        self.dim, self.stride = dim, stride
         shape = (in_features, out_features) if dim == 1 else (out_features, in_features)
         rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
         self.weight = weight if weight is not None else _shard(
@@ -115,11 +119,12 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sequence_parallel_region(x, self.group)  # (B, T/t, in) -> (B, T, in)
         else:
             x = copy_to_tensor_parallel_region(x, self.group)  # (..., in)
-        if self.blocks > 1 or isinstance(x, list):    # the deterministic mode's fixed blocks (blocks.py)
-            y = blocked_column(x, self.weight, self.bias, self.layout, self.dim, self.stride, self.blocks)
-        else:
-            y = _linear(x, self.weight, self.bias, self.layout)  # (..., out/t)
+        y = self.local_linear(x)  # (..., out/t)
         return gather_from_tensor_parallel_region(y, self.group) if self.gather_output else y
+
+    def local_linear(self, x):
+        """Y_i = X A_i + b_i: this rank's columns, no communication."""
+        return _linear(x, self.weight, self.bias, self.layout)
 
 
 class RowParallelLinear(nn.Module):
@@ -132,7 +137,7 @@ class RowParallelLinear(nn.Module):
 
     def __init__(self, in_features, out_features, bias=True, input_is_parallel=False, group=None,
                  sequence_parallel=False, master_weight=None, master_bias=None, rng=None, dtype=None,
-                 layout="in_out", blocks=1):
+                 layout="in_out"):
         super().__init__()
         self.group = group = default_group(group)
         t, r = group.size, group.rank
@@ -143,7 +148,7 @@ class RowParallelLinear(nn.Module):
         self.input_is_parallel, self.sequence_parallel = input_is_parallel, sequence_parallel
         self.layout = _check_layout(layout)
         dim = 0 if layout == "in_out" else 1
-        self.dim, self.blocks, self.token_blocks = dim, blocks, None
+        self.dim = dim
         shape = (in_features, out_features) if dim == 0 else (out_features, in_features)
         rng, dtype = rng or np.random.default_rng(0), dtype or default_dtype()
         self.weight = _shard(_master(shape, master_weight, _uniform(in_features), rng), Cut(dim, r, t, 1),
@@ -156,16 +161,19 @@ class RowParallelLinear(nn.Module):
     def forward(self, x):
         if not self.input_is_parallel:
             x = scatter_to_tensor_parallel_region(x, self.group)  # (..., in) -> (..., in/t)
-        if self.blocks > 1:    # the deterministic mode's fixed K blocks, a tree (blocks.py)
-            y = blocked_row(x, self.weight, self.layout, self.dim, self.blocks)  # (..., out) partial sum
-        else:
-            y = _linear(x, self.weight, None, self.layout)  # (..., out) partial sum
+        y = self.local_linear(x)  # (..., out) partial sum
         if self.sequence_parallel:
             y = reduce_scatter_to_sequence_parallel_region(y, self.group)  # (B, T/t, out)
         else:
             y = reduce_from_tensor_parallel_region(y, self.group)  # (..., out)
-        if self.bias is not None and self.token_blocks is not None:   # deterministic: db in token blocks
-            return token_bias(y, precision.weight(self.bias), self.token_blocks)
+        return self.add_bias(y)
+
+    def local_linear(self, x):
+        """X_i A_i: this rank's partial sum of Y, before the reduction."""
+        return _linear(x, self.weight, None, self.layout)
+
+    def add_bias(self, y):
+        """Y + b, the replicated bias added once, after the reduction."""
         return y + precision.weight(self.bias) if self.bias is not None else y
 
 
@@ -180,7 +188,7 @@ class _VocabParallelEmbedding(Function):
 
     def backward(self, g):
         g = g * self.keep[..., None]
-        return granules.embedding_grad(self.wshape, g.dtype, self.local, g), None, None   # batched: (G, V/t, C)
+        return embedding_grad(self.wshape, g.dtype, self.local, g), None, None   # (V/t, C)
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -218,7 +226,7 @@ class _VocabParallelCrossEntropy(Function):
     all-reduce(sum) of the local parts (Megatron issues the two sums as two all-reduces; they
     are stacked into one here). No rank holds the full logits. Backward is local:
     dz_i = (softmax(z)_i - onehot(y)_i) / N on this rank's vocabulary slice."""
-    def forward(self, logits, targets, group, vocab_start, blocks=1):
+    def forward(self, logits, targets, group, vocab_start):
         Vl = logits.shape[-1]
         z = logits.reshape(-1, Vl)  # (N, V/t)
         y = targets.reshape(-1)  # (N,)
@@ -233,40 +241,39 @@ class _VocabParallelCrossEntropy(Function):
         mine = (y >= vocab_start) & (y < vocab_start + Vl)  # (N,) targets in my slice
         local_y = xp.where(mine, y - vocab_start, 0)
         rows = xp.arange(z.shape[0])
-        esum = e.sum(axis=1) if blocks == 1 else blocked_row_sums(e, blocks)  # (N,) blocks: deterministic
-        sums = xp.stack([esum, s[rows, local_y] * mine])  # (2, N)
+        sums = xp.stack([self._exp_sums(e), s[rows, local_y] * mine])  # (2, N)
         if group.size > 1:
             group.all_reduce(sums, op="sum")
         nll = xp.log(sums[0]) - sums[1]  # (N,)
         self.p = e / sums[0][:, None]  # softmax on my slice (N, V/t)
         self.rows, self.local_y, self.mine, self.shape = rows, local_y, mine, logits.shape
-        G = granules.count()
-        if G is not None:                # the deterministic mode's batched pass: each granule's mean, (G,)
-            return xp.asarray(nll.reshape(G, -1).sum(axis=1) / (z.shape[0] // G), dtype=logits.dtype)
-        return xp.asarray(nll.sum() / z.shape[0], dtype=logits.dtype)
+        return self._mean(nll, logits.dtype)
+
+    def _exp_sums(self, e):
+        return e.sum(axis=1)  # (N,): sum_v exp(z_v - m) over this rank's vocabulary
+
+    def _mean(self, nll, dtype):
+        return xp.asarray(nll.sum() / nll.shape[0], dtype=dtype)
 
     def backward(self, g):
         d = self.p
         d[self.rows, self.local_y] -= self.mine.astype(d.dtype)
-        if g.ndim:                       # batched: granule j's rows scaled by g_j / its rows
-            d3 = d.reshape(g.shape[0], -1, d.shape[-1])
-            d3 *= (g / d3.shape[1])[:, None, None]
-        else:
-            d *= g / d.shape[0]
+        self._scale(d, g)
         return d.reshape(self.shape), None
 
+    def _scale(self, d, g):
+        d *= g / d.shape[0]  # dL/dz_i = g (softmax(z)_i - onehot(y)_i) / N
 
-def vocab_parallel_cross_entropy(logits, targets, group=None, vocab_start=None, blocks=1):
+
+def vocab_parallel_cross_entropy(logits, targets, group=None, vocab_start=None):
     """Mean token cross-entropy of vocabulary-sharded logits (..., V/t) on this rank and
-    int targets (...) with ids in [0, V). ``vocab_start`` defaults to rank * V/t. ``blocks``
-    > 1 (the deterministic mode): the sum of exponentials over this rank's vocabulary as
-    that many blocks, a tree (blocks.py)."""
+    int targets (...) with ids in [0, V). ``vocab_start`` defaults to rank * V/t."""
     group = default_group(group)
     targets = targets.data if isinstance(targets, Tensor) else xp.asarray(targets)
     Vl = logits.shape[-1]
     check_indices(targets, Vl * group.size, "cross_entropy target")
     start = group.rank * Vl if vocab_start is None else vocab_start
-    return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=start, blocks=blocks)
+    return _VocabParallelCrossEntropy.apply(logits, targets, group=group, vocab_start=start)
 
 
 __all__ = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",

@@ -17,7 +17,11 @@ block (f ... g) is differentiated exactly. Activations are (B, T, C); the sequen
 is 1. With a group of one rank every region is the identity (Megatron does the same).
 Buffers are copied before reducing in place: a gradient array can be shared by two
 branches of the graph (Add's backward hands the same array to both inputs).
+``SharedInput``: one f (SP: one all-gather) for the column layers of a block that read the
+same input (Megatron's fused [Q | K | V] and [gate | up] GEMMs).
 """
+import weakref
+
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
 from pdist.parallel.layout import Cut
@@ -166,7 +170,31 @@ gather_from_sequence_parallel_region = _region(_GatherFromSP)
 reduce_scatter_to_sequence_parallel_region = _region(_ReduceScatterToSP)
 
 
-__all__ = ["copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
+class SharedInput:
+    """One f region (SP: one all-gather) for the column-parallel layers of a block that read
+    the same input, as Megatron's fused [Q | K | V] and [gate | up] GEMMs share theirs: the
+    first layer to see an input applies the region, the others reuse its output, so backward
+    sums their dX and all-reduces (SP: reduce-scatters) once. Holds weak references only.
+    ``join()`` gives each reading layer its place among the readers, in the plan's order."""
+
+    def __init__(self, group, sequence_parallel):
+        self.group, self.sequence_parallel, self._x, self._y = group, sequence_parallel, None, None
+        self.consumers = 0
+
+    def join(self):
+        self.consumers += 1
+        return self.consumers - 1
+
+    def __call__(self, x, consumer=0):
+        if self._x is None or self._x() is not x or self._y() is None:
+            y = (gather_from_sequence_parallel_region if self.sequence_parallel
+                 else copy_to_tensor_parallel_region)(x, self.group)
+            self._x, self._y = weakref.ref(x), weakref.ref(y)
+            return y
+        return self._y()
+
+
+__all__ = ["SharedInput", "copy_to_tensor_parallel_region", "reduce_from_tensor_parallel_region",
            "scatter_to_tensor_parallel_region", "gather_from_tensor_parallel_region",
            "scatter_to_sequence_parallel_region", "gather_from_sequence_parallel_region",
            "reduce_scatter_to_sequence_parallel_region", "partition", "divide", "SEQ_AXIS"]

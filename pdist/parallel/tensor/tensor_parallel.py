@@ -35,7 +35,6 @@ rank's pieces alone (pdist/engine/meta.py).
 """
 from pdist.models.plan import plan_of, select
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.deterministic import TreeSums, check_tp
 from pdist.parallel.tensor.layers import (  # noqa: F401  (re-exported)
     ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, vocab_parallel_cross_entropy)
 from pdist.parallel.tensor.transform import (  # noqa: F401  (re-exported)
@@ -63,8 +62,6 @@ class TensorParallel(ParallelModule):
 
     def __init__(self, module, group=None, sequence_parallel=False, check_finite=None):
         super().__init__(module, group, check_finite)
-        if self.deterministic is not None and self.group.size > 1:    # what the mode refuses, with the reason
-            check_tp(self.deterministic, self.group.size, self.module, sequence_parallel)
         g, t = self.group, self.group.size
         self.tp_rank, self.tp_world_size, self.sequence_parallel = g.rank, t, bool(sequence_parallel)
         self.loss_weight = 1.0 / t
@@ -75,21 +72,14 @@ class TensorParallel(ParallelModule):
                 raise TypeError(f"{type(self.module).__name__}'s parallel plan cuts nothing for tensor "
                                 "parallelism (its ModelPlan.tensor is empty); use tp = 1 or give it a plan")
             self._transform(self.module, g, self.sequence_parallel)
-            if self.deterministic is not None:               # this rank's shards, for the granule leaves
-                self.deterministic.bind(self.inner.parameters())
 
     has_late_grads = property(lambda self: (self.sequence_parallel and self.tp_world_size > 1)
                               or self.inner.has_late_grads)
     seq_shards = property(lambda self: self.tp_world_size if self.sequence_parallel else 1)
 
     def _transform(self, model, g, sp):
-        det, t = self.deterministic, g.size
-        if det is None:
-            return transform(model, self.plan, g, sp)
-        g = TreeSums(g) if t > 2 else g     # t partials joined as the tree (t = 2: one order already)
-        transform(model, self.plan, g, sp, det.tp_blocks // t, det.tp_blocks // t if sp else det.tp_blocks)
-        if sp:                      # each granule's partial grads, summed over tp before its leaf
-            det.granule_hooks.append(lambda: self._partials.finish(g))
+        """The plan's layers swapped for the parallel ones over ``g`` (transform.py)."""
+        transform(model, self.plan, g, sp)
 
     _sp_params = None
 
@@ -124,8 +114,8 @@ class TensorParallel(ParallelModule):
         that saw only this rank's tokens (fp32: one flat all-reduce; bf16/fp16: their unrounded
         partials, then one rounding)."""
         self.inner.finish_grad_sync()
-        if self._partials is not None and self.deterministic is None:   # SP over tp > 1 (zero_grad made it)
-            self._partials.finish(self.group)        # (deterministic: per granule, a granule hook)
+        if self._partials is not None:               # SP over tp > 1 (zero_grad made it)
+            self._partials.finish(self.group)
 
 
 __all__ = ["TensorParallel", "check_tp_config", "ColumnParallelLinear", "RowParallelLinear",

@@ -1,19 +1,18 @@
 """Swapping a model's layers for the tensor-parallel ones its plan names (``ModelPlan.tensor``,
-pdist/models/plan.py): ``transform(model, plan, group, sequence_parallel, blocks)``, used by
-``TensorParallel`` (tensor_parallel.py) over the tp group and, with ``block_model``, by the
-deterministic mode's one process (group of one, ``blocks`` = the mode's ``tp_blocks``: every
-tensor-parallel sum computed in the fixed blocks a tp layout splits it into; blocks.py).
+pdist/models/plan.py): ``transform(model, plan, group, sequence_parallel)``, used by
+``TensorParallel`` (tensor_parallel.py) over the tp group, as torchtitan's
+``parallelize_module`` applies a plan's styles: Column, Row, Vocab (the embedding) and
+VocabLoss (the loss), each layer keeping its single-process parameter names.
 """
 from pdist import nn
-from pdist.comm.world import self_group
 from pdist.engine import precision
 from pdist.engine.autograd import Function
 from pdist.engine.backend import array_module, to_numpy
 from pdist.engine.meta import MetaArray, is_meta, zeros_view
-from pdist.models.plan import Column, PositionShard, Row, Vocab, VocabLoss, get, plan_of, put, select
+from pdist.models.plan import Column, PositionShard, Row, Vocab, VocabLoss, get, put, select
 from pdist.parallel.tensor.layers import (
-    ColumnParallelLinear, RowParallelLinear, SharedInput, VocabParallelEmbedding, divide,
-    vocab_parallel_cross_entropy)
+    ColumnParallelLinear, RowParallelLinear, VocabParallelEmbedding, divide, vocab_parallel_cross_entropy)
+from pdist.parallel.tensor.regions import SharedInput
 
 
 class _ShardDropout(Function):
@@ -58,21 +57,19 @@ class SequenceShardPositions(nn.Module):
 class VocabParallelCrossEntropyLoss(nn.Module):
     """The model's loss on logits (B, T, V/t) holding vocabulary [r V/t, (r+1) V/t)."""
 
-    def __init__(self, group, blocks=1):
+    def __init__(self, group):
         super().__init__()
-        self.group, self.blocks = group, blocks
+        self.group = group
 
     def forward(self, logits, targets):
-        return vocab_parallel_cross_entropy(logits, targets, self.group, blocks=self.blocks)
+        return vocab_parallel_cross_entropy(logits, targets, self.group)
 
 
-def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1, fan=False):
+def _parallel_layer(model, path, old, style, g, sp, inputs):
     """The parallel layer that replaces module ``old`` at ``path`` under ``style`` (the plan's
-    cut); its parameters keep their single-process names and record their cut. ``blocks``:
-    the deterministic mode's blocks per rank; ``fan``: that mode's canonical order of a shared
-    input's gradient sum (blocks.py)."""
+    cut); its parameters keep their single-process names and record their cut."""
     if isinstance(style, VocabLoss):
-        return VocabParallelCrossEntropyLoss(g, blocks)
+        return VocabParallelCrossEntropyLoss(g)
     shared = get(model, style.tied_to).weight if getattr(style, "tied_to", None) else None
     meta = is_meta(old.weight.data)
     host = zeros_view if meta else to_numpy            # meta: slice zeros, stay meta
@@ -85,10 +82,10 @@ def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1, fan=False)
     else:
         n_in, n_out = (a, c) if layout == "in_out" else (c, a)
         kw = dict(bias=b is not None, group=g, sequence_parallel=sp, master_weight=w, master_bias=b,
-                  dtype=dtype, layout=layout, blocks=blocks)
+                  dtype=dtype, layout=layout)
         if isinstance(style, Column):
             key = (path.rpartition(".")[0], style.shared_input)
-            one = None if style.shared_input is None else inputs.setdefault(key, SharedInput(g, sp, fan and blocks))
+            one = None if style.shared_input is None else inputs.setdefault(key, SharedInput(g, sp))
             new = ColumnParallelLinear(n_in, n_out, gather_output=False, stride=style.stride, weight=shared,
                                        shared_input=one, **kw)
         elif isinstance(style, Row):
@@ -107,12 +104,10 @@ def _parallel_layer(model, path, old, style, g, sp, inputs, blocks=1, fan=False)
     return new
 
 
-def transform(model, plan, g, sp, blocks=1, token_blocks=None):
+def transform(model, plan, g, sp):
     """Every layer the plan names becomes its parallel layer over group ``g`` (a layer tied to
     another after that one); head counts are divided by t; under SP the plan's sequence
-    modules hold this rank's T/t tokens. The deterministic mode: ``blocks`` per rank, and the
-    modules of the plan's ``sequence_partial`` parameters (norms, row biases) sum their
-    parameters' gradients over ``token_blocks`` blocks of this rank's tokens (blocks.py)."""
+    modules hold this rank's T/t tokens."""
     styles = list(plan.tensor.items())
     styles.sort(key=lambda kv: getattr(kv[1], "tied_to", None) is not None)
     inputs = {}                                      # (parent, name) -> SharedInput
@@ -121,7 +116,7 @@ def transform(model, plan, g, sp, blocks=1, token_blocks=None):
         if not found:
             raise ValueError(f"tensor-parallel plan of {type(model).__name__}: {pattern!r} matches no module")
         for path, old in found:
-            put(model, path, _parallel_layer(model, path, old, style, g, sp, inputs, blocks, token_blocks is not None))
+            put(model, path, _parallel_layer(model, path, old, style, g, sp, inputs))
     for pattern, attrs in plan.heads.items():
         for path, m in select(pattern, list(model.named_modules())):
             for a in attrs:
@@ -136,32 +131,7 @@ def transform(model, plan, g, sp, blocks=1, token_blocks=None):
             if not select(pattern, named):
                 raise ValueError(f"sequence-parallel plan of {type(model).__name__}: {pattern!r} matches no "
                                  "parameter")
-    if token_blocks is not None:
-        named = list(model.named_parameters())
-        for path in {n.rpartition(".")[0] for pattern in plan.sequence_partial for n, _ in select(pattern, named)}:
-            get(model, path).token_blocks = token_blocks
 
 
-def blockable(model, blocks):
-    """True when the deterministic mode's one process can compute ``model``'s tensor-parallel
-    sums in ``blocks`` fixed blocks: its plan cuts layers, no experts, and every cut size
-    divides by ``blocks`` (heads, widths, the vocabulary). Column layers sharing an input
-    (Llama's q, k, v and gate, up) sum their input gradients in the ``Fan``'s order (blocks.py)."""
-    plan = plan_of(model)
-    if not plan.tensor or plan.experts:
-        return False
-    return all(n % blocks == 0 for n in plan.tp_sizes.values())
-
-
-def block_model(model, blocks):
-    """The deterministic mode's one-process form of ``model`` (in place): its plan's layers as
-    the tensor-parallel ones over a group of one, each computing ``blocks`` blocks. A model
-    ``blockable`` refuses is left as it is (tensor parallelism is then refused in the mode)."""
-    if blocks > 1 and blockable(model, blocks):
-        transform(model, plan_of(model), self_group(), False, blocks, blocks)
-        model.tp_blocks = blocks
-    return model
-
-
-__all__ = ["transform", "block_model", "blockable", "SequenceShardPositions", "SequenceShardDropout",
+__all__ = ["transform", "SequenceShardPositions", "SequenceShardDropout",
            "VocabParallelCrossEntropyLoss"]

@@ -76,7 +76,6 @@ from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.deterministic import finish_zero
 from pdist.parallel.zero.accounting import Accounting
 from pdist.parallel.zero.units import (build_units, check_same_on_all_ranks, default_units, shard_pieces,
                                        unused_experts)
@@ -104,8 +103,6 @@ class ZeRO(Accounting, ParallelModule):
         self.stage, self.prefetch = stage, bool(prefetch)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
-        if self.deterministic is not None:        # the batch's granules are cut over these ranks
-            self.deterministic.shard_over(self.dp_world_size, self.microbatches, self.pipeline)
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
         self.root, self.units, experts = build_units(self.inner, self.module, unit_modules, self.group, stage,
@@ -174,13 +171,8 @@ class ZeRO(Accounting, ParallelModule):
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
         rank reduce zeros), and wait: each shard's .grad is the global-batch mean. An expert
-        no rank gave a gradient keeps none, as on one process (units.unused_experts). The
-        deterministic mode joins the granule trees instead (every rank gets the whole mean)
-        and keeps its shard."""
-        if self.deterministic is not None:
-            finish_zero(self)
-        else:
-            self._finish_reductions()
+        no rank gave a gradient keeps none, as on one process (units.unused_experts)."""
+        self._finish_reductions()
         for u in self.units:
             u.ready = 0
         self._stale = self.stage in (1, 2)      # the optimizer step is next

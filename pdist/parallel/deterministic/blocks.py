@@ -1,7 +1,7 @@
 """Blocked tensor-parallel sums: the deterministic mode's fixed blocks (docs/deterministic.md).
 
 A tensor-parallel layout of t ranks splits four kinds of sums; the deterministic mode
-(pdist/engine/deterministic.py) fixes each as a sum over ``tp_blocks`` = b fixed blocks
+(pdist/parallel/deterministic/policy.py) fixes each as a sum over ``tp_blocks`` = b fixed blocks
 (the policy's field, default 2, any power of two: the largest tp the mode accepts), summed
 as a balanced tree ((b_0 + b_1) + (b_2 + b_3) at b = 4), whatever the layout:
 
@@ -13,7 +13,7 @@ as a balanced tree ((b_0 + b_1) + (b_2 + b_3) at b = 4), whatever the layout:
 A tp rank holds b / t of the blocks (at t = b: one, its own shard, today's code), sums them
 as its subtree, and the ranks' partial sums are joined by the layer's collective in the
 tree's order (t = 2: a + b, one order, since IEEE addition is commutative; t > 2: recursive
-doubling, ``TreeSums`` in pdist/parallel/deterministic.py). One process (t = 1) computes every
+doubling, ``TreeSums`` in pdist/parallel/deterministic/join.py). One process (t = 1) computes every
 block with the shapes a rank gives BLAS, as ``tree_sum`` of the blocks: ``blocked_column`` /
 ``blocked_row`` run the very ``_linear`` a rank runs on each block (``_Take``: the block as a
 contiguous copy, its gradient put back in place), so every GEMM, every column sum, sees the
@@ -25,20 +25,14 @@ input gradients: dX = sum_k sum_c dY_{k,c} A_{k,c}^T. The canonical order (``Fan
 block k the consumers in the plan's order, ((c_0 + c_1) + c_2), then the blocks as the tree,
 whatever order the backward walk reaches them; a rank does the same on its blocks.
 """
-import weakref
-
-from pdist.engine import granules, precision
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
-from pdist.engine.reductions import token_col_sums
+from pdist.engine.reductions import ones
 from pdist.engine.shape_ops import concat, split
+from pdist.parallel.deterministic import granules
 from pdist.parallel.layout import Cut
-from pdist.parallel.tensor.regions import copy_to_tensor_parallel_region, gather_from_sequence_parallel_region
-
-
-def _linear(x, w, b, layout):
-    """y = x W + b (W stored (in, out)) or x W^T + b (W stored (out, in))."""
-    return precision.linear(x, w if layout == "in_out" else w.T, b)
+from pdist.parallel.tensor.layers import _linear
+from pdist.parallel.tensor.regions import SharedInput
 
 
 def tree_sum(parts):
@@ -104,31 +98,19 @@ class _Slot(Function):
         return self.fan.add(self.key, g)
 
 
-class SharedInput:
-    """One f region (SP: one all-gather) for the column-parallel layers of a block that read
-    the same input, as Megatron's fused [Q | K | V] and [gate | up] GEMMs share theirs: the
-    first layer to see an input applies the region, the others reuse its output, so backward
-    sums their dX and all-reduces (SP: reduce-scatters) once. Holds weak references only.
-    ``blocks`` (the deterministic mode): each layer gets its ``Fan`` slots, one per block
-    (``join()`` gave the layers their consumer index, in the plan's order)."""
+class FanInput(SharedInput):
+    """The tensor-parallel ``SharedInput`` whose reading layers each get their ``Fan`` slots,
+    ``blocks`` of them (``join()`` gave the layers their consumer index, in the plan's order):
+    dX is summed in the canonical order whichever layer the backward walk reaches last."""
 
-    def __init__(self, group, sequence_parallel, blocks=None):
-        self.group, self.sequence_parallel, self._x, self._y = group, sequence_parallel, None, None
-        self.blocks, self.consumers, self._fan = blocks, 0, None
-
-    def join(self):
-        self.consumers += 1
-        return self.consumers - 1
+    blocks, _fan = 1, None
 
     def __call__(self, x, consumer=0):
-        if self._x is None or self._x() is not x or self._y() is None:
-            y = (gather_from_sequence_parallel_region if self.sequence_parallel
-                 else copy_to_tensor_parallel_region)(x, self.group)
-            self._x, self._y = weakref.ref(x), weakref.ref(y)
-            self._fan = Fan(self.blocks, self.consumers) if self.blocks else None
-        else:
-            y = self._y()
-        return y if self._fan is None else self._fan.slots(y, consumer)
+        fresh = self._x is None or self._x() is not x or self._y() is None
+        y = super().__call__(x, consumer)
+        if fresh:
+            self._fan = Fan(self.blocks, self.consumers)
+        return self._fan.slots(y, consumer)
 
 
 def blocked_column(x, w, b, layout, dim, stride, nb):
@@ -171,10 +153,28 @@ def token_bias(x, b, blocks):
     return _TokenBias.apply(x, b, blocks=blocks)
 
 
+def token_col_sums(a2, shape, blocks):
+    """The column sums of a2 (N, C), the rows of an activation of ``shape`` (..., T, C), as
+    ``blocks`` blocks of the T axis, each summed alone, then added as a balanced tree: the
+    sums a sequence-parallel rank makes over its T / blocks tokens (the norms' and row biases'
+    gradients). ``blocks`` = 1: one sum. In the batched pass (granules.py) one sum per
+    granule, a (G, C) stack."""
+    if blocks == 1:
+        return granules.col_sums(a2, ones)
+    T, C = shape[-2], a2.shape[1]
+    if T % blocks:
+        raise ValueError(f"deterministic mode: the sequence length T = {T} does not split into {blocks} "
+                         f"token blocks (the token shards of sequence parallelism); use T divisible by {blocks}")
+    a3, n = a2.reshape(-1, T, C), T // blocks                                          # (B, T, C)
+    return tree_sum([granules.col_sums(xp.ascontiguousarray(a3[:, k * n:(k + 1) * n]).reshape(-1, C), ones)
+                     for k in range(blocks)])
+
+
 def blocked_row_sums(e, nb):
     """sum over the last axis of e (N, V) as nb blocks of V, each summed as a rank sums its shard."""
     n = e.shape[1] // nb
     return tree_sum([xp.ascontiguousarray(e[:, k * n:(k + 1) * n]).sum(axis=1) for k in range(nb)])
 
 
-__all__ = ["Fan", "SharedInput", "blocked_column", "blocked_row", "blocked_row_sums", "tree_sum", "take", "token_bias"]
+__all__ = ["Fan", "FanInput", "blocked_column", "blocked_row", "blocked_row_sums", "token_col_sums", "tree_sum", "take",
+           "token_bias"]

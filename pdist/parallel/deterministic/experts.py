@@ -1,5 +1,5 @@
 """Expert parallelism in the deterministic mode (docs/deterministic.md; the contract:
-pdist/engine/deterministic.py).
+pdist/parallel/deterministic/policy.py).
 
 One process runs granule j's MoE layer on granule j's tokens alone: expert e's GEMMs see
 the c_e^j rows of j routed to e, in the order ``route`` sorts them, and its weight
@@ -32,8 +32,11 @@ import numpy as np
 
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import xp
-from pdist.engine.deterministic import GranuleTree
-from pdist.parallel.deterministic import join_root
+from pdist.engine.shape_ops import concat
+from pdist.models.moe import moe_layers
+from pdist.parallel.deterministic.join import join_all, join_root
+from pdist.parallel.deterministic.policy import GranuleTree, InMode
+from pdist.parallel.expert_parallel import ExpertDispatch, split_experts
 
 
 class WeightHandle(Tensor):
@@ -104,4 +107,57 @@ class ExpertTrees:
             o += b - a
 
 
-__all__ = ["ExpertTrees"]
+class SourceDispatch(ExpertDispatch):
+    """``ExpertDispatch`` in the mode: each local expert once per source rank, on that source's
+    rows alone, through the source's weight handles (``ExpertTrees.run``)."""
+
+    trees = None
+
+    def _local(self, xe, per_expert, by_src):
+        outs, a = [], 0
+        for e in range(len(per_expert)):
+            for q in range(len(by_src)):              # source q's rows alone, its own leaf
+                n = int(by_src[q, e])
+                if n:
+                    outs.append(self.trees.run(self.layer.experts[e], q, xe[a:a + n]))
+                a += n
+        return concat(outs, axis=0) if len(outs) > 1 else outs[0] if outs else xe * 0.0
+
+
+def check_experts(n_expert, pipeline=False):
+    """What the mode refuses for a mixture of ``n_expert`` experts, the same on every rank,
+    before any collective."""
+    if n_expert and pipeline:
+        raise ValueError(f"deterministic mode: a mixture of experts (n_expert={n_expert}) under a pipeline is "
+                         f"not a granule tree yet (the stages' micro-batch leaves do not keep the experts' "
+                         f"per-source trees); use pp = 1 and chunks = 1, or deterministic=False")
+
+
+class ExpertTreeJoin(InMode):
+    """``ExpertParallel`` in the mode: what it refuses, the policy re-bound to this rank's
+    experts, the batch's granules cut over dp (ZeRO's own, under ZeRO), under ep > 1 the
+    per-source trees the dispatchers feed; the dense trees joined over dp and the experts' over
+    edp (under ZeRO: in ZeRO's sync)."""
+
+    def __init__(self, inner, mesh, zero_stage=0):
+        split_experts(inner.module, mesh)             # (idempotent: the strategy's own call is then a no-op)
+        det, layers = inner.deterministic, moe_layers(inner.module)
+        check_experts(layers[0][1].n_expert if layers else 0, inner.pipeline)
+        det.bind(inner.parameters())
+        if not zero_stage:
+            det.shard_over(mesh.dp_world_size, inner.microbatches, inner.pipeline)
+        if mesh.ep_world_size > 1:
+            experts = {id(p) for _, layer in layers for p in layer.experts.parameters()}
+            trees = ExpertTrees(det, inner.parameters(), experts, mesh)
+            for _, layer in layers:
+                layer.apply_experts.__class__ = SourceDispatch
+                layer.apply_experts.trees = trees
+        super().__init__(inner, mesh, zero_stage)
+
+    def finish_grad_sync(self):
+        if not self.zero_stage:
+            join_all(self.deterministic, self.group)
+        self.inner.finish_grad_sync()
+
+
+__all__ = ["ExpertTrees", "SourceDispatch", "ExpertTreeJoin", "check_experts"]

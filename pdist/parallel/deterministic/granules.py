@@ -1,5 +1,5 @@
 """The deterministic mode's batched pass: G granules in ONE forward and backward, with the
-bits of G separate passes (pdist/engine/deterministic.py, docs/deterministic.md).
+bits of G separate passes (pdist/parallel/deterministic/policy.py, docs/deterministic.md).
 
 Inside ``batched(G)`` an activation's leading axis holds G granules of equal rows,
 granule-major: rows [j B/G, (j+1) B/G) are granule j. Two kinds of op would see the
@@ -39,7 +39,7 @@ def batched(G):
 
 @contextlib.contextmanager
 def exact_rows():
-    """The deterministic mode's compute (pdist/engine/deterministic.py, ``exact_kernels``): the
+    """The deterministic mode's compute (pdist/parallel/deterministic/policy.py, ``exact_kernels``): the
     embeddings' scatter-adds one value at a time in token order (``np.add.at``), never a
     one-hot GEMM or reduceat (backend.scatter_add says why)."""
     prev, _state["exact"] = _state["exact"], True

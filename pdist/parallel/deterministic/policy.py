@@ -8,10 +8,10 @@ mode accepts: dp and microbatches m powers of two with dp * m dividing G, ZeRO 0
 (dp * m = G), and tp <= ``tp_blocks`` (2 by default, any power of two:
 ``deterministic=dict(tp_blocks=4)``) with or without sequence parallelism (every sum tp splits
 computed in tp_blocks fixed blocks as a balanced tree, one process included:
-pdist/parallel/tensor/blocks.py), and a mixture of experts with its experts over ep ranks,
-ZeRO 0-3 (each expert's gradient summed per source granule: pdist/parallel/expert_deterministic.py),
+pdist/parallel/deterministic/blocks.py), and a mixture of experts with its experts over ep ranks,
+ZeRO 0-3 (each expert's gradient summed per source granule: pdist/parallel/deterministic/experts.py),
 and Ulysses context parallelism over cp = ``cp_chunks`` ranks, with dp and ZeRO (the leaves are
-(token chunk, granule), C G of them: pdist/parallel/context_deterministic.py).
+(token chunk, granule), C G of them: pdist/parallel/deterministic/context.py).
 
 Why bits differ otherwise. IEEE addition is commutative (a + b == b + a, bit for bit) but
 not associative: (a + b) + c != a + (b + c) in general. So a sum's bits depend only on the
@@ -21,7 +21,7 @@ micro-batches) changes the tree. The mode fixes it:
 * Granules. The global batch of B rows is cut into G granules of g = B / G rows (G, a
   power of two, does not depend on the layout; default 16). Each granule is computed as
   its own forward and backward would compute it (one batched pass over a rank's granules
-  gives those bits: pdist/parallel/deterministic_batched.py), so every op (every BLAS call, every row sum inside LayerNorm's
+  gives those bits: pdist/parallel/deterministic/batched.py), so every op (every BLAS call, every row sum inside LayerNorm's
   gain gradient, every scatter-add of the embedding) sees the same shapes and the same
   data in every layout: granule j's gradient d_j = dL_j/dw (L_j: the mean loss over its
   g T tokens) has the same bits everywhere.
@@ -30,7 +30,7 @@ micro-batches) changes the tree. The mode fixes it:
   partial sums are kept keyed by their node (level, index) (``GranuleTree``): a node is
   summed when its sibling arrives, so any order of arrival gives the same tree. A rank
   holding the aligned block of granules [r G/dp, (r+1) G/dp) holds the whole subtree of
-  that block; recursive doubling with partners r XOR 2^s (pdist/parallel/deterministic.py)
+  that block; recursive doubling with partners r XOR 2^s (pdist/parallel/deterministic/join.py)
   joins the subtrees level by level in the tree's own order. MPI's Allreduce promises no
   order; this exchange is the hand-built one. The sums run in float32 (bf16 granule
   gradients are upcast exactly) and are rounded to the parameters' dtype once, at the end.
@@ -41,40 +41,12 @@ The default mode is untouched: a strategy without this policy runs today's code.
 Cost: per-granule GEMMs and gradient stacks in one pass (a pipeline: G passes of g rows), and
 one flat fp32 copy of the gradients per granule of a chunk (bench/deterministic.py measures the ratio).
 """
-import contextlib
-
 import numpy as np
 
-from pdist.engine import granules
-from pdist.engine.backend import is_gpu, xp
+from pdist.engine.backend import xp
 
 DEFAULT_GRANULES = 16       # the largest dp * microbatches the default mode accepts
 TP_BLOCKS = 2               # every tensor-parallel sum in this many fixed blocks (default): the largest tp accepted
-
-
-_blas = {}
-
-
-@contextlib.contextmanager
-def exact_kernels():
-    """The mode's compute runs inside this: BLAS on ONE thread, and the embeddings' scatter-adds
-    one value at a time in token order (granules.exact_rows, backend.scatter_add). Why: OpenBLAS cuts a GEMM's rows or columns among its
-    threads, and under some kernels (its Haswell sgemm, AMD EPYC without AVX-512) an output
-    element's bits depend on the block it falls in, so 2 threads give other bits than 1, and a
-    one-hot GEMM over a vocabulary-parallel rank's V/t rows other bits than one process's V
-    (tests/test_deterministic.py, test_blas_bits_at_a_fixed_shape). With one thread a GEMM's
-    bits depend only on its shape and data, which the granules and the tp blocks fix."""
-    with granules.exact_rows(), _one_blas_thread():
-        yield
-
-
-def _one_blas_thread():
-    if is_gpu():                                # pragma: no cover - GPU: cuBLAS, no host threads
-        return contextlib.nullcontext()
-    if "ctl" not in _blas:
-        from threadpoolctl import ThreadpoolController
-        _blas["ctl"] = ThreadpoolController()    # scans the loaded libraries once (ms); a limit is ~8 us
-    return _blas["ctl"].limit(limits=1, user_api="blas")
 
 
 def _pow2(n):
@@ -112,24 +84,24 @@ class Deterministic:
     """The policy a ``Local`` holds in deterministic mode (module docstring): ``granules``
     G, a power of two; ``tp_blocks``: the fixed blocks of every sum tensor parallelism splits
     (the K-sums of row-parallel layers, column-parallel input gradients, the vocabulary of the
-    cross-entropy; pdist/parallel/tensor/blocks.py); ``shards``: the data-parallel ranks the batch is cut over (set by
+    cross-entropy; pdist/parallel/deterministic/blocks.py); ``shards``: the data-parallel ranks the batch is cut over (set by
     DataParallel / ZeRO with ``shard_over``); ``root``: this rank's fp32 subtree sum of the
     step (flat, parameters in ``Local.parameters()`` order), joined over the ranks by the
     data-parallel wrapper; ``batched``: the rank's granules in one pass, the same bits
-    (pdist/parallel/deterministic_batched.py; False: one pass per granule); ``cp_chunks`` C: the
+    (pdist/parallel/deterministic/batched.py; False: one pass per granule); ``cp_chunks`` C: the
     token chunks of context parallelism over C ranks, each granule's gradient then C leaves
-    (pdist/parallel/context_deterministic.py; 1: the granules alone, the default)."""
+    (pdist/parallel/deterministic/context.py; 1: the granules alone, the default)."""
 
     def __init__(self, granules=DEFAULT_GRANULES, tp_blocks=TP_BLOCKS, batched=True, cp_chunks=1):
         for name, v in (("granules", granules), ("tp_blocks", tp_blocks), ("cp_chunks", cp_chunks)):
             if not _pow2(v):
                 raise ValueError(f"deterministic mode: {name} must be a power of two, got {v!r}")
         self.granules, self.shards, self.root = int(granules), 1, None
-        self.batched = bool(batched)    # one pass over the rank's granules where it applies (deterministic_batched.py)
-        self.tp_blocks = int(tp_blocks)  # the blocks of every tensor-parallel sum (pdist/parallel/tensor/blocks.py)
+        self.batched = bool(batched)    # one pass over the rank's granules where it applies (batched.py)
+        self.tp_blocks = int(tp_blocks)  # the blocks of every tensor-parallel sum (pdist/parallel/deterministic/blocks.py)
         self.granule_hooks = []         # called after each granule's backward, before its leaf (SP's tp sums)
-        self.experts = None             # expert parallelism's per-source trees (pdist/parallel/expert_deterministic.py)
-        self.cp_chunks = int(cp_chunks)  # C token chunks per row: C G leaves (pdist/parallel/context_deterministic.py)
+        self.experts = None             # expert parallelism's per-source trees (pdist/parallel/deterministic/experts.py)
+        self.cp_chunks = int(cp_chunks)  # C token chunks per row: C G leaves (pdist/parallel/deterministic/context.py)
         self.cp_ranks = 1               # cp of this rank's layout (set by check_layout): the dp wrapper spans dp x cp
 
     @classmethod
@@ -230,4 +202,10 @@ class Deterministic:
                 f"{'' if self.batched else ', batched=False'}{f', cp_chunks={self.cp_chunks}' * (self.cp_chunks > 1)})")
 
 
-__all__ = ["Deterministic", "GranuleTree", "DEFAULT_GRANULES", "TP_BLOCKS"]
+class InMode:
+    """A wrapper of a chain in the mode (the mixins' base): the policy is its ``Local``'s."""
+
+    deterministic = property(lambda self: self.inner.deterministic)
+
+
+__all__ = ["Deterministic", "GranuleTree", "InMode", "DEFAULT_GRANULES", "TP_BLOCKS"]

@@ -1,6 +1,6 @@
 """The deterministic mode's batched pass: a rank's granules in one forward and backward,
-with the bits of one pass per granule (pdist/engine/granules.py; the contract is
-pdist/engine/deterministic.py's).
+with the bits of one pass per granule (pdist/parallel/deterministic/granules.py; the contract is
+pdist/parallel/deterministic/policy.py's).
 
     d_j = dL_j / dw   for every granule j of the chunk, as a stack (n, Ψ) fp32
     S(lo, hi)         the GranuleTree's balanced tree: node (l, i) = (l-1, 2i) + (l-1, 2i+1)
@@ -25,18 +25,18 @@ parallelism) and under a pipeline (a micro-batch is one granule already), the lo
 ``deterministic_compute`` runs, one pass per granule.
 
 With ``cp_chunks`` C > 1 (one process computing the leaves of context parallelism over C ranks,
-pdist/parallel/context_deterministic.py) a chunk of n granules runs as C n stacks, chunk-major
+pdist/parallel/deterministic/context.py) a chunk of n granules runs as C n stacks, chunk-major
 (stack k n + i: granule i's rows at token chunk k), and each stack is leaf k G + i of the tree.
 """
 import contextlib
 
 import numpy as np
 
-from pdist.engine import granules
 from pdist.engine.backend import to_numpy, xp
-from pdist.engine.deterministic import GranuleTree
 from pdist.measure import hooks
-from pdist.parallel.context_deterministic import chunk_rows, one_process_chunks
+from pdist.parallel.deterministic import granules
+from pdist.parallel.deterministic.context import chunk_rows, one_process_chunks
+from pdist.parallel.deterministic.policy import GranuleTree
 
 STACK_BYTES = 64 << 20          # the fp32 leaves of one chunk of granules (larger chunks: fresh pages, slower)
 
