@@ -41,7 +41,7 @@ import numpy as np
 
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import to_numpy
-from pdist.measure import hooks
+from pdist.engine import hooks
 
 FORMAT = "pdist-fingerprint/1"
 _U = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}

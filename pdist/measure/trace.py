@@ -29,7 +29,7 @@ leaves, and rank r's times become ``t - t_barrier_r``: the ranks' clocks are
 aligned at the barrier exit (error: the barrier's exit skew, microseconds on one
 node), which also works across nodes whose clocks differ.
 
-The step's spans come through step hooks (pdist/measure/hooks.py): while recording,
+The step's spans come through step hooks (pdist/engine/hooks.py): while recording,
 the trace subscribes a span around each micro-batch's forward and backward (cat
 "compute", args mb); with detail also the phases (cat "step").
 
@@ -45,7 +45,7 @@ import time
 
 from pdist.engine.backend import device_event, elapsed_seconds, synchronize
 from pdist.engine.env import env_flag, env_number
-from pdist.measure import hooks
+from pdist.engine import hooks
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
 DETAIL = [env_flag("PDIST_TRACE_DETAIL", False)]   # also the waits and the step phases (see below)

@@ -44,7 +44,8 @@ step's parts end to end on the trace's "waterfall" track.
 """
 import collections
 
-from pdist.measure import blocked, flops, hooks, trace
+from pdist.engine import hooks
+from pdist.measure import blocked, flops, trace
 
 PARTS = ("ideal compute", "kernel inefficiency", "recompute", "pipeline bubble")
 WAIT, OVERHEAD = "waiting for slower rank", "framework overhead"

@@ -31,7 +31,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.comm.flight_recorder import set_batch
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize

@@ -24,7 +24,8 @@ from pdist.comm.algorithms import chunk_bounds
 from pdist.comm.mpi import contiguous_flat
 from pdist.engine.backend import to_numpy, words, xp
 from pdist.engine.deterministic import GranuleTree, exact_kernels
-from pdist.measure import hooks, trace
+from pdist.engine import hooks
+from pdist.measure import trace
 from pdist.models.plan import plan_of
 from pdist.parallel.context_deterministic import check_cp, positions, under_context
 from pdist.parallel.deterministic_batched import batchable, batched_compute

@@ -35,7 +35,7 @@ import numpy as np
 from pdist.engine import granules
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.deterministic import GranuleTree
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.parallel.context_deterministic import chunk_rows, one_process_chunks
 
 STACK_BYTES = 64 << 20          # the fp32 leaves of one chunk of granules (larger chunks: fresh pages, slower)

@@ -43,7 +43,8 @@ every rank through the [loss, #non-finite] all-reduce, and every rank skips the 
 import contextlib
 
 from pdist import nn
-from pdist.measure import hooks, trace
+from pdist.engine import hooks
+from pdist.measure import trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.moe import stage_aux
