@@ -61,6 +61,11 @@ def set_world(group):
     _cfg["world"] = group
 
 
+def world():
+    """The group ``set_world`` registered (after ``comm.init()``: the world), or None."""
+    return _cfg["world"]
+
+
 def enable():
     _cfg["on"] = True
     _subscribe()
@@ -248,13 +253,11 @@ def _plain(v):
 
 
 def write_chrome_trace(path, group=None):
-    """Gather every rank's events to rank 0 of ``group`` (default: the world) and
-    write one Chrome/Perfetto JSON there (pid = rank within the group, tid 0 =
-    communication, tid 1 = everything else). The world is the one ``comm.init()``
-    registered (this module imports nothing of pdist.comm: no import cycle).
-    Collective; returns the event count
-    on rank 0, None elsewhere."""
-    group = group or _cfg["world"]
+    """Gather every rank's events to rank 0 of ``group`` (default: ``world()``, the one
+    ``comm.init()`` registered: this module imports nothing of pdist.comm) and write one
+    Chrome/Perfetto JSON there (pid = rank within the group, tid 0 = communication, tid 1 =
+    everything else). Collective; returns the event count on rank 0, None elsewhere."""
+    group = group or world()
     if group is None:
         raise RuntimeError("write_chrome_trace: call pdist.comm.init() first (or pass a group)")
     was_on = _cfg["on"]
