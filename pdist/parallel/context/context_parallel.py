@@ -5,9 +5,9 @@
 
 Each rank trains on B/dp rows (its dp rank's) and T/cp tokens of each (its cp rank's:
 ``local_batch``). Everything but attention is per token, so only attention talks across
-the cp ranks: ring attention (pdist/engine/ring_attention.py: K/V chunks round the ring;
-"ring-zigzag": the head-tail chunks that balance the causal work) or Ulysses
-(pdist/engine/ulysses.py: all-to-all from tokens to heads and back). Token positions are
+the cp ranks: ring attention (ring_attention.py: K/V chunks round the ring; "ring-zigzag":
+the head-tail chunks of zigzag.py that balance the causal work) or Ulysses (ulysses.py:
+all-to-all from tokens to heads and back). Token positions are
 the global ones: the plan's position modules (GPT's ``wpe``, a ``PositionShard``) read this
 rank's positions, and the attention modules (the plan's ``heads``) get a
 ``ContextAttention`` as their ``context``, which also gives RoPE its positions.
@@ -31,9 +31,9 @@ import numpy as np
 from pdist.data import shard
 from pdist.engine import precision
 from pdist.engine.backend import xp
-from pdist.engine.ring_attention import positions as ring_positions
-from pdist.engine.ring_attention import ring_attention
-from pdist.engine.ulysses import check_heads, ulysses_attention
+from pdist.parallel.context.ring_attention import ring_attention
+from pdist.parallel.context.ulysses import check_heads, ulysses_attention
+from pdist.parallel.context.zigzag import positions as ring_positions
 from pdist import nn
 from pdist.models.plan import PositionShard, plan_of, put, select
 from pdist.comm import self_group
