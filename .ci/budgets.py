@@ -11,7 +11,12 @@
   counts, lazy ones inside functions too; ``from pkg import name`` where ``pkg.name`` is a
   submodule is an import of that submodule, otherwise of ``pkg``; a package's
   ``__init__.py`` is a module like any other (a submodule that imports a name from the
-  package whose ``__init__`` imports it back is a cycle).
+  package whose ``__init__`` imports it back is a cycle);
+* no import runs back up the layers (``LAYERS``, from the floor up; folders and modules
+  named relative to the package). A module of layer i may import modules of layers <= i
+  and the package's unlisted modules (``pdist/__init__.py``, ``data.py``, ``errors.py``,
+  ...: no layer, not checked either way); every import of a module of a higher layer,
+  lazy ones too, each with its line, is a violation.
 
 Prints each violation with its path, line and size and exits 1; otherwise prints one
 summary line and exits 0."""
@@ -22,6 +27,14 @@ import sys
 
 MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 60
+LAYERS = (                       # from the floor up (docs/design.md, "Modules")
+    ("engine",),                 # arrays, autograd, ops
+    ("measure", "nn", "optim", "testing"),
+    ("comm", "models"),
+    ("parallel", "faults"),
+    ("checkpoint", "plan", "course"),
+    ("train",),
+)
 
 
 def module_name(root, path):
@@ -62,13 +75,13 @@ def resolve(name, modules):
     return name or None
 
 
-def imports_of(tree, mod, is_pkg, modules):
-    """{imported module: first line importing it} for the package's modules only."""
-    out = {}
+def import_lines(tree, mod, is_pkg, modules):
+    """[(imported module, line)] of every import of the package's modules (``ast.walk``'s order)."""
+    out = []
 
     def add(target, line):
-        if target is not None and target != mod and target not in out:
-            out[target] = line
+        if target is not None and target != mod:
+            out.append((target, line))
 
     for node in ast.walk(tree):
         if isinstance(node, ast.Import):
@@ -85,6 +98,35 @@ def imports_of(tree, mod, is_pkg, modules):
                 sub = f"{target}.{alias.name}"
                 add(sub if sub in modules else resolve(target, modules), node.lineno)
     return out
+
+
+def imports_of(lines):
+    """{imported module: the first line ``import_lines`` gives for it}."""
+    out = {}
+    for target, line in lines:
+        out.setdefault(target, line)
+    return out
+
+
+def layer_of(mod, package):
+    """(index, name) of the layer holding ``mod`` (``LAYERS``), or None for an unlisted module."""
+    for i, names in enumerate(LAYERS):
+        for name in names:
+            full = f"{package}.{name}"
+            if mod == full or mod.startswith(full + "."):
+                return i, name
+    return None
+
+
+def upward_imports(rel, mod, lines, package):
+    """Violations: each import by ``mod`` of a module in a higher layer than its own."""
+    mine, bad = layer_of(mod, package), []
+    for target, line in sorted(lines, key=lambda e: e[1]):
+        theirs = layer_of(target, package)
+        if mine is not None and theirs is not None and theirs[0] > mine[0]:
+            bad.append(f"{rel}:{line}: upward import: {mod} (layer {mine[0]}, {mine[1]}) imports {target} "
+                       f"(layer {theirs[0]}, {theirs[1]})")
+    return bad
 
 
 def strongly_connected(graph):
@@ -165,7 +207,9 @@ def check(root, package):
         n_funcs += count_functions(tree)
         for line, name, size in long_functions(tree, MAX_FUNCTION_LINES):
             bad.append(f"{rel}:{line}: function {name} is {size} lines (budget {MAX_FUNCTION_LINES})")
-        graph[mod] = imports_of(tree, mod, path.name == "__init__.py", modules)
+        lines = import_lines(tree, mod, path.name == "__init__.py", modules)
+        graph[mod] = imports_of(lines)
+        bad += upward_imports(rel, mod, lines, package)
     comps = strongly_connected(graph)
     for comp in comps:
         cyc = one_cycle(comp, graph)
@@ -173,7 +217,8 @@ def check(root, package):
                           for a, b in zip(cyc, cyc[1:]))
         bad.append(f"import cycle of {len(comp)} modules ({', '.join(comp)}): {edges}")
     summary = (f"budgets ok: {len(modules)} files in {package}/ (none over {MAX_FILE_LINES} lines), "
-               f"{n_funcs} functions (none over {MAX_FUNCTION_LINES} lines), 0 import cycles")
+               f"{n_funcs} functions (none over {MAX_FUNCTION_LINES} lines), 0 import cycles, "
+               f"0 upward imports across {len(LAYERS)} layers")
     return bad, summary
 
 

@@ -6,7 +6,7 @@ DDP on 4 ranks, the lessons' GPT (2 layers, 64 wide, 32 tokens, batch 16, float3
 Two costs, measured directly (an A/B of whole step times cannot resolve 1% on a shared
 node: step-to-step noise is 10-30%):
 
-* per step: what forward_backward adds (the detector's step hook, pdist/measure/hooks.py:
+* per step: what forward_backward adds (the detector's step hook, pdist/engine/hooks.py:
   five clock reads and reads of the wait counter, one tuple into a deque), timed over
   100000 empty steps through the hooks, less the same steps with the detector off;
 * on demand: ``straggler_report(model, last=K)`` (one object all-gather of K records per
@@ -24,7 +24,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 from pdist import comm, data  # noqa: E402
 from pdist.faults import debug  # noqa: E402
-from pdist.measure import hooks  # noqa: E402
+from pdist.engine import hooks  # noqa: E402
 from pdist.course import lesson
 from pdist.engine.backend import set_default_dtype  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402

@@ -48,15 +48,15 @@ import numpy as np
 from pdist import comm, data
 from pdist.comm.mpi import local_size, node_cores
 from pdist.course import lesson
-from pdist.engine import ring_attention as ring
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import is_gpu, synchronize, to_numpy, xp
-from pdist.engine.ulysses import ulysses_attention, ulysses_bytes
 from pdist.measure.activation_memory import formula_bytes, measure_block
 from pdist.models import registry
 from pdist.models.gpt import GPT
 from pdist.parallel import parallelize
-from pdist.parallel.context_parallel import install
+from pdist.parallel.context import install, zigzag
+from pdist.parallel.context import ring_attention as ring
+from pdist.parallel.context.ulysses import ulysses_attention, ulysses_bytes
 from pdist.parallel.layout import box_slices
 from pdist.training import train
 
@@ -114,7 +114,7 @@ def memory_rows(world, args, vocab):
             one.append((measure_block(block, x)[0], formula_bytes(cfg, b, "none", e, seq=T)))
     ctx = install(model, world, "ring-zigzag")  # the same block, its attention now ring attention
     for i, T in enumerate(args.mem_seq):
-        ctx.positions, s = ring.positions(T, cp, world.rank, "zigzag"), T // cp
+        ctx.positions, s = zigzag.positions(T, cp, world.rank, "zigzag"), T // cp
         x = Tensor(xp.asarray(rng.standard_normal((b, s, h))), requires_grad=True)
         got = measure_block(block, x)[0]
         if world.rank == 0:
@@ -228,7 +228,7 @@ def show(mem, ops, trains, world, args):
           f"{4 * args.batch_size * args.n_head * hs} x):")
     for m, lay in (("ring", "contiguous"), ("ring-zigzag", "zigzag")):
         w = [o[2] for o in ops[m]]
-        print(f"  {lay:>10}: measured {w}, formula {ring.attention_work(T, cp, lay)}, max/min "
+        print(f"  {lay:>10}: measured {w}, formula {zigzag.attention_work(T, cp, lay)}, max/min "
               f"{max(w) / min(w):.2f}")
     print("\n" + lesson.table([(r["name"], f"{r['loss'][-1]:.9f}", f"{r['baseline_loss'][-1]:.9f}",
                                 f"{r['max_abs_diff']:.1e}", "x".join(map(str, r["tokens_per_rank"])),
@@ -252,8 +252,9 @@ def sections(mem, ops, world, args):
     attn["check"] = all(o[0] == o[1] for m in MODES for o in ops[m])
     work = {"name": "attention work per rank", "T": T, "unit": "score elements per sequence and head",
             "flops_per_element": 4 * args.batch_size * args.n_embd,
-            "contiguous": {"measured": [o[2] for o in ops["ring"]], "formula": ring.attention_work(T, cp)},
-            "zigzag": {"measured": [o[2] for o in ops["ring-zigzag"]], "formula": ring.attention_work(T, cp, "zigzag")}}
+            "contiguous": {"measured": [o[2] for o in ops["ring"]], "formula": zigzag.attention_work(T, cp)},
+            "zigzag": {"measured": [o[2] for o in ops["ring-zigzag"]],
+                       "formula": zigzag.attention_work(T, cp, "zigzag")}}
     work["check"] = all(work[k]["measured"] == work[k]["formula"] for k in ("contiguous", "zigzag"))
     out = [memory, attn, work]
     for s in out:

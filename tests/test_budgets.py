@@ -1,7 +1,8 @@
 """The budget script (.ci/budgets.py) on tiny trees: it flags a file over 300 lines, a
-function over 60 lines (methods and nested ones too), and an import cycle (lazy imports,
-``from pkg import submodule`` and a package's ``__init__`` included), and passes a clean
-tree. It is not run on the real tree here: CI runs it (.ci/run, ``make budgets``)."""
+function over 60 lines (methods and nested ones too), an import cycle (lazy imports,
+``from pkg import submodule`` and a package's ``__init__`` included) and an import that runs
+back up the layers (engine < measure, nn, optim, testing < comm, models < parallel, faults <
+checkpoint, plan, course < train), and passes a clean tree. It is not run on the real tree here: CI runs it (.ci/run, ``make budgets``)."""
 import pathlib
 import subprocess
 import sys
@@ -106,3 +107,41 @@ def test_from_package_import_submodule_is_that_submodule(tmp_path):
     assert rc == 1
     assert any(line.startswith("import cycle of 2 modules (pkg, pkg.a): pkg/__init__.py:1 imports "
                                "pkg.a, pkg/a.py:1 imports pkg") for line in out), out
+
+
+LAYERED = {                                             # every import down or across a layer
+    "engine/autograd.py": "from pkg import errors\n",     # an unlisted module: no layer
+    "engine/ops.py": "from pkg.engine import autograd\n",
+    "nn.py": "from pkg.engine import ops\n",
+    "measure/trace.py": "import pkg.engine.ops\nfrom pkg import nn\n",     # measure and nn: one layer
+    "comm/group.py": "from pkg.measure import trace\n",
+    "models/gpt.py": "from pkg import nn\n",
+    "parallel/base.py": "from pkg.comm import group\nfrom pkg.models import gpt\n",
+    "plan/model.py": "def f():\n    from ..measure import trace\n",
+    "train/run.py": "from pkg.parallel import base\nfrom pkg.plan import model\n",
+    "errors.py": "x = 1\n",
+}
+
+
+def test_layered_tree_passes(tmp_path):
+    rc, out = budgets(tree(tmp_path, LAYERED))
+    assert rc == 0, out
+    assert len(out) == 1 and out[0].endswith("0 import cycles, 0 upward imports across 6 layers"), out
+
+
+def test_upward_imports_each_with_its_line(tmp_path):
+    files = {**LAYERED,                                 # (no cycle: only the layers are broken)
+             "engine/ops.py": "from pkg.engine import autograd\n\n\ndef f():\n    from pkg.measure import memory\n",
+             "measure/memory.py": "x = 1\n",
+             "measure/trace.py": "from ..plan import model\nimport pkg.engine.ops\nfrom pkg.comm.group import x\n",
+             "comm/group.py": "x = 1\n", "plan/model.py": "x = 1\n"}
+    rc, out = budgets(tree(tmp_path, files))
+    assert rc == 1
+    assert out == [
+        "pkg/engine/ops.py:5: upward import: pkg.engine.ops (layer 0, engine) imports pkg.measure.memory "
+        "(layer 1, measure)",
+        "pkg/measure/trace.py:1: upward import: pkg.measure.trace (layer 1, measure) imports pkg.plan.model "
+        "(layer 4, plan)",
+        "pkg/measure/trace.py:3: upward import: pkg.measure.trace (layer 1, measure) imports pkg.comm.group "
+        "(layer 2, comm)",
+        "budgets: 3 violation(s)"], out

@@ -14,8 +14,8 @@ from types import SimpleNamespace
 import pytest
 
 from pdist.models.llama import LlamaConfig
-from pdist.engine.ring_attention import attention_work, block_pairs, positions, segments
-from pdist.parallel.context_parallel import check_context
+from pdist.parallel.context import check_context
+from pdist.parallel.context.zigzag import attention_work, block_pairs, positions, segments
 from pdist.testing import mpirun, reports
 
 W = "tests/workers/context_parallel.py"

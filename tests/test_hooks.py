@@ -1,11 +1,12 @@
-"""Step hooks (pdist/measure/hooks.py): the phases of forward_backward are plain calls, and
+"""Step hooks (pdist/engine/hooks.py): the phases of forward_backward are plain calls, and
 the instruments (straggler detector, fault injection, trace, memory timeline) subscribe
 to them. One process, no MPI: ``Local`` talks to no rank."""
 import numpy as np
 import pytest
 
 from pdist.faults import debug, inject
-from pdist.measure import hooks, memory_timeline, trace
+from pdist.engine import hooks
+from pdist.measure import memory_timeline, trace
 from pdist.models.gpt import GPT, GPTConfig
 from pdist.parallel.base import Local
 

@@ -53,7 +53,7 @@ def test_one_process_parts_and_trace_track():
         model.forward_backward(x, x)
         parts = wf.stop()
     wf.close()
-    assert wf not in __import__("pdist.measure.hooks", fromlist=["x"]).subscribers()
+    assert wf not in __import__("pdist.engine.hooks", fromlist=["x"]).subscribers()
     assert parts["recompute"] > 0 and parts["ideal compute"] > 0 and min(parts.values()) >= 0, parts
     r = wf.records[-1]
     assert sum(parts.values()) == pytest.approx(r["step_s"], rel=1e-9)

@@ -1,9 +1,9 @@
 """Exercise 11 (4 points): the online-softmax merge of ring attention's forward.
 
 Task. Write ``merge_block(m, l, o, s, v, diagonal)`` and ``finish(m, l, o)``. Ring attention
-(pdist/engine/ring_attention.py, lesson 09) computes a rank's causal attention one block of
-keys at a time, as the K/V chunks arrive round the ring, and never holds a whole row of
-scores. Your two functions are that merge: the grader plugs them into pdist's ring attention
+(pdist/parallel/context/ring_attention.py, lesson 09) computes a rank's causal attention one
+block of keys at a time, as the K/V chunks arrive round the ring, and never holds a whole row
+of scores. Your two functions are that merge: the grader plugs them into pdist's ring attention
 (the forward yours, the backward pdist's, which reads your log-sum-exp) and compares it with
 attention over the whole sequence, then trains a GPT-2 with it under context parallelism.
 

@@ -63,9 +63,10 @@ def _compare(S, blk, order, what, hs=5):
 
 def _student_ring(S):
     """pdist's RingAttention, its forward's merge the student's (its backward pdist's)."""
-    from pdist.engine import ring_attention as R
     from pdist.engine.attention import _heads, _views
     from pdist.engine.backend import xp
+    from pdist.parallel.context import ring_attention as R
+    from pdist.parallel.context.zigzag import block_pairs, segments
 
     class _StudentRing(R.RingAttention):
         def forward(self, *arrays, n_head, n_kv_head=None, group, layout="contiguous"):
@@ -74,13 +75,13 @@ def _student_ring(S):
             B, _, g, Tl, hs = q5.shape
             self.arrays, self.n_head, self.n_kv, self.group, self.layout = arrays, n_head, n_kv, group, layout
             self.T, self.scale, cp = Tl * group.size, 1.0 / math.sqrt(hs), group.size
-            qsegs = R.segments(self.T, cp, group.rank, layout)
+            qsegs = segments(self.T, cp, group.rank, layout)
             kv = cur = xp.ascontiguousarray(xp.stack([k5[:, :, 0], v5[:, :, 0]]))
             m = xp.full((B, n_kv, g, Tl, 1), -xp.inf, dtype=q5.dtype)
             l, o = xp.zeros_like(m), xp.zeros((B, n_kv, g, Tl, hs), dtype=q5.dtype)
             for step in range(cp):
                 nxt, works = self._ring(cur, R.KV_TAG) if step < cp - 1 else (None, [])
-                for qs, ks, diag in R.block_pairs(qsegs, self._kseg(step)):
+                for qs, ks, diag in block_pairs(qsegs, self._kseg(step)):
                     s = R._scores(q5, cur[0], qs, ks, False, self.scale)     # unmasked: the student masks
                     got = S.merge_block(m[..., qs, :].copy(), l[..., qs, :].copy(), o[..., qs, :].copy(), s,
                                         cur[1][:, :, None, ks], diag)
@@ -103,7 +104,7 @@ def _ring_case(Ring, g, layout, fused, T=12, n_head=4, hs=3):
     """One attention call on this rank's tokens vs pdist's attention on the whole sequence."""
     from pdist.engine import attention
     from pdist.engine.autograd import Tensor
-    from pdist.engine.ring_attention import positions
+    from pdist.parallel.context.zigzag import positions
     n_kv = n_head if fused else 2
     rng = np.random.default_rng([5, g.size, fused])              # the same on every rank of a group
     full = [rng.standard_normal((2, T, w * hs)) for w in (n_head, n_kv, n_kv)]
@@ -148,7 +149,8 @@ def checks_11(S, world):
     def training():
         from pdist import comm
         from pdist.models.gpt import GPT
-        from pdist.parallel import context_parallel as cp_mod, parallelize
+        from pdist.parallel import parallelize
+        from pdist.parallel.context import context_parallel as cp_mod
         keep = cp_mod.ring_attention
         cp_mod.ring_attention = lambda *t, n_head, n_kv_head=None, group, layout: Ring.apply(
             *t, n_head=n_head, n_kv_head=n_kv_head, group=group, layout=layout)

@@ -15,6 +15,7 @@
     precision.py     bf16/fp16 casts, mixed-precision matmul and gradient accumulation
     grad_scaler.py   fp16's dynamic loss scaling
     recompute.py     activation recomputation: checkpoint(fn, *inputs)
+    hooks.py         step hooks: where the instruments (pdist/measure, pdist/faults) attach to the step
     meta.py          shape-only parameters, filled piece by piece
     index_checks.py  token-id bounds, one host read per step on a GPU
     gradcheck.py     finite differences against backward

@@ -31,7 +31,7 @@ unchanged.
 import copy
 
 from pdist.engine.autograd import Function, Tensor, is_grad_enabled, no_grad
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.engine.backprop import run_backward
 from pdist.engine.split_backward import current_split, run_backward_input
 
@@ -74,7 +74,7 @@ class _Checkpoint(Function):
         for gen, state in self.rng:
             gen.bit_generator.state = state                    # the masks forward drew
         try:
-            with hooks.span("recompute"):                      # the instruments' span (measure/hooks.py)
+            with hooks.span("recompute"):                      # the instruments' span (engine/hooks.py)
                 out = self.fn(*ins)                            # the recomputed forward, with its graph
         finally:
             for gen, state in after:

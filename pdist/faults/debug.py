@@ -1,7 +1,7 @@
 """Who is slow, by how much, and where the time went: the straggler detector.
 
 Every ``forward_backward`` (pdist/parallel/base.py) notes, through its step hooks
-(pdist/measure/hooks.py: the detector subscribes when this module is imported, so it is
+(pdist/engine/hooks.py: the detector subscribes when this module is imported, so it is
 on for anyone who asks for a report; ``disable()``/``enable()``), per step on every rank,
 the seconds of each phase (zero_grad, compute, grad_sync, stats: each from the end of the
 one before, the first from the step's start), the seconds of each phase
@@ -34,7 +34,8 @@ import time
 from pdist.comm import mpi, topology
 from pdist.faults import skew
 from pdist.faults.skew import _median
-from pdist.measure import blocked, hooks
+from pdist.engine import hooks
+from pdist.measure import blocked
 
 FIELDS = ("step", "zero_grad", "compute", "grad_sync", "stats",
           "wait_zero_grad", "wait_compute", "wait_grad_sync", "wait_stats", "link", "tokens",

@@ -26,7 +26,7 @@ Faults (``kind:key=value,...``; several joined by ``;`` or given as several --in
     nan:rank=R,step=S                  rank R writes NaN into a gradient after the compute
                                        of step S (``check_finite``, on by default, names it)
 
-The faults of the step are a step hook (pdist/measure/hooks.py) around the phases of
+The faults of the step are a step hook (pdist/engine/hooks.py) around the phases of
 ``Strategy.forward_backward``: ``set`` subscribes the Injector (order 10, inside the
 straggler detector and the trace), ``clear`` removes it; nothing injected, nothing
 subscribed. Each fault, when it fires, prints
@@ -38,7 +38,8 @@ import random
 import sys
 import time
 
-from pdist.measure import hooks, trace
+from pdist.engine import hooks
+from pdist.measure import trace
 
 ACTIVE = [None]      # the subscribed Injector, or None
 

@@ -40,11 +40,20 @@ each base buffer once, parameters and their views excluded).
 """
 from pdist.engine.attention import saved_scores
 from pdist.engine.autograd import Tensor
-from pdist.plan.model import layer_activations
+
+
+def layer_activations(s, b, h, a, t=1, sp=False, recompute="none"):
+    """Bytes of one layer's stored activations for one micro-batch, Korthikanti et al. 2022,
+    Table 2 (16-bit activations, 1-byte dropout masks), t-way tensor parallel (``sp``: with
+    sequence parallelism); the planner's formula too (pdist/plan/model.py imports it from here)."""
+    if recompute == "full":
+        return 2 * s * b * h
+    attn = 0 if recompute == "selective" else 5 * a * s / (h * t)
+    return s * b * h * ((34 / t if sp else 10 + 24 / t) + attn)
 
 
 def paper_bytes(cfg, batch, mode):
-    """Korthikanti et al.'s bytes per layer (16-bit activations, dropout masks; the planner's
+    """Korthikanti et al.'s bytes per layer (16-bit activations, dropout masks;
     ``layer_activations`` with t = 1)."""
     return layer_activations(cfg.block_size, batch, cfg.n_embd, cfg.n_head, recompute=mode)
 

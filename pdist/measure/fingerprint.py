@@ -41,7 +41,8 @@ import numpy as np
 
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import to_numpy
-from pdist.measure import hooks
+from pdist.engine import hooks
+from pdist.measure import trace
 
 FORMAT = "pdist-fingerprint/1"
 _U = {1: np.uint8, 2: np.uint16, 4: np.uint32, 8: np.uint64}
@@ -89,10 +90,9 @@ class Recorder(hooks.StepHook):
     order = 5
 
     def __init__(self, model, run_dir, rank=0, world_size=1, deterministic=None):
-        from pdist.parallel.base import Local
         os.makedirs(run_dir, exist_ok=True)      # every rank; a file in the way raises FileExistsError
         self.model, self.dir, self.rank = model, run_dir, rank
-        local = model.find(Local) if hasattr(model, "find") else None
+        local = model.chain()[-1] if hasattr(model, "chain") else None     # a strategy's Local (its last)
         self.module = local.module if local is not None else model
         policy = getattr(local, "policy", None)
         self.deterministic = bool(getattr(policy, "deterministic", False) or getattr(model, "deterministic", False)
@@ -195,12 +195,11 @@ class record:
     strategy or a Local) on this rank is fingerprinted into ``run_dir`` (module doc).
     ``deterministic``: None reads the model's policy (``policy.deterministic``); the flag only
     tells the comparison to demand identical bits. ``rank``/``world_size``: default from the
-    world when one exists (pdist.comm), else 0 and 1."""
+    world when one exists (the one ``comm.init()`` registered with the trace), else 0 and 1."""
 
     def __init__(self, model, run_dir, deterministic=None, rank=None, world_size=None):
         if rank is None:
-            from pdist import comm
-            w = comm.get_world() if comm.is_initialized() else None
+            w = trace.world()
             rank, world_size = (w.rank, w.size) if w is not None else (0, 1)
         self.rec = Recorder(model, run_dir, rank, world_size or 1, deterministic)
 

@@ -8,7 +8,7 @@ Rajbhandari et al., 2020, describe in words: stage 3 gathers a unit, uses it, fr
     memory_timeline.plot(world.gather_object(tl.samples), "step.png")   # matplotlib, optional
 
 Each sample is taken at an *event* (ZeRO announces them through the step hooks,
-pdist/measure/hooks.py ``event``: ``all-gather`` when a unit's parameters arrive,
+pdist/engine/hooks.py ``event``: ``all-gather`` when a unit's parameters arrive,
 ``free`` when they are dropped, ``reduce-scatter`` when a unit's gradient shard is
 reduced, ``all-reduce`` at stage 0), at the end of each phase of the step (event
 ``zero_grad``, ``compute``, ``grad_sync``, ``stats``) and at the record's start and end.
@@ -38,7 +38,8 @@ import time
 import tracemalloc
 
 from pdist.engine.backend import is_gpu
-from pdist.measure import hooks, trace
+from pdist.engine import hooks
+from pdist.measure import trace
 from pdist.measure.memory import model_state_bytes, rss_bytes
 
 EVENTS = ("all-gather", "free", "reduce-scatter", "all-reduce")

@@ -29,7 +29,7 @@ leaves, and rank r's times become ``t - t_barrier_r``: the ranks' clocks are
 aligned at the barrier exit (error: the barrier's exit skew, microseconds on one
 node), which also works across nodes whose clocks differ.
 
-The step's spans come through step hooks (pdist/measure/hooks.py): while recording,
+The step's spans come through step hooks (pdist/engine/hooks.py): while recording,
 the trace subscribes a span around each micro-batch's forward and backward (cat
 "compute", args mb); with detail also the phases (cat "step").
 
@@ -45,7 +45,7 @@ import time
 
 from pdist.engine.backend import device_event, elapsed_seconds, synchronize
 from pdist.engine.env import env_flag, env_number
-from pdist.measure import hooks
+from pdist.engine import hooks
 
 _cfg = {"on": env_flag("PDIST_TRACE", True), "world": None}
 DETAIL = [env_flag("PDIST_TRACE_DETAIL", False)]   # also the waits and the step phases (see below)
@@ -59,6 +59,11 @@ now = time.perf_counter
 def set_world(group):
     """The group ``write_chrome_trace`` uses by default (``comm.init()`` sets the world)."""
     _cfg["world"] = group
+
+
+def world():
+    """The group ``set_world`` registered (after ``comm.init()``: the world), or None."""
+    return _cfg["world"]
 
 
 def enable():
@@ -248,13 +253,11 @@ def _plain(v):
 
 
 def write_chrome_trace(path, group=None):
-    """Gather every rank's events to rank 0 of ``group`` (default: the world) and
-    write one Chrome/Perfetto JSON there (pid = rank within the group, tid 0 =
-    communication, tid 1 = everything else). The world is the one ``comm.init()``
-    registered (this module imports nothing of pdist.comm: no import cycle).
-    Collective; returns the event count
-    on rank 0, None elsewhere."""
-    group = group or _cfg["world"]
+    """Gather every rank's events to rank 0 of ``group`` (default: ``world()``, the one
+    ``comm.init()`` registered: this module imports nothing of pdist.comm) and write one
+    Chrome/Perfetto JSON there (pid = rank within the group, tid 0 = communication, tid 1 =
+    everything else). Collective; returns the event count on rank 0, None elsewhere."""
+    group = group or world()
     if group is None:
         raise RuntimeError("write_chrome_trace: call pdist.comm.init() first (or pass a group)")
     was_on = _cfg["on"]

@@ -44,7 +44,8 @@ step's parts end to end on the trace's "waterfall" track.
 """
 import collections
 
-from pdist.measure import blocked, flops, hooks, trace
+from pdist.engine import hooks
+from pdist.measure import blocked, flops, trace
 
 PARTS = ("ideal compute", "kernel inefficiency", "recompute", "pipeline bubble")
 WAIT, OVERHEAD = "waiting for slower rank", "framework overhead"
@@ -119,7 +120,8 @@ class _Pass:
 class Waterfall(hooks.StepHook):
     """Per step, per rank, the parts of the step's wall time (module doc). ``model``: the
     strategy (its config gives the FLOPs; auto mode reads it from each step); ``group``:
-    the ranks that resolve together (default: the world); ``convention``: MFU's FLOP count
+    the ranks that resolve together (default: the world, as ``comm.init()`` registered it
+    with the trace); ``convention``: MFU's FLOP count
     (flops.CONVENTIONS, default flops.DEFAULT); ``flops_per_token``: override the count."""
 
     order = 0
@@ -251,8 +253,8 @@ class Waterfall(hooks.StepHook):
 
 
 def _world(group):
-    from pdist import comm
-    return group or (comm.get_world() if comm.is_initialized() else None)
+    """``group``, else the world ``comm.init()`` registered with the trace, else None."""
+    return group or trace.world()
 
 
 def _gather(group, obj):

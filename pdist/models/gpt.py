@@ -142,7 +142,7 @@ class Attention(nn.Module):
         self.c_attn = nn.Linear(cfg.n_embd, 3 * cfg.n_embd, rng=_ZEROS)
         self.c_proj = nn.Linear(cfg.n_embd, cfg.n_embd, rng=_ZEROS)
 
-    context = None  # context parallelism's attention (pdist/parallel/context_parallel.py), or None
+    context = None  # context parallelism's attention (pdist/parallel/context/context_parallel.py), or None
 
     def forward(self, x):
         qkv = self.c_attn(x)  # (B, T, 3C)

@@ -9,7 +9,7 @@ embedding ``wte`` is vocab-parallel and the tied head shares its shard, so the l
 row-parallel biases, ``wpe``) get partial gradients. A pipeline runs ``embed`` first and
 ``head`` last; the last stage's ``lm_head.weight`` is its copy of the tied ``wte``. ZeRO's
 units are the blocks and ``ln_f``; ``wte`` and ``wpe`` form the root. Under context
-parallelism (pdist/parallel/context_parallel.py) the ``heads`` modules are the attention
+parallelism (pdist/parallel/context/context_parallel.py) the ``heads`` modules are the attention
 that goes across the cp ranks, and ``wpe`` (a PositionShard) reads the global positions of
 this rank's tokens.
 With ``n_expert`` > 0 each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism

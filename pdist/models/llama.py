@@ -159,7 +159,7 @@ class LlamaAttention(nn.Module):
         q, k, v = self.q_proj(x), self.k_proj(x), self.v_proj(x)  # (B, T, nh hd), (B, T, nkv hd) x 2
         return self.o_proj(checkpoint(self.core, q, k, v) if self.selective else self.core(q, k, v))
 
-    context = None  # context parallelism's attention (pdist/parallel/context_parallel.py), or None
+    context = None  # context parallelism's attention (pdist/parallel/context/context_parallel.py), or None
 
     def core(self, q, k, v):
         pos = None if self.context is None else self.context.positions  # global positions under CP

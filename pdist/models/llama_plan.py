@@ -10,7 +10,7 @@ embedding is vocab-parallel; the untied ``lm_head`` is column-parallel over the 
 and the loss the vocab-parallel cross-entropy. Under sequence parallelism the RMSNorm
 weights get partial gradients; rotary positions need nothing (attention sees the whole
 sequence); under context parallelism the ``heads`` modules get the cross-rank attention and
-RoPE turns by the global positions of this rank's tokens (pdist/parallel/context_parallel.py). A pipeline runs ``embed`` first and ``head`` last (nothing tied). ZeRO's units
+RoPE turns by the global positions of this rank's tokens (pdist/parallel/context/context_parallel.py). A pipeline runs ``embed`` first and ``head`` last (nothing tied). ZeRO's units
 are the blocks and the final norm; the embedding and the head form the root.
 With ``n_expert`` > 0 each block's ``mlp`` is an MoE layer (``experts``); tensor parallelism
 leaves it whole (its gate and experts replicated over tp; expert parallelism splits the experts).

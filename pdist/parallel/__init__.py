@@ -2,7 +2,7 @@
 TensorParallel, PipelineParallel, ContextParallel, ExpertParallel, and ``parallelize`` that
 composes them on a DeviceMesh."""
 from pdist.parallel.base import Local
-from pdist.parallel.context_parallel import ContextParallel
+from pdist.parallel.context import ContextParallel
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.expert_parallel import ExpertParallel
 from pdist.parallel.mixed_precision import MixedPrecision

@@ -21,7 +21,7 @@ chain through the wrappers:
 
 so L = (1/B) Σ_i l_i and every gradient equal single-process training on the global
 batch. The instruments (straggler detector, fault injection, trace, memory timeline)
-subscribe to step hooks around the phases (pdist/measure/hooks.py); this file imports
+subscribe to step hooks around the phases (pdist/engine/hooks.py); this file imports
 none of them. A mode (pdist/parallel/modes.py) is applied from outside: it gives each
 strategy class of a chain a mixin of its own; this file names none. ``pieces()`` says where each piece of each single-process tensor lives
 (layout.py): ``full_state_dict``, ``load_full_state_dict`` and
@@ -32,7 +32,7 @@ import numpy as np
 
 from pdist import comm
 from pdist.comm.flight_recorder import set_batch
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.engine.backend import to_numpy, xp
 from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
@@ -94,13 +94,13 @@ class Strategy(StateDicts, NonFiniteCheck, BatchCheck):
         last), stamped into every collective's check, so a rank that skips or repeats a
         step raises CollectiveMismatchError on every rank, naming the steps. The
         instruments (straggler detector, fault injection, trace, memory timeline) subscribe
-        to the phases (pdist/measure/hooks.py); with none, each phase is its plain call."""
+        to the phases (pdist/engine/hooks.py); with none, each phase is its plain call."""
         if step is not None:
             self.steps = int(step)
         if self.stamps_step:        # collectives carry the step (and the batch's hash: check_batch)
             comm.set_step(self.steps, batch=_pending[0] if self.check_batch else 0)
         _pending[0] = 0
-        run = hooks.step(self, x)   # the subscribed instruments around each phase (pdist/measure/hooks.py)
+        run = hooks.step(self, x)   # the subscribed instruments around each phase (pdist/engine/hooks.py)
         run("zero_grad", self.zero_grad)
         local = run("compute", self._compute_checked, x, y)
         run("grad_sync", self.finish_grad_sync)

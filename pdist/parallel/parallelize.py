@@ -15,7 +15,7 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              tokens over all_to_all_v (expert_parallel.py); with
                                                              ZeRO it holds ZeRO: dense units over dp, experts over edp
     ContextParallel(.., mesh, context_parallel)              cp > 1: cuts each sequence over the cp ranks,
-                                                             DDP/ZeRO then span dp x cp (context_parallel.py);
+                                                             DDP/ZeRO then span dp x cp (context/);
                                                              attention on this tp rank's heads, in every stage
     MixedPrecision(.., precision)                            bf16/fp16: fp32 masters, outermost
 
@@ -27,7 +27,7 @@ and is then averaged over dp. Every bad layout raises on every rank, before any
 collective, with one clear message.
 """
 from pdist.parallel.base import Local
-from pdist.parallel.context_parallel import ContextParallel, check_context, install
+from pdist.parallel.context import ContextParallel, check_context, install
 from pdist.parallel.mixed_precision import MixedPrecision
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.expert_parallel import ExpertParallel
@@ -97,7 +97,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     (pdist/engine/precision.py) goes to ``Local`` at once: the model is cast only after
     tensor parallelism has cut its fp32 shards, and DDP/ZeRO read ``has_late_grads`` when built.
     ``context_parallel``: "ring", "ring-zigzag" or "ulysses" with ``DeviceMesh(cp=)``
-    (pdist/parallel/context_parallel.py): DDP/ZeRO then span the dp x cp ranks.
+    (pdist/parallel/context/): DDP/ZeRO then span the dp x cp ranks.
     ``deterministic``: True (or a power-of-two granule count, or a ``Deterministic``): the same
     bits as one process on every layout it accepts (pdist/parallel/deterministic/)."""
     check_layout(model.config, mesh, zero_stage, sequence_parallel, schedule, microbatches, chunks,

@@ -34,8 +34,9 @@ copy, on the last; each block; the final norm), tensor-parallel tensors divided 
                  (Rajbhandari et al. 2021): the param and gradient shards too, only ZeRO-3's buffers stay
 
 "paper" counts the paper's states + activations + ZeRO-3's buffers only. Activations per layer
-per micro-batch: Korthikanti et al. 2022, Table 2 (``layer_activations``), generalized in
-``arch_activations`` to GQA, SwiGLU, experts and context parallelism, times the stash.
+per micro-batch: Korthikanti et al. 2022, Table 2 (``layer_activations``, which the measurement
+shares: pdist/measure/activation_memory.py), generalized in ``arch_activations`` to GQA, SwiGLU,
+experts and context parallelism, times the stash.
 """
 import math
 from dataclasses import replace
@@ -97,15 +98,6 @@ def model_states(units, lay, n=None, experts=()):
         if lay.offload == "params":
             out[0] = out[1] = 0
     return tuple(round(x) for x in out)
-
-
-def layer_activations(s, b, h, a, t=1, sp=False, recompute="none"):
-    """Bytes of one layer's stored activations for one micro-batch, Korthikanti et al. 2022,
-    Table 2 (16-bit activations, 1-byte dropout masks)."""
-    if recompute == "full":
-        return 2 * s * b * h
-    attn = 0 if recompute == "selective" else 5 * a * s / (h * t)
-    return s * b * h * ((34 / t if sp else 10 + 24 / t) + attn)
 
 
 def arch_activations(a, lay, s, moe_layer=False):

@@ -15,7 +15,8 @@ from dataclasses import asdict
 from pdist.plan.arch import arch_of
 from pdist.plan.comm import GROUPS, comm_time, group_bytes, links
 from pdist.plan.layout import Layout, bubble_ratio, crosses, stash, virtual_stages  # noqa: F401 (re-exported)
-from pdist.plan.memory import layer_activations, model_states, stage_memory  # noqa: F401 (re-exported)
+from pdist.measure.activation_memory import layer_activations  # noqa: F401 (re-exported)
+from pdist.plan.memory import model_states, stage_memory  # noqa: F401 (re-exported)
 from pdist.plan.presets import BYTES
 from pdist.plan.timing import waterfall
 

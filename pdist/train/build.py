@@ -54,7 +54,7 @@ def config(args, vocab_size, model=None):
 def check(cfg, args):
     """parallelize's own checks (check_layout, check_context) on a mesh of the flags' sizes,
     before MPI starts: the same ValueError on every rank."""
-    from pdist.parallel.context_parallel import check_context
+    from pdist.parallel.context import check_context
     from pdist.parallel.parallelize import check_layout
     from pdist.parallel.pipeline.pipeline_parallel import default_chunks
     mesh = SimpleNamespace(dp_world_size=args.dp, tp_world_size=args.tp, pp_world_size=args.pp,

@@ -21,14 +21,15 @@ from pdist.course import lesson
 from pdist.engine import attention
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import is_gpu, set_default_dtype, to_numpy, xp
-from pdist.engine import ring_attention as ring
-from pdist.engine.ring_attention import RingAttention, attention_work, positions, ring_attention, ring_bytes
-from pdist.engine.ulysses import ulysses_attention, ulysses_bytes
 from pdist.measure.activation_memory import formula_bytes, measure_block
 from pdist.models.gpt import GPT
 from pdist.models.llama import Llama, LlamaConfig
 from pdist.optim import AdamW
 from pdist.parallel import parallelize
+from pdist.parallel.context import ring_attention as ring
+from pdist.parallel.context.ring_attention import RingAttention, ring_attention, ring_bytes
+from pdist.parallel.context.ulysses import ulysses_attention, ulysses_bytes
+from pdist.parallel.context.zigzag import attention_work, positions
 from pdist.testing import check_shards, report
 
 set_default_dtype("float64")

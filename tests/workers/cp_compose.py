@@ -31,13 +31,13 @@ from pdist.course import lesson
 from pdist.engine import precision
 from pdist.engine.backend import set_default_dtype, to_numpy
 from pdist.engine.grad_scaler import GradScaler
-from pdist.engine.ring_attention import ring_bytes
-from pdist.engine.ulysses import ulysses_bytes
 from pdist.models.gpt import GPT
 from pdist.models.llama import Llama, LlamaConfig
 from pdist.optim import AdamW
 from pdist.parallel import Local, MixedPrecision, parallelize
-from pdist.parallel.context_parallel import MODES, ContextParallel
+from pdist.parallel.context import MODES, ContextParallel
+from pdist.parallel.context.ring_attention import ring_bytes
+from pdist.parallel.context.ulysses import ulysses_bytes
 from pdist.parallel.layout import box_slices
 from pdist.testing import check_shards, report
 from pdist.training import train

@@ -17,7 +17,8 @@ from pdist import comm, data
 from pdist.course import lesson
 from pdist.engine.backend import set_default_dtype
 from pdist.faults import debug, inject
-from pdist.measure import hooks, waterfall
+from pdist.engine import hooks
+from pdist.measure import waterfall
 from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, parallelize
 from pdist.testing import report

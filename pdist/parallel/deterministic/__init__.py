@@ -23,7 +23,7 @@ GEMMs and sums, granules.py) swap in for the engine's ops while the mode compute
 """
 from pdist.parallel import modes
 from pdist.parallel.base import Local
-from pdist.parallel.context_parallel import ContextParallel
+from pdist.parallel.context.context_parallel import ContextParallel
 from pdist.parallel.data_parallel import DataParallel, DataParallelNaive
 from pdist.parallel.deterministic.checks import check_layout
 from pdist.parallel.deterministic.compute import GranuleCompute

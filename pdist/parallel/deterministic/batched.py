@@ -33,7 +33,7 @@ import contextlib
 import numpy as np
 
 from pdist.engine.backend import to_numpy, xp
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.parallel.deterministic import granules
 from pdist.parallel.deterministic.context import chunk_rows, one_process_chunks
 from pdist.parallel.deterministic.policy import GranuleTree

@@ -12,7 +12,7 @@ parameter's dtype (``Deterministic.write``). The compute runs in the mode's kern
 (``block_model``, tensor.py), as a tp layout splits them.
 """
 from pdist.engine.backend import to_numpy, xp
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.parallel.deterministic.batched import batchable, batched_compute
 from pdist.parallel.deterministic.context import under_context
 from pdist.parallel.deterministic.kernels import exact_kernels

@@ -41,7 +41,8 @@ every rank through the [loss, #non-finite] all-reduce, and every rank skips the 
 """
 
 from pdist import nn
-from pdist.measure import hooks, trace
+from pdist.engine import hooks
+from pdist.measure import trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
 from pdist.models.moe import stage_aux
@@ -170,7 +171,7 @@ class PipelineParallel(ParallelModule):
         for j, ins in enumerate(self.program):
             if j in self._plan:
                 self._post(self._plan[j])
-            if ins.op in _PASS:                      # a pass: the instruments' span (measure/hooks.py)
+            if ins.op in _PASS:                      # a pass: the instruments' span (engine/hooks.py)
                 with hooks.span(_PASS[ins.op], mb=ins.mb, chunk=ins.chunk):
                     self._dispatch[ins.op](ins)
             else:

@@ -24,7 +24,7 @@ there is no padding and the "shard" is the whole buffer.
 """
 import weakref
 
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import xp
 from pdist.engine.host_memory import mapped_empty

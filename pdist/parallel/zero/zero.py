@@ -69,7 +69,7 @@ refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any la
 Mixture of experts (``expert_group``: expert parallelism's edp group): one unit per expert,
 sharded over that group, reduced after backward (units.py; pdist/parallel/expert_parallel.py).
 """
-from pdist.measure import hooks
+from pdist.engine import hooks
 from pdist.engine.autograd import is_grad_enabled
 from pdist.engine import host_memory
 from pdist.engine.backend import xp

@@ -2,7 +2,7 @@
 (Liu et al., 2023, "Ring Attention with Blockwise Transformers"), merged by the online
 softmax of FlashAttention (Dao et al., 2022).
 
-Rank r holds the queries, keys and values of its tokens (``segments``: the global
+Rank r holds the queries, keys and values of its tokens (``zigzag.segments``: the global
 positions it holds, a list of equal chunks). Its Q stays; the K/V chunks travel round the
 ring (rank r sends to r + 1, receives from r - 1), so at step s = 0 .. cp-1 rank r holds
 the K/V of rank (r - s) mod cp. The next chunk's isend/irecv are posted before the block
@@ -20,13 +20,11 @@ j + 1, travel with it, and arrive home at rank j after cp - 1 hops, where the ow
 its own share. Per attention layer each rank sends (cp - 1) K/V chunks forward, (cp - 1)
 K/V chunks and (cp - 1) dK/dV chunks backward (``ring_bytes``).
 
-Causal skipping and load balance. A (query chunk, key chunk) pair whose keys all come
-after its queries is skipped, the diagonal pair is masked, every other pair is full. Cut
-in cp contiguous chunks (``layout="contiguous"``), rank r computes r + 1 chunk pairs (its
-diagonal one masked), so the last rank works cp times as much as the first. Zigzag
-(``layout="zigzag"``, Megatron's and Llama 3's head-tail split): 2 cp chunks of T/2cp,
-rank r holds chunks r and 2 cp - 1 - r and computes (r + 1) + (2 cp - r) = 2 cp + 1 pairs
-of them, the same on every rank (``attention_work``).
+Causal skipping and load balance (zigzag.py). A (query chunk, key chunk) pair whose keys
+all come after its queries is skipped, the diagonal pair is masked, every other pair is
+full. Cut in cp contiguous chunks (``layout="contiguous"``), rank r computes r + 1 chunk
+pairs, so the last rank works cp times as much as the first; zigzag (``layout="zigzag"``,
+Megatron's and Llama 3's head-tail split) gives every rank 2 cp + 1 pairs of half-size chunks.
 The statistics m, l and the output o accumulate in the inputs' dtype, the compute dtype
 (float32 or float64: under bf16/fp16 mixed precision, pdist/engine/precision.py keeps
 attention and its softmax out of the low dtype). Under tensor parallelism the inputs hold
@@ -36,62 +34,14 @@ per kv head, q and k, v as (B, n_kv, g, T, hs) and (B, n_kv, 1, T, hs) views.
 """
 import math
 
-import numpy as np
-
 from pdist.engine.attention import _heads, _views
 from pdist.engine.autograd import Function
 from pdist.engine.backend import xp
 from pdist.engine.functional import causal_mask
+from pdist.parallel.context.zigzag import block_pairs, segments
 
-LAYOUTS = ("contiguous", "zigzag")
 KV_TAG, DKV_TAG = 71, 72
 work = {"scores": 0}  # (query, key) score elements this process's forward computed, per sequence and head
-
-
-def segments(T, cp, rank, layout="contiguous"):
-    """[(start, stop)] of the global positions rank ``rank`` of ``cp`` holds, in order."""
-    if layout not in LAYOUTS:
-        raise ValueError(f"context parallel layout must be one of {LAYOUTS}, got {layout!r}")
-    n = cp if layout == "contiguous" else 2 * cp
-    if T % n:
-        raise ValueError(f"context parallelism ({layout}, cp = {cp}) needs a sequence length divisible by "
-                         f"{n}, got T = {T}; choose T a multiple of {n}")
-    c = T // n
-    chunks = [rank] if layout == "contiguous" else [rank, 2 * cp - 1 - rank]
-    return [(i * c, (i + 1) * c) for i in chunks]
-
-
-def positions(T, cp, rank, layout="contiguous"):
-    """The global positions of rank ``rank``'s tokens, (T/cp,) int64."""
-    return np.concatenate([np.arange(a, b) for a, b in segments(T, cp, rank, layout)])
-
-
-def block_pairs(qsegs, ksegs):
-    """[(q local slice, k local slice, diagonal)] of the (query chunk, key chunk) pairs that
-    see any key: keys all after the queries are skipped, the same chunk is masked."""
-    out, qo = [], 0
-    for qa, qb in qsegs:
-        ko = 0
-        for ka, kb in ksegs:
-            if ka < qb and (ka, kb) != (qa, qb) and not kb <= qa:
-                raise ValueError(f"ring attention: key chunk {(ka, kb)} overlaps query chunk {(qa, qb)}")
-            if ka < qb:
-                out.append((slice(qo, qo + qb - qa), slice(ko, ko + kb - ka), (ka, kb) == (qa, qb)))
-            ko += kb - ka
-        qo += qb - qa
-    return out
-
-
-def attention_work(T, cp, layout="contiguous"):
-    """Score elements (query, key pairs) each rank computes: [per rank]. Attention FLOPs of a
-    rank are 4 B n_head hs times this (Q K^T and P V, forward). The op counts what it does
-    in ``work["scores"]`` (per sequence and head), so a run measures it."""
-    work = []
-    for r in range(cp):
-        q = segments(T, cp, r, layout)
-        pairs = [p for s in range(cp) for p in block_pairs(q, segments(T, cp, (r - s) % cp, layout))]
-        work.append(sum((a.stop - a.start) * (b.stop - b.start) for a, b, _ in pairs))
-    return work
 
 
 def ring_bytes(B, T, cp, n_kv_head, head_size, itemsize):
@@ -230,5 +180,4 @@ def ring_attention(*tensors, n_head, n_kv_head=None, group, layout="contiguous")
     return RingAttention.apply(*tensors, n_head=n_head, n_kv_head=n_kv_head, group=group, layout=layout)
 
 
-__all__ = ["ring_attention", "RingAttention", "segments", "positions", "block_pairs", "attention_work",
-           "ring_bytes", "LAYOUTS", "work"]
+__all__ = ["ring_attention", "RingAttention", "ring_bytes", "work"]

@@ -3,10 +3,12 @@
 The core runs the step; instruments subscribe to it. ``Strategy.forward_backward``
 (pdist/parallel/base.py) runs its phases through ``step(model, x)``, ``Local.compute``
 wraps each micro-batch's forward and backward in ``span(name, mb=i)``, and ZeRO announces
-its memory events with ``event(name, unit)``. The core imports none of the instruments;
-they import this module (it imports nothing), so it sits on the lowest floor beside the
-trace. With nothing subscribed, a phase costs one call and a truth test, a pass one truth
-test, and nobody reads a clock.
+its memory events with ``event(name, unit)``; the engine's activation recomputation
+(recompute.py) wraps the forward it runs again in ``span("recompute")``. The core imports
+none of the instruments; they import this module, and it imports nothing, so it sits on
+the floor, in the engine, where recompute reaches it without an import running back up
+(docs/design.md, "Modules"). With nothing subscribed, a phase costs one call and a truth
+test, a pass one truth test, and nobody reads a clock.
 
 A subscriber is a ``StepHook`` overriding what it needs (the rest stay no-ops):
 
@@ -87,7 +89,7 @@ _calls = _by_method()
 def subscribe(hook, order=None):
     """Add ``hook`` (a StepHook) at ``order`` (default: ``hook.order``); again: a no-op."""
     if not isinstance(hook, StepHook):
-        raise TypeError(f"hooks.subscribe: {type(hook).__name__} is not a pdist.measure.hooks.StepHook; "
+        raise TypeError(f"hooks.subscribe: {type(hook).__name__} is not a pdist.engine.hooks.StepHook; "
                         "subclass it and override begin/enter/skip/exit/end/span/event")
     global _calls
     if not any(h is hook for _, _, h in _subs):
