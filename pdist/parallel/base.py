@@ -16,13 +16,14 @@ chain through the wrappers:
     zero_grad()          inner first, then this wrapper (DDP re-points its bucket views)
     compute(x, y, S)     the innermost runner: Local's micro-batch loop, or the pipeline schedule (S: fp16's loss scale)
     finish_grad_sync()   inner first: TP's sequence-parallel grads, PP's tied embedding, then DP/ZeRO
-    reduce_stats(v)      v = [loss, #non-finite]: each wrapper weights the loss and sums over its group
-    check                every rank raises NonFiniteError together when any count is non-zero
+    reduce_stats(v)      v = [loss, *counts]: each wrapper weights the loss and sums over its group
+
 
 so L = (1/B) Σ_i l_i and every gradient equal single-process training on the global
-batch. The instruments (straggler detector, fault injection, trace, memory timeline)
-subscribe to step hooks around the phases (pdist/engine/hooks.py); this file imports
-none of them. A mode (pdist/parallel/modes.py) is applied from outside: it gives each
+batch. The step's bookkeeping (the step and batch stamped on every collective, the
+non-finite check, whose count is one of the counts: step_checks.py) and the instruments
+(straggler detector, fault injection, trace, memory timeline) subscribe to step hooks
+around the phases (pdist/engine/hooks.py); this file imports none of the instruments. A mode (pdist/parallel/modes.py) is applied from outside: it gives each
 strategy class of a chain a mixin of its own; this file names none. ``pieces()`` says where each piece of each single-process tensor lives
 (layout.py): ``full_state_dict``, ``load_full_state_dict`` and
 ``sharded_state_dict`` follow from it for every layout. The precision is a policy that
@@ -31,15 +32,13 @@ strategy class of a chain a mixin of its own; this file names none. ``pieces()``
 import numpy as np
 
 from pdist import comm
-from pdist.comm.flight_recorder import set_batch
 from pdist.engine import hooks
 from pdist.engine.backend import to_numpy, xp
-from pdist.engine.index_checks import deferred_index_checks
 from pdist.engine.meta import materialize
 from pdist.engine.precision import policy_of
-from pdist.parallel import modes
+from pdist.parallel import modes, step_checks  # noqa: F401  (step_checks: the default step hooks)
 from pdist.parallel.layout import whole
-from pdist.parallel.batch_check import BatchCheck, _pending, batch_default
+from pdist.parallel.batch_check import BatchCheck, batch_default
 from pdist.parallel.nonfinite import NonFiniteCheck, finite_default
 from pdist.parallel.state import StateDicts
 
@@ -91,34 +90,20 @@ class Strategy(StateDicts, NonFiniteCheck, BatchCheck):
         Returns the loss, the mean over the global batch, on every rank; afterwards every
         tensor in ``parameters()`` holds its gradient of that loss, synchronized.
         ``step``: the training step (the one loop passes it; default: one more than the
-        last), stamped into every collective's check, so a rank that skips or repeats a
-        step raises CollectiveMismatchError on every rank, naming the steps. The
-        instruments (straggler detector, fault injection, trace, memory timeline) subscribe
-        to the phases (pdist/engine/hooks.py); with none, each phase is its plain call."""
-        if step is not None:
-            self.steps = int(step)
-        if self.stamps_step:        # collectives carry the step (and the batch's hash: check_batch)
-            comm.set_step(self.steps, batch=_pending[0] if self.check_batch else 0)
-        _pending[0] = 0
-        run = hooks.step(self, x)   # the subscribed instruments around each phase (pdist/engine/hooks.py)
+        last). The step's bookkeeping and the instruments subscribe to the phases
+        (pdist/engine/hooks.py; the defaults, pdist/parallel/step_checks.py: the step and the
+        batch's hash stamped on every collective, so a rank that skips a step or trains on
+        another batch raises on every rank; the token-id checks; the non-finite count, which
+        rides on the loss's reduction and raises NonFiniteError on every rank)."""
+        run = hooks.step(self, x, step)
         run("zero_grad", self.zero_grad)
-        local = run("compute", self._compute_checked, x, y)
+        loss = run("compute", self.compute, x, y)
         run("grad_sync", self.finish_grad_sync)
-        bad = self._nonfinite(local) if self.check_finite else []
-        v = run("stats", self.reduce_stats, np.array([local, float(len(bad))]))
+        v = run("stats", self.reduce_stats, np.array([loss, *run.counts]))   # summed over the layout
         run.end()
-        set_batch(0)                # the step's collectives are done; later ones carry no batch
-        if v[1] > 0:
-            self._raise_nonfinite(bad)
-        self.steps += 1
         return float(v[0])
 
     steps = 0
-
-    def _compute_checked(self, x, y):
-        """``compute(x, y)`` with a GPU's token-id checks deferred to one host read."""
-        with deferred_index_checks():
-            return self.compute(x, y)
 
     # ------------------------------------------------------------------- state
     def span_group(self):
@@ -272,7 +257,8 @@ class ParallelModule(Strategy):
         v = self.inner.reduce_stats(v)
         if self._aux is None:
             return v
-        v = np.array([v[0] * self.loss_weight, v[1]])
+        v = np.array(v, dtype=np.float64)   # [loss, *counts]: the loss weighted, the counts summed
+        v[0] *= self.loss_weight
         self._aux.all_reduce(v)
         return v
 

@@ -32,6 +32,12 @@ _depth = [0]              # local_batch calls in progress (only the outermost ha
 _pending = [0]            # the hash of the global batch the last outermost local_batch was handed
 
 
+def take_pending():
+    """The hash the outermost ``local_batch`` computed since the last call (0: none), once."""
+    h, _pending[0] = _pending[0], 0
+    return h
+
+
 def _hashing(fn):
     """``local_batch`` that hashes the global batch when it is the outermost call."""
     @functools.wraps(fn)
@@ -58,4 +64,4 @@ class BatchCheck:
             cls.local_batch = _hashing(fn)
 
 
-__all__ = ["BatchCheck", "batch_default"]
+__all__ = ["BatchCheck", "batch_default", "take_pending"]
