@@ -55,7 +55,7 @@ def worker(a):
     from pdist import comm, data
     from pdist.models import gpt
     from pdist.course import lesson
-    from pdist.measure import trace
+    from pdist.measure import sync_wait, trace
     from pdist.engine.backend import synchronize
     from pdist.parallel import DataParallel, DataParallelNaive, Local
     from pdist.training import train
@@ -83,9 +83,10 @@ def worker(a):
         if step >= 2:
             synchronize()  # the step's device work is done (no-op on CPU)
             times.append(trace.now() - clock[0])
-            waits.append(getattr(model, "last_wait_seconds", 0.0))
+            waits.append(model.last_wait_seconds)
 
-    train(model, opt, batch, 2 + a.steps, on_step=on_step)
+    with sync_wait.record():   # model.last_wait_seconds: each step's grad_sync, the wait backward did not hide
+        train(model, opt, batch, 2 + a.steps, on_step=on_step)
     sync = bucket_sync(model, world) if a.kind == "bucketed" else []
     if world.rank == 0:
         print("RESULT " + json.dumps({"step": statistics.median(times), "wait": statistics.median(waits),

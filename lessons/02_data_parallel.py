@@ -59,7 +59,7 @@ import numpy as np
 
 from pdist import data
 from pdist.course import lesson
-from pdist.measure import memory, trace
+from pdist.measure import memory, sync_wait, trace
 from pdist.engine import precision
 from pdist.engine.backend import synchronize, to_numpy
 from pdist.models.gpt import GPT
@@ -121,7 +121,8 @@ def run(name, model, world, args, cfg, tokens, base_losses, base_state):
             ok[0] = all(np.allclose(to_numpy(pc.view(pc.tensor.data)), base_state[pc.name][box_slices(pc)],
                                     **tol) for pc in model.pieces())    # mixed precision: the fp32 masters
 
-    losses = train(model, opt, batch, args.steps, on_step=on_step)
+    with sync_wait.record():   # each step's grad_sync on this rank's clock: model.last_wait_seconds
+        losses = train(model, opt, batch, args.steps, on_step=on_step)
     passed = ok[0] and np.allclose(losses[:check_at], base_losses[:check_at],
                                    rtol=loss_rtol, atol=0)
     digest = hashlib.sha1(b"".join(to_numpy(q.data).tobytes() for q in model.parameters())).hexdigest()

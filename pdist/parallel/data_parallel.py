@@ -51,7 +51,6 @@ accumulation: k backward passes, and the all-reduce follows the last one.
 """
 import hashlib
 
-from pdist.measure import trace
 from pdist.engine.backend import is_low, to_numpy, xp
 from pdist.data import shard
 from pdist.parallel.base import ParallelModule
@@ -114,14 +113,12 @@ class DataParallelNaive(_DataParallelBase):
     def finish_grad_sync(self):
         """All-reduce (average) each parameter's gradient, one after the other."""
         self.inner.finish_grad_sync()
-        t0 = trace.now()
         for p in self._param_list:
             if p.grad is None:      # unused on this rank: contributes zeros (another rank may use it)
                 p.grad = xp.zeros_like(p.data)
             elif not p.grad.flags.c_contiguous:   # a transposed use (the tied head) leaves an F-order grad
                 p.grad = xp.ascontiguousarray(p.grad)
             self.group.all_reduce(p.grad, op="avg")
-        self.last_wait_seconds = trace.now() - t0
 
 
 class _Bucket:
@@ -165,8 +162,8 @@ class DataParallel(_DataParallelBase):
     Invariant after ``finish_grad_sync()``: for every parameter p, p.grad =
     (1/n) sum_r g_p^(r) (the global-batch mean) and p.grad is a view into its
     bucket's buffer. ``bucket_cap_mb`` / ``first_bucket_cap_mb`` in MiB (PyTorch's
-    defaults, 25 and 1). ``last_wait_seconds``: time the last synchronization spent
-    waiting for communication that backward had not hidden."""
+    defaults, 25 and 1). (How long the synchronization waits for the communication backward
+    did not hide: pdist/measure/sync_wait.py.)"""
 
     def __init__(self, module, group=None, bucket_cap_mb=25, first_bucket_cap_mb=1, init_sync="broadcast",
                  check_finite=None):
@@ -215,8 +212,6 @@ class DataParallel(_DataParallelBase):
             done.work.is_completed()
 
     def _issue(self, b):
-        t = trace.now()
-        trace.record("dp.issue_bucket", "dp", t, t, bucket=b.index, bytes=int(b.buffer.nbytes))
         b.work = self.group.all_reduce(b.buffer, op=self.sync_op(b), async_op=True)
         self._next += 1
 
@@ -230,13 +225,11 @@ class DataParallel(_DataParallelBase):
                 if b.scale is not None and b.ready.get(id(p), 0) < self.microbatches:
                     p.grad *= b.scale             # unused in the last pass (or at all): not yet scaled
             self._issue(b)
-        t0 = trace.now()
         for b in self.buckets:
             b.work.wait()
             b.work = None
             b.ready.clear()
         self._next = 0
-        self.last_wait_seconds = trace.now() - t0
 
     @staticmethod
     def sync_op(b):

@@ -70,7 +70,6 @@ class MixedPrecision(Strategy):
     pipeline = property(lambda self: self.inner.pipeline)
     seq_shards = property(lambda self: self.inner.seq_shards)
     stamps_step = property(lambda self: self.inner.stamps_step)
-    last_wait_seconds = property(lambda self: self.inner.last_wait_seconds)
 
     @property
     def check_finite(self):

@@ -98,18 +98,17 @@ for kind in ("bucketed", "naive"):
     dp = make(kind)
     trace.clear()
     dp.forward_backward(*dp.local_batch(*batch(0)))
-    names = [(e["name"], e["args"]) for e in trace.events()]   # in the order they were recorded
-    end_of_backward = names.index(("backward", {"mb": 0}))   # one micro-batch: its backward span
-    if kind == "bucketed":
-        issued = [i for i, (nm, a) in enumerate(names) if nm == "dp.issue_bucket"]
-        assert len(issued) == len(dp.buckets) and names[issued[0]][1]["bucket"] == 0
-        assert issued[0] < end_of_backward, f"bucket 0 issued after backward finished: {names}"
-        during = sum(i < end_of_backward for i in issued)
+    evs = trace.events()
+    bwd = next(e for e in evs if (e["name"], e["args"]) == ("backward", {"mb": 0}))   # one micro-batch's backward
+    ars = sorted(e["start"] for e in evs if e["name"] == "all_reduce" and e["args"].get("group") == dp.group.name)
+    if kind == "bucketed":      # each bucket's all-reduce starts (is issued) when backward completes it
+        assert len(ars) == len(dp.buckets), (len(ars), len(dp.buckets))
+        assert ars[0] < bwd["end"], f"bucket 0 issued after backward finished: {ars[0]} >= {bwd['end']}"
+        during = sum(t < bwd["end"] for t in ars)
         if rank == 0:
-            report(case="overlap", issued_during_backward=during, buckets=len(issued))
+            report(case="overlap", issued_during_backward=during, buckets=len(ars))
     else:   # the control: the naive one communicates only after backward
-        first = min(i for i, (nm, a) in enumerate(names) if nm == "all_reduce")
-        assert first > end_of_backward
+        assert ars and ars[0] > bwd["end"]
 
 # --- 3. replicas: broadcast from rank 0, or verify ---------------------------------------------
 dp = make("bucketed", seed=SEED + rank)               # different weights on every rank ...
