@@ -34,7 +34,7 @@ from pdist.parallel.pipeline import schedules as S  # noqa: E402
 from pdist.parallel.pipeline import simulate as sim  # noqa: E402
 from pdist.models.gpt import GPT  # noqa: E402
 from pdist.parallel import PipelineParallel  # noqa: E402
-from pdist.parallel.pipeline.pipeline_parallel import gather_timeline  # noqa: E402
+from pdist.parallel.pipeline.stats import gather_timeline  # noqa: E402
 from pdist.training import train  # noqa: E402
 
 

@@ -58,7 +58,7 @@ from pdist.parallel.pipeline import schedules as S
 from pdist.parallel.pipeline import simulate as sim
 from pdist.parallel.layout import box_slices
 from pdist.parallel.pipeline.draw import ascii_timeline, plot_timeline
-from pdist.parallel.pipeline.pipeline_parallel import gather_timeline
+from pdist.parallel.pipeline.stats import gather_timeline
 from pdist.training import train
 
 Run = namedtuple("Run", "schedule m v pp dp")

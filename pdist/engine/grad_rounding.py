@@ -23,23 +23,28 @@ nothing, or the one all-reduce -- with no copy and no extra pass.
    wte) is the exception: one process sums the embedding's and the head's rounded parts
    in the low dtype, round(e_j + h_j), before accumulating, and the first and last stage
    each hold one part. So both ends keep their m parts (m copies of its gradient, 2 bytes per
-   element) and ``sync_tied`` all-reduces them over the two ends (an fp32 sum of two
-   terms, one rounding), then accumulates and rounds the mean, on both ends alike.
-   fp32 (``FullPipelineGrads``): backward on l_j S / m; ``sync_tied`` all-reduces the two
-   copies' gradients (Megatron's embedding group).
+   element): ``tied_parts()`` hands them to the pipeline, which all-reduces them over the two
+   ends (an fp32 sum of two terms, one rounding), and ``set_tied`` accumulates and rounds the
+   mean, on both ends alike. fp32 (``FullPipelineGrads``): backward on l_j S / m;
+   ``tied_parts()`` is the copies' ``.grad`` itself, summed in place by the pipeline's
+   all-reduce (Megatron's embedding group).
 
 3. Sequence parallelism (Korthikanti et al. 2022; ``policy.partial_grads``): the
    replicated parameters acting on T/t tokens (LayerNorms, row-parallel biases, wpe) get
    partial gradients, g = Σ_i g_i over the tp group. Rounding each g_i would round once
    more than one process, so their backward hands the gradient on unrounded
    (``precision.unrounded``), a hook keeps micro-batch j's partial and leaves 0 in
-   ``.grad``, and ``finish`` all-reduces every G^(j) = Σ_i g_i^(j) in the compute dtype:
+   ``.grad``; ``partials()`` hands every g_i^(j) in one flat buffer to tensor parallelism,
+   which all-reduces it over tp (G^(j) = Σ_i g_i^(j), in the compute dtype), and ``write``
+   rounds:
 
        .grad = round((Σ_j fp32(round(G^(j)))) / k)           (k = 1: round(G))
 
    the rounding points of 1 (equal up to the order of the compute-dtype sum: float64 in
-   the tests, far below a bf16 ulp). fp32 (``FullPartialGrads``): one flat all-reduce of
-   the summed ``.grad``.
+   the tests, far below a bf16 ulp). fp32 (``FullPartialGrads``): ``partials()`` is the
+   summed ``.grad`` flat, ``write`` copies the all-reduced sum back.
+
+The keepers round; the strategies communicate: no keeper calls a collective.
 """
 import numpy as np
 
@@ -95,8 +100,8 @@ class GradAccumulator:
 
 
 class FullPipelineGrads(FullGradAccumulator):
-    """fp32: a stage's m backwards sum into ``.grad``; ``sync_tied(group)`` all-reduces
-    (sums) the tied copies' gradients over the first and last stage."""
+    """fp32: a stage's m backwards sum into ``.grad``; ``tied_parts()``: the tied copies'
+    ``.grad``, which the pipeline all-reduces (sums) in place over the first and last stage."""
 
     def __init__(self, tied, microbatches):
         super().__init__(microbatches)
@@ -105,10 +110,13 @@ class FullPipelineGrads(FullGradAccumulator):
     def after_backward(self, k, mb=None):
         pass
 
-    def sync_tied(self, group):
+    def tied_parts(self):
         for prm in self.tied:
             prm.grad = xp.zeros_like(prm.data) if prm.grad is None else xp.ascontiguousarray(prm.grad)
-            group.all_reduce(prm.grad, op="sum")
+        return [prm.grad for prm in self.tied]
+
+    def set_tied(self, parts):
+        pass                                             # summed in place
 
 
 class PipelineGrads(GradAccumulator):
@@ -140,15 +148,18 @@ class PipelineGrads(GradAccumulator):
                 prm.grad[...] = 0
         self.add()
 
-    def sync_tied(self, group):
-        """round((Σ_j fp32(round(e_j + h_j))) / m) into the tied ``.grad`` on both ends."""
-        for prm, parts in zip(self.tied, zip(*self.parts) if self.parts else []):
-            both = xp.stack(parts)                       # (m, V, C) low precision
-            group.all_reduce(both, op="sum")             # round(e_j + h_j) for every j
+    def tied_parts(self):
+        """Each tied weight's m parts of this end, stacked (m, V, C) in the low dtype."""
+        return [xp.stack(parts) for parts in (zip(*self.parts) if self.parts else [])]
+
+    def set_tied(self, summed):
+        """round((Σ_j fp32(round(e_j + h_j))) / m) into the tied ``.grad`` on both ends, from the
+        parts summed over the two ends (each round(e_j + h_j))."""
+        for prm, both in zip(self.tied, summed):     # both: (m, V, C)
             acc = both[0].astype(np.float32)             # (V, C)
-            for j in range(1, len(parts)):
+            for j in range(1, len(both)):
                 acc += both[j].astype(np.float32)
-            acc *= 1.0 / len(parts)
+            acc *= 1.0 / len(both)
             if prm.grad is None:
                 prm.grad = acc.astype(prm.dtype)
             else:
@@ -157,8 +168,8 @@ class PipelineGrads(GradAccumulator):
 
 
 class FullPartialGrads:
-    """fp32: ``finish(group)`` sums the partial ``.grad`` of ``params`` over ``group`` in
-    one flat all-reduce (ZeRO-3 may have freed their data; the grads are there)."""
+    """fp32: ``partials()`` the partial ``.grad`` of ``params`` as one flat buffer (ZeRO-3 may
+    have freed their data; the grads are there), for one all-reduce; ``write(flat)`` the sum back."""
 
     def __init__(self, params):
         self.params = list(params)
@@ -166,20 +177,22 @@ class FullPartialGrads:
     def reset(self):
         pass
 
-    def finish(self, group):
-        grads = [p.grad for p in self.params if p.grad is not None]
-        flat = xp.concatenate([g.reshape(-1) for g in grads])
-        group.all_reduce(flat)
+    def partials(self):
+        self._grads = [p.grad for p in self.params if p.grad is not None]
+        return xp.concatenate([g.reshape(-1) for g in self._grads])
+
+    def write(self, flat):
         lo = 0
-        for g in grads:
+        for g in self._grads:
             g[...] = flat[lo:lo + g.size].reshape(g.shape)
             lo += g.size
 
 
 class PartialGrads(FullPartialGrads):
     """bf16/fp16: the sequence-partial ``params`` leave backward unrounded; a hook keeps each
-    backward's partial; ``finish(group)`` sums them over ``group`` (the tp group), rounds
-    each micro-batch's sum and writes the rounded average into ``.grad``."""
+    backward's partial; ``partials()`` hands them over in one flat buffer (for the tp
+    all-reduce), ``write(flat)`` rounds each micro-batch's sum and writes the rounded average
+    into ``.grad``."""
 
     def __init__(self, params):
         super().__init__(params)
@@ -198,16 +211,20 @@ class PartialGrads(FullPartialGrads):
     def reset(self):
         self.parts = {}
 
-    def finish(self, group):
+    def partials(self):
+        """(k Σ|p|,) in the compute dtype: every kept partial, micro-batch major; None: none."""
         have = [p for p in self.params if id(p) in self.parts]
         if not have:
-            return
+            return None
         k = len(self.parts[id(have[0])])
         if any(len(self.parts[id(p)]) != k for p in have):
             raise RuntimeError("sequence parallelism: the partial gradients saw different numbers of "
                                "backward passes in one step")
-        flat = xp.concatenate([self.parts[id(p)][j].reshape(-1) for j in range(k) for p in have])
-        group.all_reduce(flat)                         # (k Σ|p|,) in the compute dtype
+        self._have, self._k = have, k
+        return xp.concatenate([self.parts[id(p)][j].reshape(-1) for j in range(k) for p in have])
+
+    def write(self, flat):
+        have, k = self._have, self._k
         lo, sums = 0, {}
         for j in range(k):
             for p in have:

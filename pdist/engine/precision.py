@@ -189,14 +189,16 @@ class FullPrecisionPolicy:
 
     def partial_grads(self, params):
         """The keeper of sequence parallelism's partial gradients of ``params``: ``reset()`` at
-        zero_grad, ``finish(tp_group)`` in finish_grad_sync."""
+        zero_grad; ``partials()`` the flat buffer tensor parallelism all-reduces, ``write(flat)``
+        the sum, in finish_grad_sync."""
         return FullPartialGrads(params)
 
     def pipeline_grads(self, params, tied, ends, microbatches, local_tied=()):
         """A pipeline stage's keeper: ``backward_scale(S)``, ``after_backward(k, mb)`` after each
         BACKWARD (or W) of micro-batch mb at virtual stage k, ``finish()`` when the schedule
-        ends, ``sync_tied(group)`` for the tied copies ``tied`` used by the virtual stages
-        ``ends``; ``local_tied``: tied weights both of whose ends are on this rank."""
+        ends, ``tied_parts()`` / ``set_tied(summed)`` around the pipeline's all-reduce of the
+        tied copies ``tied`` used by the virtual stages ``ends``; ``local_tied``: tied weights
+        both of whose ends are on this rank."""
         return FullPipelineGrads(tied, microbatches)
 
     def __eq__(self, other):

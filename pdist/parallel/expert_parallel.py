@@ -29,7 +29,7 @@ over edp instead would scale expert gradients by ep: the bug the equivalence tes
 
 What composes (tests/test_expert_parallel.py, every piece against one process, float64):
 
-    ZeRO-1/2/3   ExpertParallel(.., zero_stage) holds ZeRO(.., dp_group, expert_group=edp_group):
+    ZeRO-1/2/3   ExpertParallel(.., zero_stage) holds ExpertZeRO(.., dp_group, expert_group=edp_group):
                  the dense units (attention, norms, the gate) sharded over dp as always; one
                  unit per expert, sharded over its edp group (Megatron's expert-data-parallel
                  group; DeepSpeed-MoE shards experts the same way), its gradient reduce-scattered
@@ -62,7 +62,7 @@ from pdist.engine.shape_ops import concat
 from pdist.models.moe import Gather, moe_layers, moe_stats
 from pdist.models.plan import expert_of, plan_of
 from pdist.parallel.base import Local, ParallelModule, Strategy
-from pdist.parallel.zero import ZeRO
+from pdist.parallel.zero.experts import ExpertZeRO
 
 
 class AllToAllV(Function):
@@ -145,7 +145,7 @@ class ExpertParallel(ParallelModule):
     """Data parallelism over ``mesh.dp_group`` with each MoE layer's experts split over
     ``mesh.ep_group`` (see the module docstring). ``ep = 1``: every rank holds every expert
     and the dispatch stays local; the gradients are reduced as above (edp = dp).
-    ``zero_stage`` 1-3: ``ZeRO(inner, stage, dp_group, expert_group=edp_group)`` inside does
+    ``zero_stage`` 1-3: ``ExpertZeRO(inner, stage, dp_group, expert_group=edp_group)`` inside does
     the batch, the loss and every reduction: dense units sharded over dp, each layer's
     experts over edp (pdist/parallel/zero/units.py)."""
 
@@ -154,7 +154,7 @@ class ExpertParallel(ParallelModule):
         split_experts(inner.module, mesh)
         self.zero_stage = zero_stage
         if zero_stage:
-            inner = ZeRO(inner, zero_stage, mesh.dp_group, expert_group=mesh.edp_group)
+            inner = ExpertZeRO(inner, zero_stage, mesh.dp_group, expert_group=mesh.edp_group)
         super().__init__(inner, mesh.dp_group)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size

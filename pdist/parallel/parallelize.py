@@ -36,6 +36,7 @@ from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
 from pdist.parallel.zero import STAGES, ZeRO
+from pdist.parallel.zero.zero import check_stage_with_pipeline
 from pdist.engine.precision import cast_module, low_dtype, policy_for
 from pdist.parallel.deterministic import Deterministic, check_layout as check_deterministic
 
@@ -64,10 +65,7 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
     if pp > 1 or chunks > 1:
         make_schedule(schedule, pp, microbatches, chunks)
         partition_layers(cfg.n_layer, pp * chunks)
-        if zero_stage == 3:
-            raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it would gather "
-                             "every unit 2m times per step (3m with a zero-bubble schedule's split backward). "
-                             "Use zero_stage <= 2 with pp > 1.")
+        check_stage_with_pipeline(zero_stage, True)
     if cfg.dropout and (dp > 1 or pp > 1 or microbatches > 1):
         raise ValueError("dropout > 0 needs dp = pp = 1 and microbatches = 1: the masks of split batches "
                          "would differ from single-process training (tensor parallelism keeps them equal)")

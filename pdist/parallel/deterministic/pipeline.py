@@ -62,8 +62,11 @@ class PipelineTree:
             tree.add(j, v)
         self.det.root, self.leaves = tree.root(), []
 
-    def sync_tied(self, group):
-        pass                                                     # done in finish(), before the dp join
+    def tied_parts(self):
+        return []                                                # joined in finish(), before the dp join
+
+    def set_tied(self, parts):
+        pass
 
 
 class TreePipeline(InMode):

@@ -180,7 +180,7 @@ class BlockedTensorParallel(InMode):
         super()._transform(model, g, sp)
         apply_blocks(model, self.plan, det.tp_blocks // t, det.tp_blocks // t if sp else det.tp_blocks)
         if sp:                              # each granule's partial grads, summed over tp before its leaf
-            det.granule_hooks.append(lambda: self._partials.finish(g))
+            det.granule_hooks.append(lambda: self.sum_partials(g))
 
     def finish_grad_sync(self):
         self.inner.finish_grad_sync()       # (SP's partial sums ran per granule, a granule hook)

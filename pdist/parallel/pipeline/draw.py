@@ -3,7 +3,7 @@
 Both drawings read the same data: per rank a list of ``(Instr, start, end)``
 for its FORWARD/BACKWARD computes -- the *planned* timeline from
 ``simulate.simulate(schedule)`` (unit costs t_f = 1, t_b = 2) or the *measured*
-one from ``PipelineParallel.timeline`` gathered with ``gather_timeline``
+one from ``PipelineParallel.timeline`` gathered with ``stats.gather_timeline``
 (seconds, clocks aligned at a barrier). Anything else in a row (waits for a
 message, idle) is the bubble and is drawn empty.
 

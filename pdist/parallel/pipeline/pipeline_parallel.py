@@ -31,32 +31,30 @@ part) and the same update -- the copies stay equal. An ``nn.Sequential`` pipelin
 
 The gradients of a step are kept by the precision policy's ``pipeline_grads``
 (pdist/engine/grad_rounding.py): fp32, backward on S·loss(micro-batch)/m, sums in
-``.grad`` and one all-reduce of the tied copies; bf16/fp16 (``parallelize(...,
+``.grad``, the tied copies' gradients all-reduced here; bf16/fp16 (``parallelize(...,
 precision=...)``), backward on S·loss (S: fp16's loss scale, ``compute``'s argument;
 no 1/m), each stage's rounded micro-batch gradients summed in fp32 and the mean rounded
 once, a tied embedding's parts combined per micro-batch: one process's rounding points, bit
 for bit. Activations travel in the compute dtype. An fp16 overflow on any stage reaches
 every rank through the [loss, #non-finite] all-reduce, and every rank skips the step
-(mixed_precision.py).
+(mixed_precision.py). What a step measures (the peak stash, the timeline) is kept by a
+step hook (stats.py): this file reads no clock.
 """
 
-from pdist import nn
+
 from pdist.engine import hooks
-from pdist.measure import trace
 from pdist.engine.autograd import Tensor
 from pdist.engine.backend import default_dtype, to_device, to_numpy, xp
-from pdist.models.moe import stage_aux
 from pdist.models.plan import get, plan_of
-from pdist.parallel.base import ParallelModule
-from pdist.parallel.pipeline.stages import partition_layers, stage_chunks
+from pdist.comm import default_group
+from pdist.parallel.base import ParallelModule, Strategy
+from pdist.parallel.pipeline.stages import check_pipeline, stage_chunks
 from pdist.parallel.pipeline.schedules import (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT, FORWARD, OPTIMIZER_STEP,
-                                               RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, Instr, make_schedule,
+                                               RECV_ACT, RECV_GRAD, SEND_ACT, SEND_GRAD, make_schedule,
                                                placement_of, rendezvous_batches, stage_owner, virtual_stage)
+from pdist.parallel.pipeline.instructions import PASSES
 from pdist.parallel.pipeline.split_backward import backward_input, backward_weight, check_all_weights_done
-
-
-_PASS = {FORWARD: "forward", BACKWARD: "backward", BACKWARD_INPUT: "backward_input", BACKWARD_WEIGHT: "backward_weight"}
-_LETTER = {FORWARD: "F", BACKWARD: "B", BACKWARD_INPUT: "I", BACKWARD_WEIGHT: "W"}   # PyTorch's, as draw.py
+from pdist.parallel.pipeline import stats  # noqa: F401  (the step's peak stash and timeline: a default step hook)
 
 
 class PipelineParallel(ParallelModule):
@@ -66,45 +64,31 @@ class PipelineParallel(ParallelModule):
     ``nn.Sequential`` with ``loss_fn(out, target)`` and ``act_shape(k, rows, x)`` (shape
     of the activation entering virtual stage k). ``record_timeline = True`` makes the
     next step align the pp ranks' clocks at a barrier and keep ``timeline``:
-    [(Instr, start, end)] of every compute and wait."""
+    [(Instr, start, end)] of every compute (stats.py)."""
 
     pipeline = True
     has_late_grads = True    # gradients complete over the whole schedule (and the tied embedding)
 
     def __init__(self, model, group=None, schedule="1f1b", microbatches=4, chunks=1, partition=None,
                  loss_fn=None, act_shape=None, check_finite=None):
+        chunks, p = default_chunks(schedule, chunks), default_group(group).size
+        programs = make_schedule(schedule, p, microbatches, chunks)   # bad args raise here, before any collective
+        module = model.module if isinstance(model, Strategy) else model
+        pplan = plan_of(module).pipeline
+        check_pipeline(module, pplan, p * chunks, microbatches, getattr(model, "microbatches", 1), partition,
+                       loss_fn, act_shape)
         super().__init__(model, group, check_finite)
         g = self.group
-        chunks = default_chunks(schedule, chunks)
         self.placement = placement_of(schedule)              # "loop" (k = c p + s) or "v" (ZB-V, DualPipeV)
         self.num_virtual_stages = V = g.size * chunks
         self.pp_world_size, self.pp_rank = g.size, g.rank
         self.pp_is_first_stage = stage_owner(0, g.size, self.placement)[0] == g.rank
         self.pp_is_last_stage = stage_owner(V - 1, g.size, self.placement)[0] == g.rank   # "v": rank 0 too
         self.schedule, self.num_microbatches, self.num_chunks = schedule, microbatches, chunks
-        programs = make_schedule(schedule, g.size, microbatches, chunks)   # bad args raise here
         self.program = programs[g.rank]
         # messages go out in batches (one NCCL group call each) in an order that can't deadlock
         # even when every send blocks until its receive is posted (schedules.rendezvous_batches)
         self._plan = {anchor: batch for anchor, batch in rendezvous_batches(programs)[g.rank]}
-        if 2 * microbatches * self.num_virtual_stages > 32767:
-            raise ValueError(f"pipeline: {microbatches} micro-batches x {self.num_virtual_stages} stages "
-                             f"exceed the MPI tag space")
-        if self.inner.microbatches != 1:
-            raise ValueError("pipeline: give the micro-batches to PipelineParallel, not to the model inside")
-        pplan = plan_of(self.module).pipeline
-        if getattr(getattr(self.module, "config", None), "dropout", 0):
-            raise ValueError("pipeline: dropout must be 0 (the micro-batches' masks would differ from the "
-                             "single-process run); set dropout=0.0 in the model's config")
-        if not isinstance(get(self.module, pplan.blocks), nn.ModuleList):
-            raise TypeError(f"pipeline: {type(self.module).__name__} has no blocks to split (its plan's "
-                            f"pipeline.blocks = {pplan.blocks!r} is not a module list); give the model a "
-                            "parallel plan (docs/design.md) or use an nn.Sequential")
-        if loss_fn is None and pplan.loss is None:
-            raise ValueError("pipeline: the last stage needs a loss; pass loss_fn(out, target)")
-        if self.num_virtual_stages > 1 and act_shape is None and not pplan.hidden:
-            raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
-        partition_layers(len(get(self.module, pplan.blocks)), self.num_virtual_stages, partition)  # raise now
         self.chunks, self.tied = stage_chunks(self.module, pplan, g.size, g.rank, chunks, partition, self.placement)
         both = self.pp_is_first_stage and self.pp_is_last_stage and V > 1     # "v": rank 0, embedding + head
         self.local_tied = [get(self.module, src) for src in pplan.tied.values()] if both else []
@@ -123,8 +107,8 @@ class PipelineParallel(ParallelModule):
         self.peak_held_w = self.peak_held_w_bytes = 0
         self._dispatch = {FORWARD: self._forward, BACKWARD: self._backward, SEND_ACT: self._send_act,
                           RECV_ACT: self._recv_act, SEND_GRAD: self._send_grad, RECV_GRAD: self._recv_grad,
-                          BACKWARD_INPUT: lambda ins: backward_input(self, ins),
-                          BACKWARD_WEIGHT: lambda ins: backward_weight(self, ins), OPTIMIZER_STEP: self._end_of_step}
+                          BACKWARD_INPUT: lambda ins, g: backward_input(self, ins, g),
+                          BACKWARD_WEIGHT: lambda ins, g: backward_weight(self, ins), OPTIMIZER_STEP: self._end_of_step}
 
     microbatches = property(lambda self: self.num_microbatches)
 
@@ -135,32 +119,33 @@ class PipelineParallel(ParallelModule):
     # ------------------------------------------------------------------ step
     def local_batch(self, x, y):
         """Every stage takes the whole batch of its pipeline (the first uses x, the last y)."""
+        self._rows_of(x)
+        return self.inner.local_batch(x, y)
+
+    def _rows_of(self, x):
+        """The rows of one micro-batch of x; the same error on every rank when m does not divide them."""
         if len(x) % self.num_microbatches:
             raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into "
                              f"{self.num_microbatches} micro-batches; use a batch size divisible by m (x dp)")
-        return self.inner.local_batch(x, y)
+        return len(x) // self.num_microbatches
 
     def compute(self, x, y, loss_scale=1.0):
         """Run this rank's program over the m micro-batches of (x, y); returns the sum of
-        the micro-batch losses / m on the last stage, plus this stage's MoE load-balancing losses / m
-        (0 elsewhere). ``loss_scale``: fp16's S."""
+        the micro-batch losses / m on the last stage, plus what this stage's chunks add (a
+        mixture of experts' balancing losses) / m, 0 elsewhere. ``loss_scale``: fp16's S."""
         m = self.num_microbatches
-        if len(x) % m:
-            raise ValueError(f"pipeline: this rank's batch of {len(x)} rows does not split into {m} "
-                             f"micro-batches; use a batch size divisible by m (x dp)")
-        self._x, self._y, self._rows = to_device(x), to_device(y), len(x) // m   # NumPy -> the device
+        self._x, self._y, self._rows = to_device(x), to_device(y), self._rows_of(x)   # NumPy -> the device
         self._recvs, self._sends, self._stash, self._grads, self._staged = {}, [], {}, {}, {}
-        self.losses, self.timeline, self.peak_stash, self._held_w = [], [], 0, {}
-        self.peak_held_w = self.peak_held_w_bytes = 0
+        self.losses, self._held_w = [], {}
         self._keeper = self.grad_keeper()
         self._scale = self._keeper.backward_scale(loss_scale)   # fp32: S/m; bf16/fp16: S (fp32 sums)
-        if self.record_timeline:
-            self.group.barrier()
-        self._t0 = trace.now()
+        for chunk in self.chunks:
+            chunk.start(self._scale)
         self._run_program()
         self._keeper.finish()                        # bf16/fp16: round(Σ_mb fp32(g_mb) / m), one rounding
-        # the last stage's micro-batch losses in one device -> host copy per step
-        return sum(float(v) for v in to_numpy(xp.stack(self.losses))) if self.losses else 0.0
+        losses = self.losses + [v * (1.0 / m) for chunk in self.chunks for v in chunk.losses]
+        # the micro-batch losses in one device -> host copy per step
+        return sum(float(v) for v in to_numpy(xp.stack(losses))) if losses else 0.0
 
     def grad_keeper(self):
         """The step's keeper of this stage's gradients: the precision policy's (grad_rounding.py)."""
@@ -171,18 +156,33 @@ class PipelineParallel(ParallelModule):
         for j, ins in enumerate(self.program):
             if j in self._plan:
                 self._post(self._plan[j])
-            if ins.op in _PASS:                      # a pass: the instruments' span (engine/hooks.py)
-                with hooks.span(_PASS[ins.op], mb=ins.mb, chunk=ins.chunk):
-                    self._dispatch[ins.op](ins)
+            if ins.op in PASSES:                     # a pass: its message first, then the pass's span
+                got = self._input(ins)
+                with hooks.span(PASSES[ins.op], mb=ins.mb, chunk=ins.chunk):
+                    self._dispatch[ins.op](ins, got)
             else:
                 self._dispatch[ins.op](ins)
 
+    def _input(self, ins):
+        """What a pass needs from another stage (waited for): F the activation entering it, B
+        the gradient of its output; None at the model's ends (and for W)."""
+        mb, c, k = ins.mb, ins.chunk, self._stage(ins)
+        if ins.op == FORWARD:
+            return self._micro(self._x, mb) if k == 0 else Tensor(self._wait(("act", mb, c)), requires_grad=True)
+        if ins.op == BACKWARD_WEIGHT or k == self.num_virtual_stages - 1:
+            return None
+        return self._wait(("grad", mb, c))
+
     def finish_grad_sync(self):
-        """The inner strategy's sync (e.g. sequence-parallel grads), then dL/dW =
-        embedding part + head part on the first and last stage."""
+        """The inner strategy's sync (e.g. sequence-parallel grads), then the tied weights:
+        dL/dW = embedding part + head part, all-reduced (sum) over the first and last stage
+        (Megatron's embedding group; bf16/fp16: each micro-batch's parts, as one process)."""
         self.inner.finish_grad_sync()
         if self.embedding_group is not None:
-            self._keeper.sync_tied(self.embedding_group)     # bf16/fp16: per micro-batch, as one process
+            parts = self._keeper.tied_parts()        # what this end holds of the tied gradients
+            for buf in parts:
+                self.embedding_group.all_reduce(buf, op="sum")
+            self._keeper.set_tied(parts)
 
     def _stage(self, ins):
         return virtual_stage(ins.chunk, self.pp_world_size, self.pp_rank, self.placement)
@@ -195,9 +195,7 @@ class PipelineParallel(ParallelModule):
 
     def _wait(self, key):
         work, buf = self._recvs.pop(key)
-        t0 = trace.now()
         work.wait()                                  # cooperative when ranks outnumber cores
-        self.timeline.append((Instr("WAIT", key[1], key[2]), t0 - self._t0, trace.now() - self._t0))
         return buf
 
     def _recv(self, kind, ins):
@@ -233,39 +231,23 @@ class PipelineParallel(ParallelModule):
     def _send_grad(self, ins):
         self._send("grad", ins, self._grads.pop((ins.mb, ins.chunk)), self._stage(ins) - 1)
 
-    def _forward(self, ins):
+    def _forward(self, ins, x):
         mb, c, k = ins.mb, ins.chunk, self._stage(ins)
-        x = self._micro(self._x, mb) if k == 0 else Tensor(self._wait(("act", mb, c)), requires_grad=True)
-        t0, e0 = trace.now(), trace.device_mark()
         out = self.chunks[c](x)                              # (b, T, C), or logits on the last stage
         if k == self.num_virtual_stages - 1:
             out = self.loss_fn(out, self._micro(self._y, mb))
             self.losses.append(out.data * (1.0 / self.num_microbatches))
             if self._scale != 1.0:
                 out = out * self._scale              # backward on l S/m (bf16/fp16: l S, S a power of two)
-        out, aux = stage_aux(self.chunks[c].layers, out, self._scale)   # MoE: this chunk's balancing loss
-        if aux is not None:
-            self.losses.append(aux * (1.0 / self.num_microbatches))
         self._stash[(mb, c)] = (x, out)
-        self.peak_stash = max(self.peak_stash, len(self._stash) + len(self._held_w))   # W reads its stash too
-        self._done(ins, t0, e0)
 
-    def _backward(self, ins):
+    def _backward(self, ins, g):
         mb, c, k = ins.mb, ins.chunk, self._stage(ins)
-        g = None if k == self.num_virtual_stages - 1 else self._wait(("grad", mb, c))
-        t0, e0 = trace.now(), trace.device_mark()
         x, out = self._stash.pop((mb, c))                    # free the stash after its backward
         out.backward(g)
         if k > 0:
             self._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
         self._keeper.after_backward(k, mb)           # bf16/fp16: this micro-batch's grads into fp32 sums
-        self._done(ins, t0, e0)
-
-    def _done(self, ins, t0, e0):
-        t1, name = trace.now(), f"{_LETTER[ins.op]}{ins.mb}.{ins.chunk}"
-        self.timeline.append((ins, t0 - self._t0, t1 - self._t0))
-        trace.record(name, "compute", t0, t1, mb=ins.mb, chunk=ins.chunk)
-        trace.device_record(name, e0, mb=ins.mb, chunk=ins.chunk)
 
     def _end_of_step(self, ins):
         """The schedule's last instruction: every send has landed (the optimizer step that
@@ -282,12 +264,4 @@ def default_chunks(schedule, chunks):
     return 2 if chunks == 1 and placement_of(schedule) == "v" else chunks
 
 
-def gather_timeline(pipe):
-    """Every stage's measured [(Instr, start, end)] of the last step with
-    ``record_timeline = True``, in seconds from the step's aligned start, on pp rank 0
-    (None elsewhere). Collective over the pp group. Feed it to
-    ``simulate.bubble_fraction`` (measured idle per stage) or to pipeline.draw."""
-    return pipe.group.gather_object(pipe.timeline, dst=0)
-
-
-__all__ = ["PipelineParallel", "gather_timeline", "default_chunks"]
+__all__ = ["PipelineParallel", "default_chunks"]

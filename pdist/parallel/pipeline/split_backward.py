@@ -14,29 +14,22 @@ for bit the whole BACKWARD, so every schedule keeps the gradient sums of one pro
 The precision keeper's per-micro-batch step (``after_backward``) follows W, when the
 micro-batch's weight gradients are complete.
 
-Recorded per step: ``peak_stash``, the most (micro-batch, chunk) forwarded and not yet
-through their BACKWARD or W (what ``simulate.check_schedule`` plans: W reads what B
-kept), ``peak_held_w``, the most between B and W, and ``peak_held_w_bytes``, the bytes
-those hold (W's part only: the memory a zero-bubble schedule trades for its bubble).
+What B keeps for W (each ``WeightGradients``' ``nbytes``) is measured per step beside the
+peak stash (stats.py: ``peak_held_w``, ``peak_held_w_bytes``).
 """
 from pdist.engine.backend import xp
-from pdist.measure import trace
 
 
-def backward_input(pipe, ins):
-    """B of (mb, chunk): dL/dx now (sent by the SEND_GRAD that follows), W's part kept."""
+def backward_input(pipe, ins, g):
+    """B of (mb, chunk): dL/dx now (sent by the SEND_GRAD that follows), W's part kept.
+    ``g``: dL/d(the stage's output), from the next stage (None on the last)."""
     mb, c, k = ins.mb, ins.chunk, pipe._stage(ins)
-    g = None if k == pipe.num_virtual_stages - 1 else pipe._wait(("grad", mb, c))
-    t0, e0 = trace.now(), trace.device_mark()
     x, out = pipe._stash.pop((mb, c))                    # the activations B needs are freed by B
     inputs = (x,) if k > 0 else ()                       # stage 0's input is the token ids
     held = out.backward(g, defer_weights=True, inputs=inputs)
     if k > 0:
         pipe._grads[(mb, c)] = x.grad if x.grad is not None else xp.zeros_like(x.data)
     pipe._held_w[(mb, c)] = held
-    pipe.peak_held_w = max(pipe.peak_held_w, len(pipe._held_w))
-    pipe.peak_held_w_bytes = max(pipe.peak_held_w_bytes, sum(h.nbytes for h in pipe._held_w.values()))
-    pipe._done(ins, t0, e0)
 
 
 def backward_weight(pipe, ins):
@@ -46,10 +39,8 @@ def backward_weight(pipe, ins):
     if held is None:
         raise RuntimeError(f"pipeline rank {pipe.pp_rank}: {ins} runs before the BACKWARD_INPUT of micro-batch "
                            f"{mb}, chunk {c}; the schedule must put each W after its B (check_schedule)")
-    t0, e0 = trace.now(), trace.device_mark()
     held.run()
     pipe._keeper.after_backward(k, mb)                    # bf16/fp16: this micro-batch's grads into fp32 sums
-    pipe._done(ins, t0, e0)
 
 
 def check_all_weights_done(pipe):

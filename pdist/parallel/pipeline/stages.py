@@ -13,6 +13,7 @@ import numpy as np
 
 from pdist import nn
 from pdist.engine.backend import xp
+from pdist.models.moe import moe_layers, stage_aux
 from pdist.models.plan import get, put
 from pdist.parallel.pipeline.schedules import virtual_stage
 
@@ -36,6 +37,27 @@ def partition_layers(n_layers, n_stages, partition=None):
     return [(int(starts[i]), int(starts[i + 1])) for i in range(n_stages)]
 
 
+def check_pipeline(model, pplan, V, microbatches, inner_microbatches, partition, loss_fn, act_shape):
+    """What a pipeline of ``model`` (its plan's ``pplan``) over V virtual stages refuses, the
+    same on every rank, before any collective."""
+    if 2 * microbatches * V > 32767:
+        raise ValueError(f"pipeline: {microbatches} micro-batches x {V} stages exceed the MPI tag space")
+    if inner_microbatches != 1:
+        raise ValueError("pipeline: give the micro-batches to PipelineParallel, not to the model inside")
+    if getattr(getattr(model, "config", None), "dropout", 0):
+        raise ValueError("pipeline: dropout must be 0 (the micro-batches' masks would differ from the "
+                         "single-process run); set dropout=0.0 in the model's config")
+    if not isinstance(get(model, pplan.blocks), nn.ModuleList):
+        raise TypeError(f"pipeline: {type(model).__name__} has no blocks to split (its plan's "
+                        f"pipeline.blocks = {pplan.blocks!r} is not a module list); give the model a "
+                        "parallel plan (docs/design.md) or use an nn.Sequential")
+    if loss_fn is None and pplan.loss is None:
+        raise ValueError("pipeline: the last stage needs a loss; pass loss_fn(out, target)")
+    if V > 1 and act_shape is None and not pplan.hidden:
+        raise ValueError("pipeline of an nn.Sequential: act_shape(k, rows, x) is needed")
+    partition_layers(len(get(model, pplan.blocks)), V, partition)
+
+
 def _remove(parent, name):
     """Drop child module ``name`` (this rank does not hold it)."""
     parent._modules.pop(name, None)
@@ -43,15 +65,39 @@ def _remove(parent, name):
 
 
 class Chunk:
-    """One virtual stage: its layers applied in order, y = f_b(...f_a(x))."""
+    """One virtual stage: its layers applied in order, y = f_b(...f_a(x)). ``losses``: what
+    the stage adds to the step's loss beyond the last stage's loss (none here; a mixture of
+    experts' balancing losses: ``ExpertChunk``), ``start(scale)`` empties it each step."""
 
     def __init__(self, layers):
-        self.layers = layers
+        self.layers, self.losses, self.scale = layers, [], 1.0
+
+    def start(self, scale):
+        """A new step; ``scale``: the factor backward runs the loss with (fp32: S/m)."""
+        self.losses, self.scale = [], scale
 
     def __call__(self, x):
         for f in self.layers:
             x = f(x)
         return x
+
+
+class ExpertChunk(Chunk):
+    """A stage holding MoE layers: the sum of their load-balancing losses rides on the stage's
+    output (``moe.stage_aux``: its gradient ``scale``, as the loss's backward, Megatron's
+    MoEAuxLossAutoScaler), and its value joins the step's loss (``losses``)."""
+
+    def __call__(self, x):
+        out, aux = stage_aux(self.layers, super().__call__(x), self.scale)
+        if aux is not None:
+            self.losses.append(aux)
+        return out
+
+
+def chunk_of(layers):
+    """The stage that runs ``layers``: an ``ExpertChunk`` when they hold MoE layers."""
+    moe = any(moe_layers(f) for f in layers if isinstance(f, nn.Module))
+    return (ExpertChunk if moe else Chunk)(layers)
 
 
 def _copy_of(w, name):
@@ -78,7 +124,7 @@ def stage_chunks(model, pplan, p, s, v, partition, placement="loop"):
     mine = [virtual_stage(c, p, s, placement) for c in range(v)]
     head = [getattr(model, pplan.first)] if pplan.first else []
     tail = [getattr(model, pplan.last)] if pplan.last else []
-    chunks = [Chunk((head if k == 0 else []) + blocks[slice(*spans[k])] + (tail if k == V - 1 else []))
+    chunks = [chunk_of((head if k == 0 else []) + blocks[slice(*spans[k])] + (tail if k == V - 1 else []))
               for k in mine]
     keep = {str(i) for k in mine for i in range(*spans[k])}
     for name in [n for n in h._modules if n not in keep]:
@@ -95,4 +141,4 @@ def stage_chunks(model, pplan, p, s, v, partition, placement="loop"):
     return chunks, tied
 
 
-__all__ = ["partition_layers", "stage_chunks", "Chunk"]
+__all__ = ["partition_layers", "stage_chunks", "Chunk", "ExpertChunk", "check_pipeline"]

@@ -115,7 +115,15 @@ class TensorParallel(ParallelModule):
         partials, then one rounding)."""
         self.inner.finish_grad_sync()
         if self._partials is not None:               # SP over tp > 1 (zero_grad made it)
-            self._partials.finish(self.group)
+            self.sum_partials(self.group)
+
+    def sum_partials(self, group):
+        """g = sum_i g_i over the tp ``group``: the replicated parameters' partial gradients
+        (one flat all-reduce; the precision policy's keeper rounds, grad_rounding.py)."""
+        flat = self._partials.partials()
+        if flat is not None:
+            group.all_reduce(flat)
+            self._partials.write(flat)
 
 
 __all__ = ["TensorParallel", "check_tp_config", "ColumnParallelLinear", "RowParallelLinear",

@@ -3,6 +3,7 @@
     zero.py        the strategy: hooks, reductions, stage-3 gathers
     units.py       which modules are units, their flat buffers, where each shard sits
     flat_param.py  one unit: its parameters in one flat buffer, this rank's shard
+    experts.py     ExpertZeRO: a mixture of experts, each expert a unit over the edp group
 """
 from pdist.parallel.zero.units import default_units
 from pdist.parallel.zero.zero import STAGES, ZeRO

@@ -66,8 +66,8 @@ unit for every micro-batch's forward and backward: (2m + 1)Ψ per step).
 ZeRO-3 gathers around each unit's forward and backward, which a pipeline's
 interleaved micro-batches would repeat 2m times per step: ZeRO-3 with pp > 1 is
 refused with an error (DeepSpeed refuses it too); stages 0-2 compose with any layout.
-Mixture of experts (``expert_group``: expert parallelism's edp group): one unit per expert,
-sharded over that group, reduced after backward (units.py; pdist/parallel/expert_parallel.py).
+A mixture of experts under expert parallelism takes ``ExpertZeRO`` (experts.py): one unit
+per expert, sharded over the edp group, reduced after backward.
 """
 from pdist.engine import hooks
 from pdist.engine.autograd import is_grad_enabled
@@ -77,10 +77,20 @@ from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
 from pdist.parallel.zero.accounting import Accounting
-from pdist.parallel.zero.units import (build_units, check_same_on_all_ranks, default_units, shard_pieces,
-                                       unused_experts)
+from pdist.parallel.zero.units import build_units, check_same_on_all_ranks, default_units, shard_pieces
 
 STAGES = (0, 1, 2, 3)
+
+
+def check_stage_with_pipeline(stage, pipelined):
+    """ZeRO-3 gathers each unit around its forward and its backward; a pipeline's interleaved
+    micro-batches would repeat that 2m times per step (3m with a split backward). Refused, the
+    same on every rank, before any collective (DeepSpeed refuses it too)."""
+    if stage == 3 and pipelined:
+        raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it gathers each unit around "
+                         "its forward and its backward, and a pipeline's interleaved micro-batches would gather "
+                         "every unit 2m times per step (3m with a zero-bubble schedule's split backward; DeepSpeed "
+                         "refuses this too). Use zero_stage <= 2 with pp > 1, or pp = 1 with ZeRO-3.")
 
 
 class ZeRO(Accounting, ParallelModule):
@@ -90,23 +100,20 @@ class ZeRO(Accounting, ParallelModule):
     ``parameters()`` are this rank's flat shards, one Tensor per unit: the
     optimizer is built over them (stage 0: the whole flat buffers)."""
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None,
-                 expert_group=None):
+    expert_group = None       # a mixture of experts' edp group: experts.py's ExpertZeRO
+
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
+        check_stage_with_pipeline(stage, isinstance(module, ParallelModule) and module.pipeline)
         super().__init__(module, group, check_finite)
-        if stage == 3 and self.inner.pipeline:
-            raise ValueError("ZeRO-3 does not compose with pipeline parallelism: it gathers each unit around "
-                             "its forward and its backward, and a pipeline's interleaved micro-batches would "
-                             "gather every unit 2m times per step (DeepSpeed refuses this too). Use "
-                             "zero_stage <= 2 with pp > 1, or pp = 1 with ZeRO-3.")
         self.stage, self.prefetch = stage, bool(prefetch)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
         inner_pieces = self.inner.pieces()
         unit_modules = default_units(self.module) if units is None else list(units)
         self.root, self.units, experts = build_units(self.inner, self.module, unit_modules, self.group, stage,
-                                                     expert_group)
+                                                     self.expert_group)
         check_same_on_all_ranks(self.group, stage, self.units)
         self._pieces = shard_pieces(self.units, inner_pieces)
         if any(u.meta for u in self.units):    # a meta model: fill what this rank holds, piece by piece
@@ -170,8 +177,7 @@ class ZeRO(Accounting, ParallelModule):
 
     def finish_grad_sync(self):
         """Reduce every unit not reduced during backward (units that got no gradient on this
-        rank reduce zeros), and wait: each shard's .grad is the global-batch mean. An expert
-        no rank gave a gradient keeps none, as on one process (units.unused_experts)."""
+        rank reduce zeros), and wait: each shard's .grad is the global-batch mean."""
         self._finish_reductions()
         for u in self.units:
             u.ready = 0
@@ -179,14 +185,8 @@ class ZeRO(Accounting, ParallelModule):
 
     def _finish_reductions(self):
         self.inner.finish_grad_sync()
-        skip = unused_experts(self.units)
         for u in self.units:
-            if id(u) in skip:
-                u.drop_grads()
-                u.shard.grad = None
-                if self.stage == 3:
-                    u.free()
-            elif id(u) not in self._reduced:
+            if id(u) not in self._reduced:
                 u.ensure_grad_views()
                 self._reduce(u)
         self._finish_reduction()
@@ -202,10 +202,9 @@ class ZeRO(Accounting, ParallelModule):
     # ------------------------------------------------- gradients (all stages)
     def _grad_ready(self, u):
         u.ready += 1
-        if self.stage == 3 and u.ready % len(u.params) == 0 and not u.deferred:
+        if self.stage == 3 and u.ready % len(u.params) == 0:
             u.free()                              # this micro-batch's backward is done: drop the params
-                                                  # (an expert: at the reduction, as on every edp rank)
-        if u.ready == len(u.params) * self.microbatches and self._overlap and not u.deferred:
+        if u.ready == len(u.params) * self.microbatches and self._overlap:
             self._reduce(u)                       # the last micro-batch's gradient: reduce it
 
     def _reduce(self, u):
@@ -228,8 +227,11 @@ class ZeRO(Accounting, ParallelModule):
         u, out, work = self._inflight
         self._inflight = None
         work.wait()
-        if u.scale is not None:
-            (u.grad_flat if self.stage == 0 else out)[...] *= u.scale
+        self._keep_shard(u, out)
+        hooks.event("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
+
+    def _keep_shard(self, u, out):
+        """This rank's part of unit u's reduced gradient (``out``: its reduce-scatter's output)."""
         if self.stage == 0:
             u.shard.grad = u.grad_flat                                   # (Ψ_u,) averaged
         elif self.stage == 1:                     # keep the full gradient (P_os only)
@@ -238,7 +240,6 @@ class ZeRO(Accounting, ParallelModule):
         else:                                     # P_os+g: the full gradient is freed
             u.shard.grad = out
             u.drop_grads()
-        hooks.event("all-reduce" if self.stage == 0 else "reduce-scatter", u.name)
 
     # -------------------------------------------------- parameters (stage 3)
     def _start_gather(self, u):
