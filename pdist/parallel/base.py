@@ -150,10 +150,15 @@ class Local(Strategy):
         return out
 
     def local_batch(self, x, y):
+        self._rows_of(x)
+        return x, y
+
+    def _rows_of(self, x):
+        """The rows of one micro-batch of x; the same error on every rank when k does not divide them."""
         if len(x) % self.microbatches:
             raise ValueError(f"this rank's batch of {len(x)} rows does not split into {self.microbatches} "
                              f"micro-batches; use a global batch divisible by dp * microbatches")
-        return x, y
+        return len(x) // self.microbatches
 
     def zero_grad(self):
         self.module.zero_grad()
@@ -164,12 +169,9 @@ class Local(Strategy):
         return self.policy.late_grads(self.microbatches)
 
     def compute(self, x, y, loss_scale=1.0):
-        k = self.microbatches
-        if len(x) % k:
-            raise ValueError(f"this rank's batch of {len(x)} rows does not split into {k} micro-batches; "
-                             f"use a global batch divisible by dp * microbatches")
+        k, b = self.microbatches, self._rows_of(x)
         acc = self.policy.accumulator(self.parameters(), k)     # fp32: a no-op; bf16/fp16: fp32 sums
-        b, losses, s = len(x) // k, [], acc.backward_scale(loss_scale)   # fp32: S/k; bf16/fp16, k > 1: S
+        losses, s = [], acc.backward_scale(loss_scale)           # fp32: S/k; bf16/fp16, k > 1: S
         for i in range(k):
             with hooks.span("forward", mb=i):
                 _, loss = self.module(x[i * b:(i + 1) * b], y[i * b:(i + 1) * b])
@@ -211,11 +213,11 @@ class ParallelModule(Strategy):
     phases; ``_aux`` is a private copy of the group for the per-step loss reduction, so
     the group's own byte counts hold only the strategy's traffic."""
 
-    def __init__(self, inner, group=None, check_finite=None):
+    def __init__(self, inner, group=None):
         self.inner = inner if isinstance(inner, Strategy) else Local(inner)
         self.group = comm.default_group(group)
         self.module = self.inner.module
-        self.check_finite = self.inner.check_finite if check_finite is None else bool(check_finite)
+        self.check_finite = self.inner.check_finite     # (Local's: check_finite=, PDIST_CHECK_FINITE)
         self.check_batch = self.inner.check_batch
         self._aux = self.group.split(0, name=f"{self.group.name}.step") if self.group.size > 1 else None
 

@@ -62,10 +62,10 @@ class _DataParallelBase(ParallelModule):
     """What both implementations share: the group, the start-up check and sync of the
     replicas, this rank's rows of the batch, and the loss's weight 1/n."""
 
-    def __init__(self, module, group=None, init_sync="broadcast", check_finite=None):
+    def __init__(self, module, group=None, init_sync="broadcast"):
         if init_sync not in ("broadcast", "verify"):
             raise ValueError(f"init_sync must be 'broadcast' or 'verify', got {init_sync!r}")
-        super().__init__(module, group, check_finite)
+        super().__init__(module, group)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
         self.inner.materialize()            # a meta model: every replica holds it whole
@@ -165,12 +165,11 @@ class DataParallel(_DataParallelBase):
     defaults, 25 and 1). (How long the synchronization waits for the communication backward
     did not hide: pdist/measure/sync_wait.py.)"""
 
-    def __init__(self, module, group=None, bucket_cap_mb=25, first_bucket_cap_mb=1, init_sync="broadcast",
-                 check_finite=None):
+    def __init__(self, module, group=None, bucket_cap_mb=25, first_bucket_cap_mb=1, init_sync="broadcast"):
         if not (bucket_cap_mb > 0 and first_bucket_cap_mb > 0):
             raise ValueError(f"bucket caps must be > 0 MiB, got bucket_cap_mb={bucket_cap_mb}, "
                              f"first_bucket_cap_mb={first_bucket_cap_mb}")
-        super().__init__(module, group, init_sync, check_finite)
+        super().__init__(module, group, init_sync)
         groups = build_buckets(self._param_list, bucket_cap_mb * MB, first_bucket_cap_mb * MB)
         self.buckets = [_Bucket(i, ps) for i, ps in enumerate(groups)]
         self._bucket_of = {id(p): b for b in self.buckets for p in b.params}

@@ -19,7 +19,7 @@ from pdist.course import lesson
 from pdist.engine.grad_scaler import GradScaler
 from pdist.errors import NonFiniteError
 from pdist.models.gpt import GPT
-from pdist.parallel import DataParallel, parallelize
+from pdist.parallel import DataParallel, Local, parallelize
 from pdist.testing import report
 from pdist.training import train
 
@@ -32,7 +32,7 @@ if case == "fp16":
     model = parallelize(GPT(cfg, 0), comm.DeviceMesh(dp=world.size), precision="fp16",
                         scaler=GradScaler(max_consecutive_skips=5, verbose=True))
 else:
-    model = DataParallel(GPT(cfg, 0), **({"check_finite": False} if case == "ddp_off" else {}))
+    model = DataParallel(Local(GPT(cfg, 0), **({"check_finite": False} if case == "ddp_off" else {})))
 opt = lesson.make_adamw(model.parameters())
 losses = []
 t_fault = [None]

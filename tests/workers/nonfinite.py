@@ -13,7 +13,7 @@ from pdist.engine.backend import set_default_dtype
 from pdist.errors import NonFiniteError
 from pdist.models.gpt import GPT
 from pdist.optim import clip_grad_norm_
-from pdist.parallel import DataParallel, parallelize
+from pdist.parallel import DataParallel, Local, parallelize
 from pdist.testing import report
 from pdist.training import train
 
@@ -44,7 +44,7 @@ for zero in (0, 1, 3):
         raised = str(e)
     report(case=f"nan weight zero={zero}", rank=rank, error=raised, steps_done=model.steps)
 
-model = DataParallel(GPT(cfg, 0), check_finite=False)   # clip_grad_norm_ must see the inf itself
+model = DataParallel(Local(GPT(cfg, 0), check_finite=False))   # clip_grad_norm_ must see the inf itself
 if rank == BAD_RANK:         # backward produces an inf on this rank; the all-reduce spreads it
     model.parameters()[0].register_hook(lambda g: g * np.inf)
 model.forward_backward(*model.local_batch(*batch(0)))

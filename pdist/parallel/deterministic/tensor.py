@@ -166,11 +166,11 @@ class BlockedTensorParallel(InMode):
     layers in blocks (``tp_blocks`` / t per rank); the tp sums over t > 2 ranks in the tree's
     order; under SP each granule's partial gradients summed over tp before its leaf."""
 
-    def __init__(self, module, group=None, sequence_parallel=False, check_finite=None):
+    def __init__(self, module, group=None, sequence_parallel=False):
         t = default_group(group).size
         if t > 1:
             check_tp(module.deterministic, t, module.module, sequence_parallel)
-        super().__init__(module, group, sequence_parallel, check_finite)
+        super().__init__(module, group, sequence_parallel)
         if t > 1:
             self.deterministic.bind(self.inner.parameters())      # this rank's shards, for the leaves
 

@@ -70,14 +70,14 @@ class PipelineParallel(ParallelModule):
     has_late_grads = True    # gradients complete over the whole schedule (and the tied embedding)
 
     def __init__(self, model, group=None, schedule="1f1b", microbatches=4, chunks=1, partition=None,
-                 loss_fn=None, act_shape=None, check_finite=None):
+                 loss_fn=None, act_shape=None):
         chunks, p = default_chunks(schedule, chunks), default_group(group).size
         programs = make_schedule(schedule, p, microbatches, chunks)   # bad args raise here, before any collective
         module = model.module if isinstance(model, Strategy) else model
         pplan = plan_of(module).pipeline
         check_pipeline(module, pplan, p * chunks, microbatches, getattr(model, "microbatches", 1), partition,
                        loss_fn, act_shape)
-        super().__init__(model, group, check_finite)
+        super().__init__(model, group)
         g = self.group
         self.placement = placement_of(schedule)              # "loop" (k = c p + s) or "v" (ZB-V, DualPipeV)
         self.num_virtual_stages = V = g.size * chunks

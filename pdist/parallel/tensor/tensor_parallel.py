@@ -60,8 +60,8 @@ class TensorParallel(ParallelModule):
     """``TensorParallel(model, tp_group, sequence_parallel=False)``: this rank's column, row
     and vocabulary shards of the one model, cut as its plan says (see the module docstring)."""
 
-    def __init__(self, module, group=None, sequence_parallel=False, check_finite=None):
-        super().__init__(module, group, check_finite)
+    def __init__(self, module, group=None, sequence_parallel=False):
+        super().__init__(module, group)
         g, t = self.group, self.group.size
         self.tp_rank, self.tp_world_size, self.sequence_parallel = g.rank, t, bool(sequence_parallel)
         self.loss_weight = 1.0 / t

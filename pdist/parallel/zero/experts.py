@@ -22,9 +22,9 @@ class ExpertZeRO(ZeRO):
     """``ExpertZeRO(inner, stage, dp_group, expert_group=edp_group)``: ZeRO with one unit per
     expert, sharded over ``expert_group`` (module docstring)."""
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None, expert_group=None):
+    def __init__(self, module, stage, group=None, units=None, prefetch=True, expert_group=None):
         self.expert_group = expert_group
-        super().__init__(module, stage, group, units, prefetch, check_finite)
+        super().__init__(module, stage, group, units, prefetch)
 
     def _grad_ready(self, u):
         if u.deferred:                    # an expert: reduced (and freed) after backward

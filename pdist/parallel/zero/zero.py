@@ -102,11 +102,11 @@ class ZeRO(Accounting, ParallelModule):
 
     expert_group = None       # a mixture of experts' edp group: experts.py's ExpertZeRO
 
-    def __init__(self, module, stage, group=None, units=None, prefetch=True, check_finite=None):
+    def __init__(self, module, stage, group=None, units=None, prefetch=True):
         if stage not in STAGES:
             raise ValueError(f"ZeRO stage must be one of {STAGES}, got {stage!r}")
         check_stage_with_pipeline(stage, isinstance(module, ParallelModule) and module.pipeline)
-        super().__init__(module, group, check_finite)
+        super().__init__(module, group)
         self.stage, self.prefetch = stage, bool(prefetch)
         self.dp_rank, self.dp_world_size = self.group.rank, self.group.size
         self.loss_weight = 1.0 / self.dp_world_size
