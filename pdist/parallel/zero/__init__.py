@@ -1,6 +1,7 @@
 """ZeRO stages 0-3 over FSDP-style flat sharded units (Rajbhandari et al., 2020).
 
-    zero.py        the strategy: hooks, reductions, stage-3 gathers
+    zero.py        the strategy: its phases, the gradients' reductions, what a rank holds
+    gather.py      stage 3: each unit's parameters gathered around its forward and backward
     units.py       which modules are units, their flat buffers, where each shard sits
     flat_param.py  one unit: its parameters in one flat buffer, this rank's shard
     experts.py     ExpertZeRO: a mixture of experts, each expert a unit over the edp group

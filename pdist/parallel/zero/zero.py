@@ -70,13 +70,12 @@ A mixture of experts under expert parallelism takes ``ExpertZeRO`` (experts.py):
 per expert, sharded over the edp group, reduced after backward.
 """
 from pdist.engine import hooks
-from pdist.engine.autograd import is_grad_enabled
 from pdist.engine import host_memory
 from pdist.engine.backend import xp
 from pdist.data import shard
 from pdist.engine.meta import fill_pieces
 from pdist.parallel.base import ParallelModule
-from pdist.parallel.zero.accounting import Accounting
+from pdist.parallel.zero.gather import GatherParams
 from pdist.parallel.zero.units import build_units, check_same_on_all_ranks, default_units, shard_pieces
 
 STAGES = (0, 1, 2, 3)
@@ -93,7 +92,7 @@ def check_stage_with_pipeline(stage, pipelined):
                          "refuses this too). Use zero_stage <= 2 with pp > 1, or pp = 1 with ZeRO-3.")
 
 
-class ZeRO(Accounting, ParallelModule):
+class ZeRO(GatherParams, ParallelModule):
     """model = ZeRO(GPT(cfg, seed), stage=3, group=dp_group); opt = AdamW(model.parameters())
     each step: loss = model.forward_backward(*model.local_batch(x, y)); opt.step(); opt.zero_grad()
 
@@ -134,17 +133,8 @@ class ZeRO(Accounting, ParallelModule):
             for p in u.params:
                 p.register_hook(lambda g, u=u: u.ensure_grad_views())
                 p.register_post_accumulate_grad_hook(lambda t, u=u: self._grad_ready(u))
-        if self.stage != 3:
-            return
-        # forward order: root, then the units in the order given; backward: root, then reversed
-        body = self.units[1:] if self.root else self.units
-        dense = body[:len(body) - len(experts)]       # experts' units: gathered when their layer runs
-        self._fwd_order = ([self.root] if self.root else []) + dense
-        self._bwd_order = ([self.root] if self.root else []) + dense[::-1]
-        hooked = ([(self.module, self.root)] if self.root else []) + list(zip(list(unit_modules) + list(experts), body))
-        for m, u in hooked:
-            m.register_forward_pre_hook(lambda mod, args, u=u: self._before_forward(u))
-            m.register_forward_hook(lambda mod, args, out, u=u: self._after_forward(u, out))
+        if self.stage == 3:
+            self._install_gathers(unit_modules, experts)
 
     # ------------------------------------------------------ the one shape
     def named_parameters(self):
@@ -199,6 +189,31 @@ class ZeRO(Accounting, ParallelModule):
         self._refresh()
         return self.module(*args, **kw)
 
+    # ------------------------------------------------------- what it holds
+    def state_arrays(self):
+        """(param arrays, grad arrays) live on this rank, views included
+        (pdist.measure.memory counts each underlying buffer once)."""
+        params = [p.data for u in self.units for p in u.params] + [u.shard.data for u in self.units]
+        grads = [p.grad for u in self.units for p in u.params] + \
+                [a for u in self.units for a in (u.grad_flat, u.shard.grad)]
+        return params, [g for g in grads if g is not None]
+
+    def held_bytes(self):
+        """Bytes this rank holds free for reuse (the buffer pool: gathered units and full
+        gradients of the last step, host_memory.BufferPool): resident, not live; the RSS
+        counts them, the formula does not."""
+        return self.pool.held_bytes()
+
+    @property
+    def numel(self):
+        """Ψ: the model's parameter count (no padding)."""
+        return sum(u.numel for u in self.units)
+
+    @property
+    def numel_padded(self):
+        """Σ_units Ψ_pad: the elements the flat buffers hold (= Ψ at stage 0)."""
+        return sum(u.padded for u in self.units)
+
     # ------------------------------------------------- gradients (all stages)
     def _grad_ready(self, u):
         u.ready += 1
@@ -240,39 +255,3 @@ class ZeRO(Accounting, ParallelModule):
         else:                                     # P_os+g: the full gradient is freed
             u.shard.grad = out
             u.drop_grads()
-
-    # -------------------------------------------------- parameters (stage 3)
-    def _start_gather(self, u):
-        if u.materialized() or u.gather_work is not None:
-            return
-        buf = u.gather_buffer()                                           # (Ψ_pad,)
-        u.gather_work = (buf, u.group.all_gather(buf, u.shard.data, async_op=True))
-
-    def _gather(self, u, order):
-        """Materialize u (waiting for its prefetch if one is in flight), then
-        start the all-gather of the unit after u in ``order``."""
-        if not u.materialized():
-            self._start_gather(u)
-            buf, work = u.gather_work
-            work.wait()
-            u.gather_work = None
-            u.finish_gather(buf)
-            hooks.event("all-gather", u.name)
-        if self.prefetch and u in order:
-            i = order.index(u)
-            if i + 1 < len(order):
-                self._start_gather(order[i + 1])
-
-    def _before_forward(self, u):
-        self._gather(u, self._fwd_order)
-
-    def _after_forward(self, u, out):
-        outs = out if isinstance(out, tuple) else (out,)
-        if is_grad_enabled():
-            for t in outs:
-                if getattr(t, "requires_grad", False):
-                    t.register_hook(lambda g, u=u: self._before_backward(u))
-        u.free()
-
-    def _before_backward(self, u):
-        self._gather(u, self._bwd_order)
