@@ -55,9 +55,9 @@ def in_mode(cls, mode):
         mixins = _modes[mode][1]
         base = next((c for c in cls.__mro__ if c in mixins), None)
         if base is None:
-            raise TypeError(f"{cls.__name__} does not run in the {mode} mode (the mode registers "
-                            f"{sorted(c.__name__ for c in mixins)} in pdist/parallel/modes.py); build the chain "
-                            f"without {mode}=, or give {cls.__name__} the mode's mixin")
+            raise TypeError(f"{cls.__name__} does not run in the {mode} mode (it covers "
+                            f"{sorted(c.__name__ for c in mixins)}); build the chain without {mode}=, or "
+                            f"register a mixin for {cls.__name__} (pdist/parallel/modes.py)")
         if getattr(cls, "mode", None) == mode:
             _made[key] = cls                          # made in the mode already
         else:
