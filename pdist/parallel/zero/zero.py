@@ -86,10 +86,9 @@ def check_stage_with_pipeline(stage, pipelined):
     micro-batches would repeat that 2m times per step (3m with a split backward). Refused, the
     same on every rank, before any collective (DeepSpeed refuses it too)."""
     if stage == 3 and pipelined:
-        raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it gathers each unit around "
-                         "its forward and its backward, and a pipeline's interleaved micro-batches would gather "
-                         "every unit 2m times per step (3m with a zero-bubble schedule's split backward; DeepSpeed "
-                         "refuses this too). Use zero_stage <= 2 with pp > 1, or pp = 1 with ZeRO-3.")
+        raise ValueError("ZeRO-3 does not compose with pipeline parallelism (pp > 1): it would gather every unit 2m "
+                         "times per step (3m with a zero-bubble schedule's split backward). Use zero_stage <= 2 "
+                         "with pp > 1.")
 
 
 class ZeRO(GatherParams, ParallelModule):
