@@ -22,6 +22,7 @@ then the longest, first) and a one-time bytecode compile (``compile_bytecode``).
 """
 import contextlib
 import fcntl
+import glob
 import json
 import os
 import sys
@@ -46,6 +47,7 @@ def _cores():
 
 UNITS = int(os.environ.get("PDIST_TEST_UNITS", 4 * _cores()))
 _mine = [0]                                   # units this worker holds now
+_launches = [0]                               # launches this worker started (PDIST_TEST_CPU)
 
 
 def _alive(pid):
@@ -102,10 +104,11 @@ def _set(k):
 
 
 @contextlib.contextmanager
-def holding(k):
-    """Hold at least k units inside the block (nothing to do if this worker holds them)."""
+def holding(k, exactly=False):
+    """Hold at least k units inside the block (nothing to do if this worker holds them);
+    ``exactly``: k, fewer too (0 while waiting for another worker's launch, tests/shared_launch.py)."""
     before = _mine[0]
-    if RUN is None or min(k, UNITS) <= before:
+    if RUN is None or min(k, UNITS) == before or (min(k, UNITS) < before and not exactly):
         yield
         return
     _set(k)
@@ -117,6 +120,7 @@ def holding(k):
 
 def _counted(launch):
     def launch_counted(n, *args, **kwargs):
+        _launches[0] += 1
         with holding(int(n)):
             return launch(n, *args, **kwargs)
     launch_counted.__wrapped__ = launch
@@ -138,9 +142,9 @@ SLOW = [
     "tests/test_recompute.py::test_layouts_train_the_same_with_recompute[n4-2of2]",   # --dp 4 --zero 3; --dp 2 --tp 2 --sp
     "tests/test_checkpoint.py::test_bad_checkpoints_raise_the_same_error_on_every_rank_and_touch_nothing",
     "tests/test_checkpoint.py::test_a_plain_model_saves_and_loads_as_one_process",
-    "tests/test_precision.py::test_pipeline_and_sequence_parallel_equal_one_process",
+    "tests/test_precision_layouts.py::test_pipeline_and_sequence_parallel_equal_one_process",
     "tests/test_precision.py::test_loss_curve_close_to_fp32",
-    "tests/test_precision.py::test_two_byte_collectives_sum_in_fp32_and_round_once[3]",
+    "tests/test_precision_layouts.py::test_two_byte_collectives_sum_in_fp32_and_round_once[3]",
     "tests/test_lessons_04_05.py::test_lesson_05_mixed_precision",
     "tests/test_failures.py::test_object_collective_mismatch[4]",
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts[4]",
@@ -276,29 +280,31 @@ def pytest_runtest_protocol(item, nextitem):
 @contextlib.contextmanager
 def _cpu_seconds(nodeid):
     """``PDIST_TEST_CPU=FILE``: one JSON line per test, its CPU seconds (the worker's own and its
-    waited-for children's: every launch's mpiexec and ranks), a load-independent cost; the
+    waited-for children's: every launch's mpiexec and ranks), a load-independent cost, and the
+    launches it started (a shared launch's in the test that ran it, tests/shared_launch.py); the
     suite's budget is kept by these (``sort`` them to see the largest)."""
     path = os.environ.get("PDIST_TEST_CPU")
     if not path:
         yield
         return
-    import json
     import resource
 
     def now():
         a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-    t0 = now()
+    t0, k0 = now(), _launches[0]
     try:
         yield
     finally:
         with open(path, "a") as f:
-            f.write(json.dumps({"test": nodeid, "cpu_s": round(now() - t0, 2)}) + "\n")
+            f.write(json.dumps({"test": nodeid, "cpu_s": round(now() - t0, 2),
+                                "launches": _launches[0] - k0}) + "\n")
 
 
 def pytest_unconfigure(config):
-    """The controller (no ``workerinput``) removes the pool's two files, which its workers wrote."""
+    """The controller (no ``workerinput``) removes the files its workers wrote: the pool, its
+    lock and the shared launches' outcomes (tests/shared_launch.py)."""
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
-        for p in (_path(os.getpid()), _path(os.getpid()) + ".lock"):
+        for p in glob.glob(glob.escape(_path(os.getpid())) + "*"):
             with contextlib.suppress(FileNotFoundError):
                 os.remove(p)

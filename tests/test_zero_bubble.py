@@ -9,7 +9,7 @@ two with recompute (selective, full) and one built on device="meta". The peak st
 must have held memory between B and W and released it. Then the layouts that do not
 compose are refused on every rank with the reason: ZeRO-3 with a pipeline, and a V-shaped
 schedule with other than 2 chunks per rank. (bf16/fp16 under these schedules, bit for
-bit: tests/test_precision.py.)
+bit: tests/test_precision_layouts.py.)
 """
 import pytest
 

@@ -1,0 +1,53 @@
+"""Several worker scripts (or lessons) in one launch, each a *job* run in turn as ``__main__``
+with its own ``sys.argv``, as ``mpiexec -n N python SCRIPT ARGS`` runs it alone: one start-up
+of mpiexec and one import of pdist per rank for all of them.
+
+    mpiexec -n 2 python -m pdist.testing tests/workers/jobs.py \\
+        '{"low": ["tests/workers/comm_low_precision.py"], "skip": ["tests/workers/skip_step.py", "one", "0"]}'
+
+Tests build that argument with ``shared_launch.jobs`` and read a job's reports with
+``pdist.testing.reports(out, job=NAME)`` (``report()`` tags them with the running job's name);
+rank 0 prints ``[pdist job] NAME`` before each job (``shared_launch.job_output`` cuts rank 0's
+text there). After each job the default dtype goes back to the launch's (workers set their
+own; lessons rely on the default). A job that raises or exits non-zero ends the launch with
+that rank's traceback, the job named in it (pdist.testing's failure report); one that exits
+0 lets the next one run."""
+import json
+import os
+import runpy
+import sys
+from pathlib import Path
+
+from pdist import testing
+from pdist.engine import backend
+
+JOBS = json.loads(sys.argv[1])
+DTYPE = backend.default_dtype()
+RANK = int(next((os.environ[v] for v in ("PMI_RANK", "OMPI_COMM_WORLD_RANK", "PMIX_RANK") if v in os.environ), 0))
+
+
+def run(name, script, *args):
+    """``script`` as ``__main__`` with ``sys.argv = [script, *args]`` and its folder first on
+    ``sys.path`` (as ``python script`` has it); ``testing.JOB`` names the job meanwhile."""
+    sys.argv, folder = [script, *args], str(Path(script).resolve().parent)
+    sys.path.insert(0, folder)
+    testing.JOB[0] = name
+    try:
+        runpy.run_path(script, run_name="__main__")
+    except SystemExit as e:
+        if e.code not in (None, 0):
+            raise SystemExit(f"job {name!r}: {script} exited with {e.code}") from e
+    except BaseException as e:            # its own type (a peer's failure reads as one), the job noted
+        if hasattr(e, "add_note"):        # Python 3.11+; before, the traceback's frames name the script
+            e.add_note(f"(in job {name!r}: {script})")
+        raise
+    finally:
+        testing.JOB[0] = None
+        sys.path.remove(folder)
+        backend.set_default_dtype(DTYPE)
+
+
+for name, (script, *args) in JOBS.items():
+    if RANK == 0:
+        print(f"[pdist job] {name}", flush=True)
+    run(name, script, *map(str, args))
