@@ -171,7 +171,9 @@ LONG = [
     "tests/test_gpu_standin.py::test_device_defects_fixed_with_lazy_streams",
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
-    "tests/test_layouts.py::test_layouts_equal_single_process",
+    "tests/test_layouts.py::test_layouts_equal_single_process[n2-dp-2]",      # each world's launch
+    "tests/test_layouts.py::test_layouts_equal_single_process[n4-dp-2-tp-2]",
+    "tests/test_layouts.py::test_layouts_equal_single_process[n8-dp-2-tp-2-pp-2-zero-1-sp-microbatches-4]",
     "tests/test_lesson_06.py::test_lesson_06_at_8_ranks_json",
     "tests/test_lessons_04_05.py::test_lesson_05",
     "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks",

@@ -13,8 +13,8 @@ worker killed in the middle leaves no outcome: the next one to ask runs the laun
 xdist the outcome is kept in this process only.
 
 ``jobs({name: [script, *args]})``: the arguments that run several scripts in one launch
-(tests/workers/jobs.py); ``chosen(request, spec)``: those of them whose tests this session
-runs; ``own(request, out)``: the reports of the test's own job; ``job_output(out, name)``:
+(tests/workers/jobs.py); ``selected(request)``: the tests of the module this session runs;
+``chosen(request, spec)``: the jobs named after them; ``own(request, out)``: the reports of the test's own job; ``job_output(out, name)``:
 rank 0's text of one of them."""
 import fcntl
 import hashlib
@@ -33,11 +33,16 @@ def jobs(spec):
     return RUNNER, json.dumps({name: [str(a) for a in cmd] for name, cmd in spec.items()})
 
 
+def selected(request):
+    """The names ("test_x[n2]") of the tests of ``request``'s module that this session runs:
+    a shared launch runs the cases of these only, not those ``-m "not slow"`` or ``-k`` left out."""
+    return {it.name for it in request.session.items if it.module is request.module}
+
+
 def chosen(request, spec):
     """The jobs of ``spec`` ({name: [script, *args]}) named after a test of ``request``'s module
-    that this session runs (e.g. "test_x[n2]", which reads them with ``own``): a job whose test
-    ``-m "not slow"`` or ``-k`` left out is not run for the others."""
-    names = {it.name for it in request.session.items if it.module is request.module}
+    that this session runs (``selected``; the test reads its job with ``own``)."""
+    names = selected(request)
     return {name: cmd for name, cmd in spec.items() if name in names}
 
 

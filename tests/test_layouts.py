@@ -1,8 +1,8 @@
 """The one shape: every layout and composition equals single-process training, for every model.
 
 tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
-(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch per batch of layouts,
-both models) and checks, on every rank: the losses, every piece of every parameter and of
+(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch per world size for all
+of its layouts and both models, tests/shared_launch.py) and checks, on every rank: the losses, every piece of every parameter and of
 Adam's m and v in ``sharded_state_dict`` against the same box of the single-process tensors
 (float64, rtol 1e-9), ``full_state_dict`` against the single-process state_dict, and
 ``load_full_state_dict`` as its inverse.
@@ -13,6 +13,7 @@ import re
 import pytest
 
 from pdist.testing import MPIRunError, mpirun, reports
+from shared_launch import jobs, mpirun_shared, selected
 
 W = "tests/workers/layout_equiv.py"
 MODELS = ("gpt2", "llama")
@@ -35,50 +36,41 @@ LAYOUTS = [
 ]
 
 
-# The layouts run in batches: one launch per batch (one mpiexec start and one import of pdist
-# per rank for all of its layouts), each layout reported and asserted by name. A batch holds
-# layouts of one world size, at most PER_BATCH of them (fewer at 4 and 8 ranks, which run
-# longer), so that no batch keeps a pytest-xdist worker busy long after the others.
-PER_BATCH = {1: 5, 2: 5, 3: 5, 4: 3, 8: 2}
+def ident(n, layout):
+    """A layout's test id: "n4-dp-2-tp-2-zero-3-sp" for (4, "--dp 2 --tp 2 --zero 3 --sp")."""
+    return "-".join([f"n{n}", *layout.replace("--", "").split()])
 
 
-def _batches():
-    out = {}
-    for n in sorted({n for n, _ in LAYOUTS}):
-        mine = [a for m, a in LAYOUTS if m == n]
-        k = -(-len(mine) // PER_BATCH[n])
-        for j in range(k):
-            out[f"n{n}-{j + 1}of{k}"] = (n, mine[j::k])      # round robin: slow kinds spread out
-    return out
+def world(n, request):
+    """The output of the one launch at n ranks (tests/shared_launch.py): every layout of this
+    session's tests at n (one --each job of the worker: one import of pdist per rank, one reference
+    per model), then the non-finite cases. A layout that fails ends the job naming it, and fails
+    every test of the launch with the failing rank's traceback."""
+    names = selected(request)
+    each = [a for m, a in LAYOUTS if m == n and f"test_layouts_equal_single_process[{ident(m, a)}]" in names]
+    spec = {"nonfinite": ["tests/workers/nonfinite.py"]} if f"test_nonfinite_raises_on_every_rank[{n}]" in names else {}
+    if each:                    # last: it sets pdist.engine.meta's chunk size
+        spec["layouts"] = [W, "--each=" + ";".join(each), "--model", ",".join(MODELS)]
+    return mpirun_shared(n, *jobs(spec), timeout=540)
 
 
-BATCHES = _batches()
-
-
-def test_batches_hold_every_layout_once():
-    held = sorted((n, a) for n, layouts in BATCHES.values() for a in layouts)
-    assert held == sorted(LAYOUTS), held
-
-
-@pytest.mark.parametrize("batch", list(BATCHES))
-def test_layouts_equal_single_process(batch):
-    """Each layout of the batch, in one launch: every rank reports every model, with its own
-    (pp, dp, tp) coordinates. A layout that fails ends the job with its name in the message."""
-    n, layouts = BATCHES[batch]
-    out = mpirun(n, W, "--each=" + ";".join(layouts), "--model", ",".join(MODELS), timeout=120 + 60 * len(layouts))
-    got = reports(out)
-    for layout in layouts:
-        for name in MODELS:
-            mine = [r for r in got if r["model"] == name and r["case"] == layout]
-            assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
-            assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (layout, name, mine)
-            coords = {tuple(r["coords"]) for r in mine}
-            assert len(coords) == n, (layout, coords)                  # every rank its own (pp, dp, tp)
+@pytest.mark.parametrize("n,layout", LAYOUTS, ids=[ident(n, a) for n, a in LAYOUTS])
+def test_layouts_equal_single_process(n, layout, request):
+    """The layout, in its world size's launch: every rank reports every model, with its own
+    (pp, dp, tp) coordinates."""
+    out = world(n, request)
+    got = reports(out, job="layouts")
+    for name in MODELS:
+        mine = [r for r in got if r["model"] == name and r["case"] == layout]
+        assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
+        assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (layout, name, mine)
+        coords = {tuple(r["coords"]) for r in mine}
+        assert len(coords) == n, (layout, coords)                  # every rank its own (pp, dp, tp)
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_nonfinite_raises_on_every_rank(n):
-    got = reports(mpirun(n, "tests/workers/nonfinite.py", timeout=200))
+def test_nonfinite_raises_on_every_rank(n, request):
+    got = reports(world(n, request), job="nonfinite")
     for zero in (0, 1, 3):
         mine = [r for r in got if r["case"] == f"nan weight zero={zero}"]
         assert len(mine) == n, got
