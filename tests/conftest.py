@@ -176,7 +176,7 @@ LONG = [
     "tests/test_layouts.py::test_layouts_equal_single_process[n8-dp-2-tp-2-pp-2-zero-1-sp-microbatches-4]",
     "tests/test_lesson_06.py::test_lesson_06_at_8_ranks_json",
     "tests/test_lessons_04_05.py::test_lesson_05",
-    "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks",
+    "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks[--dp 2 --tp 2]",     # the 4-rank launch
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
     "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
     "tests/test_zero.py::test_lesson_03_json_contract",

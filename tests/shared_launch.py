@@ -29,8 +29,11 @@ _done = {}                                    # key -> outcome, in this process
 
 
 def jobs(spec):
-    """``mpirun_shared(n, *jobs({"a": [script, arg, ...], ...}))``: every script in one launch."""
-    return RUNNER, json.dumps({name: [str(a) for a in cmd] for name, cmd in spec.items()})
+    """``mpirun_shared(n, *jobs({"a": [script, arg, ...], ...}))``: every script in one launch
+    (a job ``{"argv": [script, ...], "exit": 2}`` is expected to stop with that code)."""
+    def strs(job):
+        return {**job, "argv": strs(job["argv"])} if isinstance(job, dict) else [str(a) for a in job]
+    return RUNNER, json.dumps({name: strs(job) for name, job in spec.items()})
 
 
 def selected(request):

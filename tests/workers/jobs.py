@@ -3,7 +3,7 @@ with its own ``sys.argv``, as ``mpiexec -n N python SCRIPT ARGS`` runs it alone:
 of mpiexec and one import of pdist per rank for all of them.
 
     mpiexec -n 2 python -m pdist.testing tests/workers/jobs.py \\
-        '{"low": ["tests/workers/comm_low_precision.py"], "skip": ["tests/workers/skip_step.py", "one", "0"]}'
+        '{"low": ["tests/workers/comm_low_precision.py"], "bad": {"argv": ["lessons/06_mesh.py", "--tp", "3"], "exit": 2}}'
 
 Tests build that argument with ``shared_launch.jobs`` and read a job's reports with
 ``pdist.testing.reports(out, job=NAME)`` (``report()`` tags them with the running job's name);
@@ -11,7 +11,14 @@ rank 0 prints ``[pdist job] NAME`` before each job (``shared_launch.job_output``
 text there). After each job the default dtype goes back to the launch's (workers set their
 own; lessons rely on the default). A job that raises or exits non-zero ends the launch with
 that rank's traceback, the job named in it (pdist.testing's failure report); one that exits
-0 lets the next one run."""
+0 lets the next one run.
+
+A job given as ``{"argv": [...], "exit": CODE}`` is one expected to stop at once with a usage
+error on every rank, before any collective (a bad flag or layout: ``SystemExit(CODE)``), which
+the launch survives: its output is captured and each rank reports ``code`` (its exit code, 0
+if it ran to the end) and ``out`` (what it printed, stdout and stderr)."""
+import contextlib
+import io
 import json
 import os
 import runpy
@@ -47,7 +54,23 @@ def run(name, script, *args):
         backend.set_default_dtype(DTYPE)
 
 
-for name, (script, *args) in JOBS.items():
+def stopped(name, script, *args):
+    """``run`` a job expected to exit at once, its output captured; report its exit code and output."""
+    buf, code = io.StringIO(), 0
+    try:
+        with contextlib.redirect_stdout(buf), contextlib.redirect_stderr(buf):
+            run(name, script, *args)
+    except SystemExit as e:
+        code = e.__cause__.code if isinstance(e.__cause__, SystemExit) else e.code   # run() names the job
+    testing.JOB[0] = name
+    testing.report(rank=RANK, code=code, out=buf.getvalue())
+    testing.JOB[0] = None
+
+
+for name, job in JOBS.items():
     if RANK == 0:
         print(f"[pdist job] {name}", flush=True)
-    run(name, script, *map(str, args))
+    if isinstance(job, dict):
+        stopped(name, *map(str, job["argv"]))
+    else:
+        run(name, *map(str, job))
