@@ -13,19 +13,24 @@ worker killed in the middle leaves no outcome: the next one to ask runs the laun
 xdist the outcome is kept in this process only.
 
 ``jobs({name: [script, *args]})``: the arguments that run several scripts in one launch
-(tests/workers/jobs.py); ``selected(request)``: the tests of the module this session runs;
-``chosen(request, spec)``: the jobs named after them; ``own(request, out)``: the reports of the test's own job; ``job_output(out, name)``:
-rank 0's text of one of them."""
+(tests/workers/jobs.py); ``scratch(name)``: a path for a file one of them writes;
+``selected(request)``: the tests of the module this session runs; ``chosen(request, spec)``:
+the jobs named after them; ``own(request, out)``: the reports of the test's own job;
+``job_output(out, name)``: rank 0's text of one of them."""
+import atexit
 import fcntl
 import hashlib
 import json
 import os
+import shutil
 import sys
+import tempfile
 
 from pdist.testing import MPIRunError, mpirun, reports
 
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "jobs.py")
 _done = {}                                    # key -> outcome, in this process
+_folder = []                                  # scratch()'s folder without xdist
 
 
 def jobs(spec):
@@ -34,6 +39,19 @@ def jobs(spec):
     def strs(job):
         return {**job, "argv": strs(job["argv"])} if isinstance(job, dict) else [str(a) for a in job]
     return RUNNER, json.dumps({name: strs(job) for name, job in spec.items()})
+
+
+def scratch(name):
+    """A path that every worker sees, for a file a shared launch writes (a lesson's ``--json``):
+    beside the pool's file under xdist (removed with it), else in a folder of this process's,
+    removed at its exit."""
+    pool = sys.modules.get("conftest")
+    if getattr(pool, "RUN", None) is not None:
+        return f"{pool._path(pool.RUN)}.{name}"
+    if not _folder:
+        _folder.append(tempfile.mkdtemp(prefix="pdist-test-"))
+        atexit.register(shutil.rmtree, _folder[0], True)
+    return os.path.join(_folder[0], name)
 
 
 def selected(request):
