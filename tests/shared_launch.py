@@ -16,7 +16,7 @@ xdist the outcome is kept in this process only.
 (tests/workers/jobs.py); ``scratch(name)``: a path for a file one of them writes;
 ``selected(request)``: the tests of the module this session runs; ``chosen(request, spec)``:
 the jobs named after them; ``own(request, out)``: the reports of the test's own job;
-``job_output(out, name)``: rank 0's text of one of them."""
+``job_output(out, name)``: rank 0's text of one of them; ``session()``: the suite's run."""
 import atexit
 import fcntl
 import hashlib
@@ -39,6 +39,11 @@ def jobs(spec):
     def strs(job):
         return {**job, "argv": strs(job["argv"])} if isinstance(job, dict) else [str(a) for a in job]
     return RUNNER, json.dumps({name: strs(job) for name, job in spec.items()})
+
+
+def session():
+    """The suite's run: the xdist controller's pid (tests/conftest.py), else this process's."""
+    return getattr(sys.modules.get("conftest"), "RUN", None) or os.getpid()
 
 
 def scratch(name):

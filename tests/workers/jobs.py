@@ -8,10 +8,11 @@ of mpiexec and one import of pdist per rank for all of them.
 Tests build that argument with ``shared_launch.jobs`` and read a job's reports with
 ``pdist.testing.reports(out, job=NAME)`` (``report()`` tags them with the running job's name);
 rank 0 prints ``[pdist job] NAME`` before each job (``shared_launch.job_output`` cuts rank 0's
-text there). After each job the default dtype goes back to the launch's (workers set their
-own; lessons rely on the default). A job that raises or exits non-zero ends the launch with
-that rank's traceback, the job named in it (pdist.testing's failure report); one that exits
-0 lets the next one run.
+text there). After each job the process-wide settings go back to a fresh process's: the
+default dtype (workers set their own; lessons rely on the default) and the step stamps of the
+collectives' fingerprints (a job that stopped inside a step leaves that step's number and its
+batch's hash). A job that raises or exits non-zero ends the launch with that rank's traceback,
+the job named in it (pdist.testing's failure report); one that exits 0 lets the next one run.
 
 A job given as ``{"argv": [...], "exit": CODE}`` is one expected to stop at once with a usage
 error on every rank, before any collective (a bad flag or layout: ``SystemExit(CODE)``), which
@@ -26,6 +27,7 @@ import sys
 from pathlib import Path
 
 from pdist import testing
+from pdist.comm import flight_recorder
 from pdist.engine import backend
 
 JOBS = json.loads(sys.argv[1])
@@ -52,6 +54,7 @@ def run(name, script, *args):
         testing.JOB[0] = None
         sys.path.remove(folder)
         backend.set_default_dtype(DTYPE)
+        flight_recorder.set_step(0, batch=0)
 
 
 def stopped(name, script, *args):
