@@ -25,6 +25,7 @@ import fcntl
 import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -178,7 +179,7 @@ LONG = [
     "tests/test_lessons_04_05.py::test_lesson_05",
     "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks[--dp 2 --tp 2]",     # the 4-rank launch
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
-    "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
+    "tests/test_lesson_07.py::test_lesson_07_at_4_ranks",                       # the 4-rank launch
     "tests/test_zero.py::test_lesson_03_json_contract",
     "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",
     "tests/test_precision.py::test_loss_curve_close_to_fp32",
@@ -305,8 +306,8 @@ def _cpu_seconds(nodeid):
 
 def pytest_unconfigure(config):
     """The controller (no ``workerinput``) removes the files its workers wrote: the pool, its
-    lock and the shared launches' outcomes (tests/shared_launch.py)."""
+    lock, the shared launches' outcomes and scratch files (tests/shared_launch.py)."""
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
         for p in glob.glob(glob.escape(_path(os.getpid())) + "*"):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(p)
+                (shutil.rmtree if os.path.isdir(p) else os.remove)(p)      # a folder: a lesson's --dir

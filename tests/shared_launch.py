@@ -65,11 +65,14 @@ def selected(request):
     return {it.name for it in request.session.items if it.module is request.module}
 
 
-def chosen(request, spec):
+def chosen(request, spec, n=None):
     """The jobs of ``spec`` ({name: [script, *args]}) named after a test of ``request``'s module
-    that this session runs (``selected``; the test reads its job with ``own``)."""
+    that this session runs (``selected``; the test reads its job with ``own``). With ``n``,
+    spec's values are (world size, job): the jobs at n."""
     names = selected(request)
-    return {name: cmd for name, cmd in spec.items() if name in names}
+    if n is not None:
+        spec = {name: job for name, (size, job) in spec.items() if size == n}
+    return {name: job for name, job in spec.items() if name in names}
 
 
 def own(request, out):

@@ -1,11 +1,15 @@
 """lessons/02_data_parallel.py and lessons/03_zero.py under mpirun: the PASS line, the
-JSON summary contract, and bad flags stopping every rank with exit code 2."""
+JSON summary contract, and bad flags stopping every rank with exit code 2 (jobs of one 2-rank
+launch with lesson 02, tests/shared_launch.py; a bad layout run as a user runs it, with no
+harness: tests/test_lesson_06.py)."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from pdist.testing import launch, mpirun
+from pdist.testing import mpirun
+from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L02 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
@@ -29,9 +33,19 @@ def check_summary(s, lesson, n, names, steps, dtype):
         assert 0 < r["seconds_per_step"] < 10
 
 
-def test_lesson_02_two_ranks_float64_accum(tmp_path):
-    out = tmp_path / "s.json"
-    text = mpirun(2, L02, "--dtype", "float64", "--steps", "3", "--accum", "2", "--json", out, timeout=120)
+def world2(request):
+    """The one 2-rank launch of this session's tests here but the RSS one (tests/shared_launch.py):
+    the bad flags first (each stops every rank before any collective, its output captured), then
+    lesson 02."""
+    return mpirun_shared(2, *jobs(chosen(request, {
+        f"test_bad_flag_exits_2_on_every_rank[{s}]": {"argv": [s, "--batch-size", "0"], "exit": 2} for s in (L02, L03)}
+        | {"test_lesson_02_two_ranks_float64_accum": [L02, "--dtype", "float64", "--steps", "3", "--accum", "2",
+                                                      "--json", scratch("l02.json")]})), timeout=300)
+
+
+def test_lesson_02_two_ranks_float64_accum(request):
+    out = Path(scratch("l02.json"))
+    text = job_output(world2(request), "test_lesson_02_two_ranks_float64_accum")
     assert "PASS: 02_data_parallel -- 2 rank(s)" in text, text
     assert "in 2 micro-batches" in text and "bucketed DP" in text
     s = json.loads(out.read_text())
@@ -61,11 +75,12 @@ def test_lesson_03_three_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("script", [L02, L03])
-def test_bad_flag_exits_2_on_every_rank(script):
-    r = launch(2, script, "--batch-size", "0", timeout=60, wrap=False)       # as a user runs it
-    assert r.rc == 2, r.out
-    assert r.out.count("--batch-size must be >= 1, got 0") == 2, r.out       # both ranks
-    assert r.out.count("usage:") == 2 and "PASS" not in r.out and "FAIL" not in r.out
+def test_bad_flag_exits_2_on_every_rank(script, request):
+    got = own(request, world2(request))
+    assert sorted(r["rank"] for r in got) == [0, 1], got
+    for r in got:                             # each rank: exit 2, the usage and the reason once, no verdict
+        assert r["code"] == 2 and r["out"].count("--batch-size must be >= 1, got 0") == 1, r
+        assert r["out"].count("usage:") == 1 and "PASS" not in r["out"] and "FAIL" not in r["out"], r
 
 
 def test_lesson_03_rss_meta_init_and_timeline(tmp_path):

@@ -31,7 +31,7 @@ def world(n, request):
         "test_lesson_05_mixed_precision": (2, [L05, "--steps", "2", "--precision", "bf16", "--json", scratch("l05h.json"),
                                                "--n-layer", "4", "--n-embd", "32", "--block-size", "16"]),
         "test_lesson_05_json": (4, [L05, "--steps", "2", "--json", scratch("l05.json")])}
-    return mpirun_shared(n, *jobs(chosen(request, {t: job for t, (m, job) in every.items() if m == n})), timeout=540)
+    return mpirun_shared(n, *jobs(chosen(request, every, n)), timeout=540)
 
 
 def stopped(request, n):

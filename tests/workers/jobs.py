@@ -9,9 +9,9 @@ Tests build that argument with ``shared_launch.jobs`` and read a job's reports w
 ``pdist.testing.reports(out, job=NAME)`` (``report()`` tags them with the running job's name);
 rank 0 prints ``[pdist job] NAME`` before each job (``shared_launch.job_output`` cuts rank 0's
 text there). After each job the process-wide settings go back to a fresh process's: the
-default dtype (workers set their own; lessons rely on the default) and the step stamps of the
+default dtype (workers set their own; lessons rely on the default), the step stamps of the
 collectives' fingerprints (a job that stopped inside a step leaves that step's number and its
-batch's hash). A job that raises or exits non-zero ends the launch with that rank's traceback,
+batch's hash) and the injected faults (a lesson's ``--inject``). A job that raises or exits non-zero ends the launch with that rank's traceback,
 the job named in it (pdist.testing's failure report); one that exits 0 lets the next one run.
 
 A job given as ``{"argv": [...], "exit": CODE}`` is one expected to stop at once with a usage
@@ -55,6 +55,8 @@ def run(name, script, *args):
         sys.path.remove(folder)
         backend.set_default_dtype(DTYPE)
         flight_recorder.set_step(0, batch=0)
+        if "pdist.faults.inject" in sys.modules:      # a lesson's --inject must not fire in the next job
+            sys.modules["pdist.faults.inject"].clear()
 
 
 def stopped(name, script, *args):
