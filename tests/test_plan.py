@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from pdist.models.gpt import GPTConfig
 from pdist.plan import main, plan, search, text_chart
 from pdist.plan.model import Layout, layer_activations
 from pdist.plan.presets import CLUSTERS, MODELS, NARAYANAN_TABLE1, narayanan_flops
-from pdist.testing import mpirun
+from shared_launch import chosen, jobs, mpirun_shared, scratch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +30,27 @@ def lesson_cfg(psi, n_layer, C=64, T=32, heads=4):
 
 # --- 1. pdist's own runs -----------------------------------------------------------------------
 
+L03, L06 = os.path.join(ROOT, "lessons", "03_zero.py"), os.path.join(ROOT, "lessons", "06_mesh.py")
+LAYOUTS_06 = {"--dp 2 --tp 2": "m-dp2tp2.json", "--tp 2 --pp 2": "m-tp2pp2.json"}
+
+
+def runs(request, n, name):
+    """The JSON a lesson wrote in this session's one launch at n ranks (tests/shared_launch.py):
+    at 4 ranks lesson 03 and each lesson 06 layout as jobs, at 2 and 3 lesson 03 alone (at 3 the
+    launch of tests/test_lessons_02_03.py, the same command)."""
+    if n == 4:
+        spec = {"test_lesson_03_bytes_equal_the_plan[4]": [L03, "--steps", "2", "--json", scratch("z-n4.json")]}
+        spec |= {f"test_lesson_06_memory_and_group_bytes_equal_the_plan[{a}-lay{i}]":
+                 [L06, "--steps", "2", *a.split(), "--json", scratch(f)] for i, (a, f) in enumerate(LAYOUTS_06.items())}
+        mpirun_shared(4, *jobs(chosen(request, spec)), timeout=540)
+    else:
+        mpirun_shared(n, L03, "--steps", "2", "--json", scratch(f"z-n{n}.json"), timeout=240)
+    return json.loads(Path(scratch(name)).read_text())["runs"]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])     # n = 3: units padded to a multiple of 3
-def test_lesson_03_bytes_equal_the_plan(tmp_path, n):
-    path = tmp_path / "z.json"
-    mpirun(n, os.path.join(ROOT, "lessons", "03_zero.py"), "--steps", "2", "--json", path, timeout=240)
-    s = json.loads(path.read_text())
+def test_lesson_03_bytes_equal_the_plan(n, request):
+    s = {"runs": runs(request, n, f"z-n{n}.json")}
     assert len(s["runs"]) == 4
     for run in s["runs"]:
         cfg = lesson_cfg(run["params"], 2)
@@ -52,11 +69,8 @@ def test_lesson_03_bytes_equal_the_plan(tmp_path, n):
     ("--dp 2 --tp 2", dict(dp=2, tp=2, pp=1, zero=1, sp=True)),
     ("--tp 2 --pp 2", dict(dp=1, tp=2, pp=2, zero=0, sp=True)),
 ])
-def test_lesson_06_memory_and_group_bytes_equal_the_plan(tmp_path, layout, lay):
-    path = tmp_path / "m.json"
-    mpirun(4, os.path.join(ROOT, "lessons", "06_mesh.py"), "--steps", "2", *layout.split(), "--json", path,
-           timeout=240)
-    (run,) = json.loads(path.read_text())["runs"]
+def test_lesson_06_memory_and_group_bytes_equal_the_plan(layout, lay, request):
+    (run,) = runs(request, 4, LAYOUTS_06[layout])
     cfg = lesson_cfg(run["params"], 4)
     m = 4                                                        # the lesson's --microbatches
     p = plan(cfg, "this", precision="fp64", m=m, micro_batch=16 // lay["dp"] // m, **lay)
