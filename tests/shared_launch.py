@@ -13,7 +13,7 @@ worker killed in the middle leaves no outcome: the next one to ask runs the laun
 xdist the outcome is kept in this process only.
 
 ``jobs({name: [script, *args]})``: the arguments that run several scripts in one launch
-(tests/workers/jobs.py); ``scratch(name)``: a path for a file one of them writes;
+(tests/workers/jobs.py), ``stops(script, *args)`` one of them expected to stop; ``scratch(name)``: a path for a file one of them writes;
 ``selected(request)``: the tests of the module this session runs; ``chosen(request, spec)``:
 the jobs named after them; ``own(request, out)``: the reports of the test's own job;
 ``job_output(out, name)``: rank 0's text of one of them; ``session()``: the suite's run."""
@@ -33,9 +33,15 @@ _done = {}                                    # key -> outcome, in this process
 _folder = []                                  # scratch()'s folder without xdist
 
 
+def stops(script, *args):
+    """A job expected to stop on every rank before any work (a usage error, a bad layout): its
+    output captured and reported per rank (``code``, ``error``, ``out``), the launch going on."""
+    return {"argv": [script, *args], "stops": True}
+
+
 def jobs(spec):
     """``mpirun_shared(n, *jobs({"a": [script, arg, ...], ...}))``: every script in one launch
-    (a job ``{"argv": [script, ...], "exit": 2}`` is expected to stop with that code)."""
+    (a job may be ``stops(script, ...)``)."""
     def strs(job):
         return {**job, "argv": strs(job["argv"])} if isinstance(job, dict) else [str(a) for a in job]
     return RUNNER, json.dumps({name: strs(job) for name, job in spec.items()})

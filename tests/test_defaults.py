@@ -14,7 +14,7 @@ import pytest
 
 import pdist
 from pdist.testing import launch, reports
-from shared_launch import jobs, mpirun_shared, selected, session
+from shared_launch import jobs, mpirun_shared, selected, session, stops
 
 ROOT = Path(pdist.__file__).resolve().parent.parent     # the checkout whose pdist and lessons run
 W = Path(__file__).parent / "workers"
@@ -50,7 +50,7 @@ def job(n, script, env, tmp_path):
 # The 2-rank scenarios that end by themselves (an error raised on every rank, reported; a usage error before any
 # collective, captured) are jobs of one launch (tests/workers/jobs.py): that one, those that pass, those that raise.
 JOBS = [("test_inject_of_a_rank_that_does_not_exist_is_a_usage_error_on_every_rank", "inject",
-         {"argv": [LESSONS / "02_data_parallel.py", "--steps", "2", "--inject", "nan:rank=5,step=1"], "exit": 2})]
+         stops(LESSONS / "02_data_parallel.py", "--steps", "2", "--inject", "nan:rank=5,step=1"))]
 JOBS += [(f"test_batch_check_passes_the_same_batch_and_can_be_switched_off[{k}]", k, [W / "defaults_batch.py", *a])
          for k, a in [("same batch dp", ("dp", "step")), ("same batch pp", ("pp", "step")),
                       ("check off", ("tp", "rank", "off"))]]

@@ -12,8 +12,8 @@ import re
 
 import pytest
 
-from pdist.testing import MPIRunError, mpirun, reports
-from shared_launch import jobs, mpirun_shared, selected
+from pdist.testing import mpirun, reports
+from shared_launch import jobs, mpirun_shared, selected, stops
 
 W = "tests/workers/layout_equiv.py"
 MODELS = ("gpt2", "llama")
@@ -36,19 +36,31 @@ LAYOUTS = [
 ]
 
 
+BAD = [
+    (4, "--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
+    (3, "--tp 3 --dp 1 --pp 1", "divisible by 3"),
+    (4, "--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
+    (4, "--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+    (4, "--tp 4 --dp 1 --pp 1 --model llama", "not divisible: n_kv_head = 2"),   # GQA: kv heads split whole
+]
+
+
 def ident(n, layout):
     """A layout's test id: "n4-dp-2-tp-2-zero-3-sp" for (4, "--dp 2 --tp 2 --zero 3 --sp")."""
     return "-".join([f"n{n}", *layout.replace("--", "").split()])
 
 
 def world(n, request):
-    """The output of the one launch at n ranks (tests/shared_launch.py): every layout of this
-    session's tests at n (one --each job of the worker: one import of pdist per rank, one reference
-    per model), then the non-finite cases. A layout that fails ends the job naming it, and fails
+    """The output of the one launch at n ranks (tests/shared_launch.py): the bad layouts of this
+    session's tests at n, the non-finite cases, then every layout (one --each job of the worker:
+    one import of pdist per rank, one reference per model). A layout that fails ends the job naming it, and fails
     every test of the launch with the failing rank's traceback."""
     names = selected(request)
     each = [a for m, a in LAYOUTS if m == n and f"test_layouts_equal_single_process[{ident(m, a)}]" in names]
-    spec = {"nonfinite": ["tests/workers/nonfinite.py"]} if f"test_nonfinite_raises_on_every_rank[{n}]" in names else {}
+    spec = {f"bad {a}": stops(W, *a.split()) for m, a, w in BAD if m == n      # each raises on every rank
+            and f"test_bad_layout_fails_on_every_rank[{m}-{a}-{w}]" in names}   # before any work
+    if f"test_nonfinite_raises_on_every_rank[{n}]" in names:
+        spec["nonfinite"] = ["tests/workers/nonfinite.py"]
     if each:                    # last: it sets pdist.engine.meta's chunk size
         spec["layouts"] = [W, "--each=" + ";".join(each), "--model", ",".join(MODELS)]
     return mpirun_shared(n, *jobs(spec), timeout=540)
@@ -81,18 +93,13 @@ def test_nonfinite_raises_on_every_rank(n, request):
     assert len(clip) == n and all(r["error"] and "inf" in r["error"] and r["untouched"] for r in clip), clip
 
 
-@pytest.mark.parametrize("n,args,words", [
-    (4, "--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
-    (3, "--tp 3 --dp 1 --pp 1", "divisible by 3"),
-    (4, "--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
-    (4, "--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
-    (4, "--tp 4 --dp 1 --pp 1 --model llama", "not divisible: n_kv_head = 2"),   # GQA: kv heads split whole
-])
-def test_bad_layout_fails_on_every_rank(n, args, words):
-    with pytest.raises(MPIRunError) as e:
-        mpirun(n, W, *args.split(), timeout=120)
-    msg = str(e.value)
-    assert words in msg, msg
+@pytest.mark.parametrize("n,args,words", BAD)
+def test_bad_layout_fails_on_every_rank(n, args, words, request):
+    """The layout raises the same error on every rank, before any work (a job of the world's
+    launch, which goes on: tests/workers/jobs.py)."""
+    got = reports(world(n, request), job=f"bad {args}")
+    assert sorted(r["rank"] for r in got) == list(range(n)), got
+    assert all(r["code"] != 0 and words in r["error"] for r in got), got
 
 
 @pytest.mark.parametrize("n,case,zero", [(2, "one", 0), (4, "one", 1), (2, "two", 0), (4, "two", 2)])

@@ -11,7 +11,7 @@ import os
 import pytest
 
 from pdist.testing import launch, mpirun, reports
-from shared_launch import job_output, jobs, mpirun_shared, selected
+from shared_launch import job_output, jobs, mpirun_shared, selected, stops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L06 = os.path.join(ROOT, "lessons", "06_mesh.py")
@@ -58,7 +58,7 @@ def world4(request):
     """The one launch at 4 ranks: the bad layouts first (each stops before any collective, its
     output captured), then the pairs, of this session's tests."""
     names = selected(request)
-    spec = {f"bad {a}": {"argv": [L06, *a.split()], "exit": 2} for a, w in BAD
+    spec = {f"bad {a}": stops(L06, *a.split()) for a, w in BAD
             if f"test_bad_layout_stops_every_rank[{a}-{w}]" in names}
     spec |= {p: [L06, *SMALL, *p.split()] for p in PAIRS if f"test_lesson_06_pairs_at_4_ranks[{p}]" in names}
     return mpirun_shared(4, *jobs(spec), timeout=540)

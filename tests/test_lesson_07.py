@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 
 from pdist.testing import launch
-from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch
+from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch, stops
 
 L07 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "07_checkpoint.py")
 SMALL = ["--n-embd", "32", "--block-size", "16"]                                                # a small model
@@ -20,8 +20,7 @@ SMALL = ["--n-embd", "32", "--block-size", "16"]                                
 def world4(request):
     """The one 4-rank launch of this session's tests (tests/shared_launch.py): the bad flag first (it
     stops every rank before any collective, its output captured), then each run, in its own folder."""
-    spec = {"test_lesson_07_needs_4_ranks_and_a_save_step": {"argv": [L07, "--steps", "4", "--save-at", "4"],
-                                                             "exit": 2},
+    spec = {"test_lesson_07_needs_4_ranks_and_a_save_step": stops(L07, "--steps", "4", "--save-at", "4"),
             "test_lesson_07_at_4_ranks": [L07, "--steps", "6", "--save-at", "3", "--dir", scratch("l07"),
                                           "--json", scratch("l07.json")]}
     for p in ("bf16", "fp16"):

@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 
 from pdist.testing import mpirun
-from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch
+from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch, stops
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L02 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
@@ -38,7 +38,7 @@ def world2(request):
     the bad flags first (each stops every rank before any collective, its output captured), then
     lesson 02."""
     return mpirun_shared(2, *jobs(chosen(request, {
-        f"test_bad_flag_exits_2_on_every_rank[{s}]": {"argv": [s, "--batch-size", "0"], "exit": 2} for s in (L02, L03)}
+        f"test_bad_flag_exits_2_on_every_rank[{s}]": stops(s, "--batch-size", "0") for s in (L02, L03)}
         | {"test_lesson_02_two_ranks_float64_accum": [L02, "--dtype", "float64", "--steps", "3", "--accum", "2",
                                                       "--json", scratch("l02.json")]})), timeout=300)
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 
 from pdist.testing import reports
-from shared_launch import chosen, job_output, jobs, mpirun_shared, scratch
+from shared_launch import chosen, job_output, jobs, mpirun_shared, scratch, stops
 
 REPO = Path(__file__).resolve().parent.parent
 L04, L05 = REPO / "lessons" / "04_tensor_parallel.py", REPO / "lessons" / "05_pipeline_parallel.py"
@@ -18,8 +18,6 @@ L04, L05 = REPO / "lessons" / "04_tensor_parallel.py", REPO / "lessons" / "05_pi
 
 def world(n, request):
     """The one launch at n ranks: the jobs of this session's tests at n, the flag checks first."""
-    def stops(script, *args):
-        return {"argv": [script, *args], "exit": 2}
     every = {                                             # test: (world size, its job)
         "test_lesson_rejects_bad_flag[lessons/04_tensor_parallel.py-2]": (2, stops(L04, "--steps", "0")),
         "test_lesson_rejects_bad_flag[lessons/05_pipeline_parallel.py-2]": (2, stops(L05, "--steps", "0")),

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch
+from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch, stops
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "zero_check.py"
@@ -22,8 +22,7 @@ def world(n, request):
     every = {f"test_zero_stages_equal_single_process_and_formulas[{m}]": (m, [WORKER]) for m in (1, 2, 3, 4)}
     every["test_lesson_03_json_contract"] = (4, [LESSON, "--steps", 3, "--dtype", "float64",
                                                  "--json", scratch("l03.json")])
-    every["test_lesson_03_bad_input_fails_on_every_rank"] = (2, {"argv": [LESSON, "--batch-size", 5, "--steps", 1],
-                                                                 "exit": 2})
+    every["test_lesson_03_bad_input_fails_on_every_rank"] = (2, stops(LESSON, "--batch-size", 5, "--steps", 1))
     return mpirun_shared(n, *jobs(chosen(request, every, n)), timeout=540)
 
 
