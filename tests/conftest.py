@@ -179,6 +179,7 @@ LONG = [
     "tests/test_lessons_04_05.py::test_lesson_05",
     "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks[--dp 2 --tp 2]",     # the 4-rank launch
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
+    "tests/test_zero_bubble.py::test_zero_bubble_schedules_equal_one_process",   # the suite's 2, 4-rank launches
     "tests/test_lesson_07.py::test_lesson_07_at_4_ranks",                       # the 4-rank launch
     "tests/test_zero.py::test_lesson_03_json_contract",
     "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",

@@ -15,7 +15,8 @@ xdist the outcome is kept in this process only.
 ``jobs({name: [script, *args]})``: the arguments that run several scripts in one launch
 (tests/workers/jobs.py), ``stops(script, *args)`` one of them expected to stop; ``scratch(name)``: a path for a file one of them writes;
 ``selected(request)``: the tests of the module this session runs; ``chosen(request, spec)``:
-the jobs named after them; ``own(request, out)``: the reports of the test's own job;
+the jobs named after them; ``suite_world(n, request)``: one launch for several modules' jobs;
+``own(request, out)``: the reports of the test's own job;
 ``job_output(out, name)``: rank 0's text of one of them; ``session()``: the suite's run."""
 import atexit
 import fcntl
@@ -82,8 +83,24 @@ def chosen(request, spec, n=None):
 
 
 def own(request, out):
-    """The reports of the job named after ``request``'s test (``chosen``)."""
-    return reports(out, job=request.node.name)
+    """The reports of the job named after ``request``'s test (``chosen``; ``suite_world``: its node id)."""
+    return [{k: v for k, v in r.items() if k != "job"} for r in reports(out)
+            if r.get("job") in (request.node.name, request.node.nodeid)]
+
+
+def suite_world(n, request, timeout=540):
+    """The one launch at n ranks of the whole session for the modules that define
+    ``suite_jobs(n, names)`` (their jobs at n, ``{test name: job}``, for ``names``, their tests
+    that this session runs): every such module's jobs in the session's order, each named by its
+    test's node id (``own``, ``job_output(out, request.node.nodeid)`` read them). Small modules
+    of one launch per world size share it; a job that fails fails the tests of them all."""
+    spec, names = {}, {}
+    for it in request.session.items:
+        if hasattr(it.module, "suite_jobs"):
+            names.setdefault(it.module, (it.nodeid.split("::")[0], set()))[1].add(it.name)
+    for mod, (path, held) in names.items():
+        spec |= {f"{path}::{test}": job for test, job in mod.suite_jobs(n, held).items()}
+    return mpirun_shared(n, *jobs(spec), timeout=timeout)
 
 
 def job_output(out, name):

@@ -6,17 +6,26 @@ capacity 1.0 / 1.25 = sum_e max(0, routed_e - ceil(c N k / E)), expert memory = 
 replicated. And a bad --ep stops every rank with one usage message."""
 import json
 import os
+from pathlib import Path
 
-from pdist.testing import launch, mpirun
+from shared_launch import job_output, own, scratch, stops, suite_world
 
 L10 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "10_experts.py")
 
 
-def test_lesson_10_at_4_ranks(tmp_path):
-    path = tmp_path / "moe.json"
-    out = mpirun(4, L10, "--steps", "2", "--n-embd", "16", "--block-size", "8", "--json", path, timeout=120)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks in the suite's launch of that size (tests/shared_launch.py): the
+    lesson at 4, its bad --ep at 2 (it stops every rank before any work, its output captured)."""
+    every = {"test_lesson_10_at_4_ranks": (4, [L10, "--steps", "2", "--n-embd", "16", "--block-size", "8",
+                                              "--json", scratch("l10.json")]),
+             "test_lesson_10_bad_ep_stops_every_rank": (2, stops(L10, "--ep", "4"))}
+    return {t: job for t, (m, job) in every.items() if m == n and t in names}
+
+
+def test_lesson_10_at_4_ranks(request):
+    out = job_output(suite_world(4, request), request.node.nodeid)
     assert "PASS: 10_experts" in out and "tokens per expert" in out, out
-    s = json.loads(path.read_text())
+    s = json.loads(Path(scratch("l10.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("10_experts", 4, "PASS")
     runs = {r["name"]: r for r in s["runs"]}
     assert list(runs) == ["ep 2", "ep 4", "capacity", "uniform routing"]
@@ -40,6 +49,8 @@ def test_lesson_10_at_4_ranks(tmp_path):
     assert all(d["dropped"] == d["formula"] and d["assignments"] == 2 * 2 * 4 * N * k for d in drops.values())
 
 
-def test_lesson_10_bad_ep_stops_every_rank():
-    r = launch(2, L10, "--ep", "4", timeout=60, wrap=False)
-    assert r.rc == 2 and r.out.count("--ep 4: must be >= 2, divide the world (2 ranks") == 2, r.out
+def test_lesson_10_bad_ep_stops_every_rank(request):
+    got = own(request, suite_world(2, request))          # exit 2 on every rank, with one usage message
+    assert sorted(r["rank"] for r in got) == [0, 1], got
+    assert all(r["code"] == 2 and r["out"].count("--ep 4: must be >= 2, divide the world (2 ranks") == 1
+               for r in got), got

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdist.testing import mpirun
+from shared_launch import job_output, scratch, suite_world
 
 REPO = Path(__file__).resolve().parent.parent
 L11 = REPO / "lessons" / "11_same_bits.py"
@@ -28,12 +28,17 @@ def _cut_same(rng, T, C):
     return np.array_equal((x[:2 * T] @ w)[:, :3 * C // 2], (x @ np.ascontiguousarray(w[:, :3 * C // 2]))[:2 * T])
 
 
-def test_lesson_11_at_4_ranks(tmp_path):
-    path = tmp_path / "l11.json"
-    out = mpirun(4, str(L11), "--steps", "3", "--n-embd", "16", "--block-size", "8", "--json", str(path),
-                 timeout=150)
+def suite_jobs(n, names):
+    """This module's job at n ranks in the suite's launch of that size (tests/shared_launch.py)."""
+    test = "test_lesson_11_at_4_ranks"
+    return {test: [L11, "--steps", "3", "--n-embd", "16", "--block-size", "8", "--json", scratch("l11.json")]} \
+        if n == 4 and test in names else {}
+
+
+def test_lesson_11_at_4_ranks(request):
+    out = job_output(suite_world(4, request), request.node.nodeid)
     assert "PASS: 11_same_bits" in out, out
-    s = json.loads(path.read_text())
+    s = json.loads(Path(scratch("l11.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("11_same_bits", 4, "PASS")
     act1, act2 = s["runs"]
     assert act1["layouts"] == ["dp 4", "dp 2 x tp 2"] and len(act1["loss"]) == 3
