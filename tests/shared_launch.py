@@ -1,7 +1,9 @@
 """One launch for several tests: ``mpirun_shared(n, script, *args, timeout=, env=)`` is
 ``pdist.testing.mpirun`` run once per suite for every test that asks with the same arguments
-(in this process and across pytest-xdist's workers), so a module's tests at one world size
-share one world and each asserts its own part of the output (``reports(out, job=NAME)``).
+(in this process and across pytest-xdist's workers), and ``world(n, request)`` builds on it:
+a test module gives its jobs at n ranks (``suite_jobs`` or ``SUITE_JOBS``), run as one launch
+of tests/workers/jobs.py, its module's own or the suite's at n, and each test asserts its own
+part of the output (``own``: its job's reports; ``text``: what its job printed).
 
 A launch that failed fails every test that shares it, each with the failing rank's traceback
 (the first caller's MPIRunError message, replayed). Across xdist's workers the outcome is a
@@ -13,11 +15,11 @@ worker killed in the middle leaves no outcome: the next one to ask runs the laun
 xdist the outcome is kept in this process only.
 
 ``jobs({name: [script, *args]})``: the arguments that run several scripts in one launch
-(tests/workers/jobs.py), ``stops(script, *args)`` one of them expected to stop; ``scratch(name)``: a path for a file one of them writes;
-``selected(request)``: the tests of the module this session runs; ``chosen(request, spec)``:
-the jobs named after them; ``suite_world(n, request)``: one launch for several modules' jobs;
-``own(request, out)``: the reports of the test's own job;
-``job_output(out, name)``: rank 0's text of one of them; ``session()``: the suite's run."""
+(tests/workers/jobs.py), ``stops(script, *args)`` one of them expected to stop;
+``world(n, request)``: the launch at n ranks of a module's jobs (``suite_jobs``), shared;
+``own(request, out)``, ``text(request, out)``: a job's reports, its rank 0's text;
+``selected(request)``: the tests of the module this session runs; ``scratch(name)``: a path
+for a file a job writes; ``session()``: the suite's run."""
 import atexit
 import fcntl
 import hashlib
@@ -27,8 +29,13 @@ import shutil
 import sys
 import tempfile
 
-from pdist.testing import MPIRunError, mpirun, reports
+from pdist.testing import REPORT_PREFIX, MPIRunError, mpirun, reports
 
+# The sizes at which every module's jobs share one launch (``world``): a process has a bounded
+# number of MPI communicators (MPICH: 2048 context ids) and pdist's groups keep theirs (3 per
+# group), so the 2- and 4-rank jobs of the big modules (hundreds of groups each) keep a launch
+# per module; a small module joins at every size (``SUITE_AT``).
+SHARED_SIZES = (1, 3, 8)
 RUNNER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "workers", "jobs.py")
 _done = {}                                    # key -> outcome, in this process
 _folder = []                                  # scratch()'s folder without xdist
@@ -72,44 +79,57 @@ def selected(request):
     return {it.name for it in request.session.items if it.module is request.module}
 
 
-def chosen(request, spec, n=None):
-    """The jobs of ``spec`` ({name: [script, *args]}) named after a test of ``request``'s module
-    that this session runs (``selected``; the test reads its job with ``own``). With ``n``,
-    spec's values are (world size, job): the jobs at n."""
-    names = selected(request)
+def chosen(spec, names, n=None):
+    """The jobs of ``spec`` ({name: job}) named after a test in ``names``; with ``n``, spec's values
+    are (world size, job): those at n."""
     if n is not None:
         spec = {name: job for name, (size, job) in spec.items() if size == n}
     return {name: job for name, job in spec.items() if name in names}
 
 
-def own(request, out):
-    """The reports of the job named after ``request``'s test (``chosen``; ``suite_world``: its node id)."""
-    return [{k: v for k, v in r.items() if k != "job"} for r in reports(out)
-            if r.get("job") in (request.node.name, request.node.nodeid)]
-
-
-def suite_world(n, request, timeout=540):
-    """The one launch at n ranks of the whole session for the modules that define
-    ``suite_jobs(n, names)`` (their jobs at n, ``{test name: job}``, for ``names``, their tests
-    that this session runs): every such module's jobs in the session's order, each named by its
-    test's node id (``own``, ``job_output(out, request.node.nodeid)`` read them). Small modules
-    of one launch per world size share it; a job that fails fails the tests of them all."""
+def world(n, request, timeout=540):
+    """The output of this test's launch at n ranks (``mpirun_shared``), which runs the jobs at n
+    of its module, ``suite_jobs(n, names)`` ({name: job} for ``names``, its tests that this
+    session runs) or ``SUITE_JOBS`` ({test name: (n, job)}): the suite's launch at n, which every
+    module that joins at n shares (in the session's order), or at a size its module does not join
+    (``SUITE_AT``, default SHARED_SIZES) the module's own. A job's name is its module's path, "::"
+    and the name it gave (a name that starts with "::", a job that modules share, as is); ``own``
+    and ``text`` read them back. A job that fails fails every test that reads the launch: run a
+    test alone (its launch then holds its jobs only) to see it apart."""
+    def joins(mod):
+        return n in getattr(mod, "SUITE_AT", SHARED_SIZES)
     spec, names = {}, {}
     for it in request.session.items:
-        if hasattr(it.module, "suite_jobs"):
-            names.setdefault(it.module, (it.nodeid.split("::")[0], set()))[1].add(it.name)
+        mod = it.module
+        if hasattr(mod, "suite_jobs") or hasattr(mod, "SUITE_JOBS"):
+            if mod is request.module or joins(mod) and joins(request.module):
+                names.setdefault(mod, (it.nodeid.split("::")[0], set()))[1].add(it.name)
     for mod, (path, held) in names.items():
-        spec |= {f"{path}::{test}": job for test, job in mod.suite_jobs(n, held).items()}
+        given = mod.suite_jobs(n, held) if hasattr(mod, "suite_jobs") else chosen(mod.SUITE_JOBS, held, n)
+        spec |= {name if name.startswith("::") else f"{path}::{name}": job for name, job in given.items()}
     return mpirun_shared(n, *jobs(spec), timeout=timeout)
 
 
-def job_output(out, name):
-    """Rank 0's output of job ``name`` (with what other ranks printed meanwhile): from its
-    ``[pdist job] NAME`` line to the next job's."""
+def _job(request, job):
+    name = job or request.node.name
+    return name if name.startswith("::") else f"{request.node.nodeid.split('::')[0]}::{name}"
+
+
+def own(request, out, job=None):
+    """The reports of job ``job`` of ``request``'s module in ``world``'s output (default: the job
+    named after the test)."""
+    return reports(out, job=_job(request, job))
+
+
+def text(request, out, job=None):
+    """What rank 0 printed in job ``job`` of ``request``'s module (default: the test's), with what
+    other ranks printed meanwhile: from its ``[pdist job] NAME`` line to the next job's, without
+    the report lines (``own`` reads a job's; other ranks may still print the last job's)."""
+    name = _job(request, job)
     parts = out.split("[pdist job] ")
     mine = [p.split("\n", 1)[1] for p in parts[1:] if p.split("\n", 1)[0] == name]
     assert len(mine) == 1, f"job {name!r} did not run (or ran twice)\n{out[-3000:]}"
-    return mine[0]
+    return "\n".join(line for line in mine[0].split("\n") if REPORT_PREFIX not in line)
 
 
 def mpirun_shared(n, script, *args, timeout=180, env=None):

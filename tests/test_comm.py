@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pdist.testing import MPIRunError, mpirun, reports
-from shared_launch import chosen, jobs, mpirun_shared, own
+from shared_launch import chosen, own, world
 
 W = Path(__file__).parent / "workers"
 
@@ -28,13 +28,11 @@ def test_chunk_bounds_equal_array_split():
             assert [b - a for a, b in chunk_bounds(size, n)] == [p.size for p in parts]
 
 
-def world(n, request):
-    """The one launch at n ranks (tests/shared_launch.py) of this session's two tests at n: the
-    collectives, then the bad inputs (which leave the group usable, by design), as jobs named
-    after them (tests/workers/jobs.py)."""
-    return mpirun_shared(n, *jobs(chosen(request, {
-        f"test_collectives[{n}]": [W / "comm_collectives.py", "1" if n > cores() else "0"],
-        f"test_bad_inputs_raise_on_every_rank[{n}]": [W / "comm_errors.py"]})), timeout=300)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py):
+    the collectives, then the bad inputs (which leave the group usable, by design)."""
+    return chosen({f"test_collectives[{n}]": [W / "comm_collectives.py", "1" if n > cores() else "0"],
+                   f"test_bad_inputs_raise_on_every_rank[{n}]": [W / "comm_errors.py"]}, names)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -17,7 +17,7 @@ from pdist.models.llama import LlamaConfig
 from pdist.engine.ring_attention import attention_work, block_pairs, positions, segments
 from pdist.parallel.context_parallel import check_context
 from pdist.testing import mpirun, reports
-from shared_launch import chosen, jobs, mpirun_shared, own
+from shared_launch import chosen, own, world
 
 W = "tests/workers/context_parallel.py"
 MEMORY_CP2 = 108032     # a GPT block's activation bytes per rank at cp 2 (B 4, T 16, C 16, float64)
@@ -51,16 +51,17 @@ def test_cp2_on_device_arrays_standin():
     assert sum(r["case"] == "train" for r in rs) == 2 * 7 and sum(r["case"] == "op" for r in rs) == 2 * 6, rs
 
 
-def world4(request):
-    """The one 4-rank launch of this session's two tests at 4 ranks (tests/shared_launch.py):
-    each worker a job named after its test (tests/workers/jobs.py)."""
-    return mpirun_shared(4, *jobs(chosen(request, {
-        "test_cp4_and_cp2_dp2_and_zero_equal_one_process": [W],
-        "test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4": [C]})), timeout=400)
+def suite_jobs(n, names):
+    """This module's jobs at 4 and 8 ranks, for ``world`` (tests/shared_launch.py), each
+    named after its test (tests/workers/jobs.py); the 2-rank ones have their own (the stand-in's
+    environment, and ring attention's 2-rank cases alone)."""
+    return chosen({"test_cp4_and_cp2_dp2_and_zero_equal_one_process": (4, [W]),
+                   "test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4": (4, [C]),
+                   "test_cp_composes_at_8_ranks": (8, [C])}, names, n)
 
 
 def test_cp4_and_cp2_dp2_and_zero_equal_one_process(request):
-    rs = own(request, world4(request))
+    rs = own(request, world(4, request))
     train = [r for r in rs if r["case"] == "train"]
     got = {(r["model"], r["mode"], r["dp"], r["cp"], r["zero"]) for r in train}
     assert got == {("gpt2", "ring-zigzag", 2, 2, 0), ("llama", "ulysses", 2, 2, 0), ("gpt2", "ring", 2, 2, 1),
@@ -98,7 +99,7 @@ def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4(request):
     Llama, equal to one process (float64, rtol 1e-9, every piece); bf16 and fp16 to the
     rounding (the worker's docstring says which claim); the refusals on every rank; a checkpoint
     saved at cp2 x tp2 resumes at cp2 x dp2 ZeRO-3 and at one process, equal to the run."""
-    rs = own(request, world4(request))
+    rs = own(request, world(4, request))
     got = _layouts(rs, 4)
     tp = {(m, mode, 1, 2, 2, 1, sp, 0, "1f1b", "fp32") for m, mode, sp in (
         ("gpt2", "ring", False), ("llama", "ring", True), ("gpt2", "ring-zigzag", True),
@@ -117,11 +118,11 @@ def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4(request):
     assert sorted(ckpt) == sorted([("cp2 x dp2, ulysses, zero 3", 2), ("one process", 2)] * 4), ckpt
 
 
-def test_cp_composes_at_8_ranks():
+def test_cp_composes_at_8_ranks(request):
     """cp2 x dp2 x tp2 (zigzag +SP ZeRO-1, GPT; Ulysses ZeRO-3, Llama), cp2 x tp2 x pp2 (ring +SP,
     Llama), cp4 x tp2 (zigzag +SP, GPT): every rank's pieces equal one process's, the bytes the
     formula's."""
-    got = _layouts(reports(mpirun(8, C, timeout=240)), 8)
+    got = _layouts(own(request, world(8, request)), 8)
     assert got == {("gpt2", "ring-zigzag", 2, 2, 2, 1, True, 1, "1f1b", "fp32"),
                    ("llama", "ulysses", 2, 2, 2, 1, False, 3, "1f1b", "fp32"),
                    ("llama", "ring", 1, 2, 2, 2, True, 0, "1f1b", "fp32"),

@@ -52,8 +52,7 @@ def job(n, script, env, tmp_path):
 JOBS = [("test_inject_of_a_rank_that_does_not_exist_is_a_usage_error_on_every_rank", "inject",
          stops(LESSONS / "02_data_parallel.py", "--steps", "2", "--inject", "nan:rank=5,step=1"))]
 JOBS += [(f"test_batch_check_passes_the_same_batch_and_can_be_switched_off[{k}]", k, [W / "defaults_batch.py", *a])
-         for k, a in [("same batch dp", ("dp", "step")), ("same batch pp", ("pp", "step")),
-                      ("check off", ("tp", "rank", "off"))]]
+         for k, a in [("same batch dp", ("dp", "step")), ("same batch pp", ("pp", "step")), ("check off", ("tp", "rank", "off"))]]
 JOBS += [("test_ddp_nan_on_one_rank_stops_every_rank_by_default", c, [W / "defaults_finite.py", c])
          for c in ("ddp_off", "ddp")]
 JOBS += [(f"test_per_rank_loader_is_caught_at_step_0_on_every_rank[{k}]", k, [W / "defaults_batch.py", k, "rank"])

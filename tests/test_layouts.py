@@ -1,8 +1,8 @@
 """The one shape: every layout and composition equals single-process training, for every model.
 
 tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
-(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch per world size for all
-of its layouts and both models, tests/shared_launch.py) and checks, on every rank: the losses, every piece of every parameter and of
+(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one job of one launch per world size
+for all of its layouts and both models, tests/shared_launch.py) and checks, on every rank: the losses, every piece of every parameter and of
 Adam's m and v in ``sharded_state_dict`` against the same box of the single-process tensors
 (float64, rtol 1e-9), ``full_state_dict`` against the single-process state_dict, and
 ``load_full_state_dict`` as its inverse.
@@ -13,7 +13,7 @@ import re
 import pytest
 
 from pdist.testing import mpirun, reports
-from shared_launch import jobs, mpirun_shared, selected, stops
+from shared_launch import own, stops, world
 
 W = "tests/workers/layout_equiv.py"
 MODELS = ("gpt2", "llama")
@@ -50,20 +50,19 @@ def ident(n, layout):
     return "-".join([f"n{n}", *layout.replace("--", "").split()])
 
 
-def world(n, request):
-    """The output of the one launch at n ranks (tests/shared_launch.py): the bad layouts of this
-    session's tests at n, the non-finite cases, then every layout (one --each job of the worker:
-    one import of pdist per rank, one reference per model). A layout that fails ends the job naming it, and fails
-    every test of the launch with the failing rank's traceback."""
-    names = selected(request)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): the bad layouts
+    of this session's tests at n, the non-finite cases, then every layout (one --each job of the
+    worker: one reference per model). A layout that fails ends the job naming it, and fails every
+    test of the launch with the failing rank's traceback."""
     each = [a for m, a in LAYOUTS if m == n and f"test_layouts_equal_single_process[{ident(m, a)}]" in names]
     spec = {f"bad {a}": stops(W, *a.split()) for m, a, w in BAD if m == n      # each raises on every rank
             and f"test_bad_layout_fails_on_every_rank[{m}-{a}-{w}]" in names}   # before any work
     if f"test_nonfinite_raises_on_every_rank[{n}]" in names:
         spec["nonfinite"] = ["tests/workers/nonfinite.py"]
-    if each:                    # last: it sets pdist.engine.meta's chunk size
+    if each:
         spec["layouts"] = [W, "--each=" + ";".join(each), "--model", ",".join(MODELS)]
-    return mpirun_shared(n, *jobs(spec), timeout=540)
+    return spec
 
 
 @pytest.mark.parametrize("n,layout", LAYOUTS, ids=[ident(n, a) for n, a in LAYOUTS])
@@ -71,7 +70,7 @@ def test_layouts_equal_single_process(n, layout, request):
     """The layout, in its world size's launch: every rank reports every model, with its own
     (pp, dp, tp) coordinates."""
     out = world(n, request)
-    got = reports(out, job="layouts")
+    got = own(request, out, "layouts")
     for name in MODELS:
         mine = [r for r in got if r["model"] == name and r["case"] == layout]
         assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
@@ -82,7 +81,7 @@ def test_layouts_equal_single_process(n, layout, request):
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_nonfinite_raises_on_every_rank(n, request):
-    got = reports(world(n, request), job="nonfinite")
+    got = own(request, world(n, request), "nonfinite")
     for zero in (0, 1, 3):
         mine = [r for r in got if r["case"] == f"nan weight zero={zero}"]
         assert len(mine) == n, got
@@ -97,7 +96,7 @@ def test_nonfinite_raises_on_every_rank(n, request):
 def test_bad_layout_fails_on_every_rank(n, args, words, request):
     """The layout raises the same error on every rank, before any work (a job of the world's
     launch, which goes on: tests/workers/jobs.py)."""
-    got = reports(world(n, request), job=f"bad {args}")
+    got = own(request, world(n, request), f"bad {args}")
     assert sorted(r["rank"] for r in got) == list(range(n)), got
     assert all(r["code"] != 0 and words in r["error"] for r in got), got
 

@@ -2,31 +2,34 @@
 with each pair of strategies, writes the JSON contract, and a bad layout stops every
 rank with exit code 2 before any collective.
 
-The lesson runs as jobs of one launch (tests/workers/jobs.py: one start-up per rank for all of
-them): both models at 8 ranks; every pair and every bad layout at 4 ranks, shared by their tests
-(tests/shared_launch.py); one bad layout also runs alone, as a user runs it."""
+The lesson runs as jobs of one launch per world size (tests/shared_launch.py, tests/workers/jobs.py:
+one start-up per rank for all of them): both models at 8 ranks; every pair and every bad layout at
+4 ranks; one bad layout also runs alone, as a user runs it."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from pdist.testing import launch, mpirun, reports
-from shared_launch import job_output, jobs, mpirun_shared, selected, stops
+from pdist.testing import launch
+from shared_launch import own, scratch, stops, world
+from shared_launch import text as job_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L06 = os.path.join(ROOT, "lessons", "06_mesh.py")
 
 
-def test_lesson_06_at_8_ranks_json(tmp_path):
-    """Both models in one launch, each writing its own JSON."""
-    models = ("gpt2", "llama")
-    out = mpirun(8, *jobs({m: [L06, "--steps", "3", "--json", tmp_path / f"{m}.json", "--model", m] for m in models}),
-                 timeout=540)
-    for model in models:
-        text = job_output(out, model)
+MODELS = ("gpt2", "llama")
+
+
+def test_lesson_06_at_8_ranks_json(request):
+    """Both models, each writing its own JSON."""
+    out = world(8, request)
+    for model in MODELS:
+        text = job_text(request, out, model)
         assert f"{model} Ψ = " in text, (model, out[-6000:])
         assert "PASS: 06_mesh (dp 2 x tp 2 x pp 2, ZeRO-1, SP" in text, (model, out[-6000:])
-        s = json.loads((tmp_path / f"{model}.json").read_text())
+        s = json.loads(Path(scratch(f"l06-{model}.json")).read_text())
         assert (s["lesson"], s["world_size"], s["check"]) == ("06_mesh", 8, "PASS"), model
         (r,) = s["runs"]
         assert r["layout"]["dp"] == r["layout"]["tp"] == r["layout"]["pp"] == 2 and r["layout"]["zero_stage"] == 1
@@ -54,27 +57,30 @@ BAD = [
 ]
 
 
-def world4(request):
-    """The one launch at 4 ranks: the bad layouts first (each stops before any collective, its
-    output captured), then the pairs, of this session's tests."""
-    names = selected(request)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): at 8 both models;
+    at 4 the bad layouts first (each stops before any collective, its output captured), then the
+    pairs, of this session's tests."""
+    if n == 8:
+        return {m: [L06, "--steps", "3", "--json", scratch(f"l06-{m}.json"), "--model", m] for m in MODELS
+                if "test_lesson_06_at_8_ranks_json" in names}
     spec = {f"bad {a}": stops(L06, *a.split()) for a, w in BAD
             if f"test_bad_layout_stops_every_rank[{a}-{w}]" in names}
     spec |= {p: [L06, *SMALL, *p.split()] for p in PAIRS if f"test_lesson_06_pairs_at_4_ranks[{p}]" in names}
-    return mpirun_shared(4, *jobs(spec), timeout=540)
+    return spec if n == 4 else {}
 
 
 @pytest.mark.parametrize("layout", PAIRS)
 def test_lesson_06_pairs_at_4_ranks(layout, request):
     """The pair composes and equals one process."""
-    out = world4(request)
-    assert "PASS: 06_mesh" in job_output(out, layout), (layout, out[-6000:])
+    out = world(4, request)
+    assert "PASS: 06_mesh" in job_text(request, out, layout), (layout, out[-6000:])
 
 
 @pytest.mark.parametrize("args,words", BAD)
 def test_bad_layout_stops_every_rank(args, words, request):
     """Every rank exits with code 2 and the same message, having printed no verdict."""
-    got = reports(world4(request), job=f"bad {args}")
+    got = own(request, world(4, request), f"bad {args}")
     assert sorted(r["rank"] for r in got) == [0, 1, 2, 3], got
     for r in got:
         assert r["code"] == 2 and words in r["out"], r

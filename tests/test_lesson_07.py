@@ -11,14 +11,14 @@ from pathlib import Path
 import pytest
 
 from pdist.testing import launch
-from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch, stops
+from shared_launch import chosen, own, scratch, stops, world, text
 
 L07 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "07_checkpoint.py")
 SMALL = ["--n-embd", "32", "--block-size", "16"]                                                # a small model
 
 
-def world4(request):
-    """The one 4-rank launch of this session's tests (tests/shared_launch.py): the bad flag first (it
+def suite_jobs(n, names):
+    """This module's jobs in the suite's 4-rank launch (tests/shared_launch.py): the bad flag first (it
     stops every rank before any collective, its output captured), then each run, in its own folder."""
     spec = {"test_lesson_07_needs_4_ranks_and_a_save_step": stops(L07, "--steps", "4", "--save-at", "4"),
             "test_lesson_07_at_4_ranks": [L07, "--steps", "6", "--save-at", "3", "--dir", scratch("l07"),
@@ -26,11 +26,11 @@ def world4(request):
     for p in ("bf16", "fp16"):
         spec[f"test_lesson_07_mixed_precision[{p}]"] = [L07, "--steps", "4", "--save-at", "2", "--dir", scratch(f"l07{p}"),
                                                         "--json", scratch(f"l07{p}.json"), "--precision", p, *SMALL]
-    return mpirun_shared(4, *jobs(chosen(request, spec)), timeout=540)
+    return chosen(spec, names) if n == 4 else {}
 
 
 def test_lesson_07_at_4_ranks(request):
-    out = job_output(world4(request), "test_lesson_07_at_4_ranks")
+    out = text(request, world(4, request))
     assert "PASS: 07_checkpoint" in out, out
     assert "the dump is tied to the layout that wrote it" in out, out       # the naive dump's failure
     assert os.path.exists(Path(scratch("l07")) / "step-000003" / "index.json")
@@ -44,14 +44,14 @@ def test_lesson_07_at_4_ranks(request):
 def test_lesson_07_needs_4_ranks_and_a_save_step(request):
     r = launch(2, L07, timeout=60, wrap=False)                               # as a user runs it
     assert r.rc == 2 and r.out.count("run it with mpirun -n 4") == 2, r.out
-    got = own(request, world4(request))                                     # --save-at 4 of 4 steps
+    got = own(request, world(4, request))                                   # --save-at 4 of 4 steps
     assert sorted(g["rank"] for g in got) == [0, 1, 2, 3], got
     assert all(g["code"] == 2 and g["out"].count("--save-at must be in [1, --steps)") == 1 for g in got), got
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp16"])
 def test_lesson_07_mixed_precision(precision, request):
-    out = job_output(world4(request), f"test_lesson_07_mixed_precision[{precision}]")
+    out = text(request, world(4, request))
     # PASS includes: every rank's file holds 3·4·Ψ_r bytes, and each continuation is within tolerance
     assert "PASS: 07_checkpoint" in out and f"{precision}: each continuation equals" in out, out
     index = json.loads((Path(scratch(f"l07{precision}")) / "step-000002" / "index.json").read_text())

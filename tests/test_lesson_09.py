@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from shared_launch import job_output, scratch, suite_world
+from shared_launch import scratch, world, text
 
 REPO = Path(__file__).resolve().parent.parent
 L09 = REPO / "lessons" / "09_context_parallel.py"
@@ -21,15 +21,14 @@ def contiguous_work(T, cp):
     return [(r + 1) * c * c for r in range(cp)]      # rank r: r + 1 chunk pairs
 
 
-def suite_jobs(n, names):
-    """This module's job at n ranks in the suite's launch of that size (tests/shared_launch.py)."""
-    test = "test_lesson_09_at_4_ranks"
-    return {test: [L09, "--steps", "2", "--n-layer", LAYERS, "--mem-seq", ",".join(map(str, MEM_T)), "--repeats",
-                   "1", "--json", scratch("l09.json")]} if n == CP and test in names else {}
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {"test_lesson_09_at_4_ranks": (CP, [L09, "--steps", "2", "--n-layer", LAYERS, "--mem-seq",
+                                             ",".join(map(str, MEM_T)), "--repeats", "1", "--json", scratch("l09.json")])}
 
 
 def test_lesson_09_at_4_ranks(request):
-    out = job_output(suite_world(CP, request), request.node.nodeid)
+    out = text(request, world(CP, request))
     assert "PASS: 09_context_parallel" in out, out
     s = json.loads(Path(scratch("l09.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("09_context_parallel", CP, "PASS")

@@ -8,22 +8,20 @@ import json
 import os
 from pathlib import Path
 
-from shared_launch import job_output, own, scratch, stops, suite_world
+from shared_launch import own, scratch, stops, world, text
 
 L10 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "10_experts.py")
 
 
-def suite_jobs(n, names):
-    """This module's jobs at n ranks in the suite's launch of that size (tests/shared_launch.py): the
-    lesson at 4, its bad --ep at 2 (it stops every rank before any work, its output captured)."""
-    every = {"test_lesson_10_at_4_ranks": (4, [L10, "--steps", "2", "--n-embd", "16", "--block-size", "8",
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {"test_lesson_10_at_4_ranks": (4, [L10, "--steps", "2", "--n-embd", "16", "--block-size", "8",
                                               "--json", scratch("l10.json")]),
-             "test_lesson_10_bad_ep_stops_every_rank": (2, stops(L10, "--ep", "4"))}
-    return {t: job for t, (m, job) in every.items() if m == n and t in names}
+              "test_lesson_10_bad_ep_stops_every_rank": (2, stops(L10, "--ep", "4"))}     # it stops before any work
 
 
 def test_lesson_10_at_4_ranks(request):
-    out = job_output(suite_world(4, request), request.node.nodeid)
+    out = text(request, world(4, request))
     assert "PASS: 10_experts" in out and "tokens per expert" in out, out
     s = json.loads(Path(scratch("l10.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("10_experts", 4, "PASS")
@@ -50,7 +48,7 @@ def test_lesson_10_at_4_ranks(request):
 
 
 def test_lesson_10_bad_ep_stops_every_rank(request):
-    got = own(request, suite_world(2, request))          # exit 2 on every rank, with one usage message
+    got = own(request, world(2, request))          # exit 2 on every rank, with one usage message
     assert sorted(r["rank"] for r in got) == [0, 1], got
     assert all(r["code"] == 2 and r["out"].count("--ep 4: must be >= 2, divide the world (2 ranks") == 1
                for r in got), got

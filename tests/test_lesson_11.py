@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from shared_launch import job_output, scratch, suite_world
+from shared_launch import scratch, world, text
 
 REPO = Path(__file__).resolve().parent.parent
 L11 = REPO / "lessons" / "11_same_bits.py"
@@ -28,15 +28,14 @@ def _cut_same(rng, T, C):
     return np.array_equal((x[:2 * T] @ w)[:, :3 * C // 2], (x @ np.ascontiguousarray(w[:, :3 * C // 2]))[:2 * T])
 
 
-def suite_jobs(n, names):
-    """This module's job at n ranks in the suite's launch of that size (tests/shared_launch.py)."""
-    test = "test_lesson_11_at_4_ranks"
-    return {test: [L11, "--steps", "3", "--n-embd", "16", "--block-size", "8", "--json", scratch("l11.json")]} \
-        if n == 4 and test in names else {}
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {"test_lesson_11_at_4_ranks": (4, [L11, "--steps", "3", "--n-embd", "16", "--block-size", "8",
+                                             "--json", scratch("l11.json")])}
 
 
 def test_lesson_11_at_4_ranks(request):
-    out = job_output(suite_world(4, request), request.node.nodeid)
+    out = text(request, world(4, request))
     assert "PASS: 11_same_bits" in out, out
     s = json.loads(Path(scratch("l11.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("11_same_bits", 4, "PASS")

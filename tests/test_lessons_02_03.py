@@ -9,11 +9,13 @@ from pathlib import Path
 import pytest
 
 from pdist.testing import mpirun
-from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch, stops
+from shared_launch import chosen, own, scratch, stops, world
+from shared_launch import text as job_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L02 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
 L03 = os.path.join(ROOT, "lessons", "03_zero.py")
+L03_AT_3 = "::lesson 03 at 3 ranks, 2 steps"          # a job name tests/test_plan.py uses too
 RUN_FIELDS = {"name", "layout", "dtype", "params", "loss", "baseline_loss", "memory_per_rank",
               "comm_bytes_per_step", "seconds_per_step"}
 MEM_FIELDS = {"rank", "params_bytes", "grads_bytes", "optim_bytes"}
@@ -33,19 +35,22 @@ def check_summary(s, lesson, n, names, steps, dtype):
         assert 0 < r["seconds_per_step"] < 10
 
 
-def world2(request):
-    """The one 2-rank launch of this session's tests here but the RSS one (tests/shared_launch.py):
-    the bad flags first (each stops every rank before any collective, its output captured), then
-    lesson 02."""
-    return mpirun_shared(2, *jobs(chosen(request, {
-        f"test_bad_flag_exits_2_on_every_rank[{s}]": stops(s, "--batch-size", "0") for s in (L02, L03)}
-        | {"test_lesson_02_two_ranks_float64_accum": [L02, "--dtype", "float64", "--steps", "3", "--accum", "2",
-                                                      "--json", scratch("l02.json")]})), timeout=300)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py; the RSS test has its own):
+    at 2 ranks the bad flags first (each stops every rank before any collective, its output
+    captured), then lesson 02; at 3 lesson 03, a job tests/test_plan.py shares (the same run)."""
+    if n == 3:
+        return {L03_AT_3: [L03, "--steps", "2", "--json", scratch("z-n3.json")]} \
+            if "test_lesson_03_three_ranks" in names else {}
+    return chosen({f"test_bad_flag_exits_2_on_every_rank[{s}]": stops(s, "--batch-size", "0") for s in (L02, L03)}
+                  | {"test_lesson_02_two_ranks_float64_accum": [L02, "--dtype", "float64", "--steps", "3", "--accum",
+                                                                "2", "--json", scratch("l02.json")]}, names) \
+        if n == 2 else {}
 
 
 def test_lesson_02_two_ranks_float64_accum(request):
     out = Path(scratch("l02.json"))
-    text = job_output(world2(request), "test_lesson_02_two_ranks_float64_accum")
+    text = job_text(request, world(2, request))
     assert "PASS: 02_data_parallel -- 2 rank(s)" in text, text
     assert "in 2 micro-batches" in text and "bucketed DP" in text
     s = json.loads(out.read_text())
@@ -57,9 +62,9 @@ def test_lesson_02_two_ranks_float64_accum(request):
         assert r["comm_bytes_per_step"] == [psi_bytes, psi_bytes]      # 2(n-1)/n * Psi * b, n = 2
 
 
-def test_lesson_03_three_ranks():
-    out = Path(scratch("z-n3.json"))                  # the launch of tests/test_plan.py at 3 ranks too
-    text = mpirun_shared(3, L03, "--steps", "2", "--json", out, timeout=240)
+def test_lesson_03_three_ranks(request):
+    out = Path(scratch("z-n3.json"))                  # the job of tests/test_plan.py at 3 ranks too
+    text = job_text(request, world(3, request), L03_AT_3)
     assert "PASS: 03_zero (stages [0, 1, 2, 3] on 3 ranks" in text, text
     wide = [line for line in text.splitlines() if len(line) > 100]
     assert not wide, f"lesson 03 prints lines over 100 characters: {wide}"
@@ -76,7 +81,7 @@ def test_lesson_03_three_ranks():
 
 @pytest.mark.parametrize("script", [L02, L03])
 def test_bad_flag_exits_2_on_every_rank(script, request):
-    got = own(request, world2(request))
+    got = own(request, world(2, request))
     assert sorted(r["rank"] for r in got) == [0, 1], got
     for r in got:                             # each rank: exit 2, the usage and the reason once, no verdict
         assert r["code"] == 2 and r["out"].count("--batch-size must be >= 1, got 0") == 1, r

@@ -1,23 +1,22 @@
 """Lessons 04 (tensor parallelism) and 05 (pipeline parallelism) under real mpiexec:
 their JSON summaries, and their flag checks (every rank stops before training, exit 2).
 
-The tests at one world size share one launch (tests/shared_launch.py): each runs its lesson as
-a job named after the test (tests/workers/jobs.py), a flag check as a job expected to exit 2
-(its output captured on every rank, the launch going on), before the runs."""
+Each test runs its lesson as a job of one launch per world size (tests/shared_launch.py,
+tests/workers/jobs.py), a flag check as a job expected to exit 2 (its output captured on every
+rank, the launch going on), before the runs."""
 import json
 from pathlib import Path
 
 import pytest
 
-from pdist.testing import reports
-from shared_launch import chosen, job_output, jobs, mpirun_shared, scratch, stops
+from shared_launch import chosen, own, scratch, stops, world, text
 
 REPO = Path(__file__).resolve().parent.parent
 L04, L05 = REPO / "lessons" / "04_tensor_parallel.py", REPO / "lessons" / "05_pipeline_parallel.py"
 
 
-def world(n, request):
-    """The one launch at n ranks: the jobs of this session's tests at n, the flag checks first."""
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): the flag checks first."""
     every = {                                             # test: (world size, its job)
         "test_lesson_rejects_bad_flag[lessons/04_tensor_parallel.py-2]": (2, stops(L04, "--steps", "0")),
         "test_lesson_rejects_bad_flag[lessons/05_pipeline_parallel.py-2]": (2, stops(L05, "--steps", "0")),
@@ -29,19 +28,19 @@ def world(n, request):
         "test_lesson_05_mixed_precision": (2, [L05, "--steps", "2", "--precision", "bf16", "--json", scratch("l05h.json"),
                                                "--n-layer", "4", "--n-embd", "32", "--block-size", "16"]),
         "test_lesson_05_json": (4, [L05, "--steps", "2", "--json", scratch("l05.json")])}
-    return mpirun_shared(n, *jobs(chosen(request, every, n)), timeout=540)
+    return chosen(every, names, n)
 
 
 def stopped(request, n):
     """Each rank's report of this test's job, expected to stop with exit 2: {rank: output}."""
-    got = reports(world(n, request), job=request.node.name)
+    got = own(request, world(n, request))
     assert sorted(r["rank"] for r in got) == list(range(n)), got
     assert all(r["code"] == 2 for r in got), got
     return {r["rank"]: r["out"] for r in got}
 
 
 def test_lesson_04(request):
-    out = job_output(world(2, request), "test_lesson_04")
+    out = text(request, world(2, request))
     assert "PASS: 04_tensor_parallel" in out, out
     s = json.loads(Path(scratch("l04.json")).read_text())
     assert s["lesson"] == "04_tensor_parallel" and s["world_size"] == 2 and s["check"] == "PASS"
@@ -86,7 +85,7 @@ def test_lesson_05_rejects_batch_before_training(request):
 
 
 def test_lesson_05_json(request):
-    out = job_output(world(4, request), "test_lesson_05_json")
+    out = text(request, world(4, request))
     assert "PASS: 05_pipeline_parallel" in out, out
     assert "ZB-H1, p=4, m=8, planned" in out and "I7~W7+|" in out and "DualPipeV, p=4, m=4" in out, out
     s = json.loads(Path(scratch("l05.json")).read_text())
@@ -120,7 +119,7 @@ def test_lesson_05_json(request):
 
 def test_lesson_04_mixed_precision(request):
     """fp16 (with its loss scale) for TP and TP + SP against one process in fp16: losses and shards."""
-    out = job_output(world(2, request), "test_lesson_04_mixed_precision")
+    out = text(request, world(2, request))
     assert "PASS: 04_tensor_parallel" in out, out
     s = json.loads(Path(scratch("l04h.json")).read_text())
     assert [r["precision"] for r in s["runs"]] == ["fp16", "fp16"] and s["check"] == "PASS"
@@ -129,7 +128,7 @@ def test_lesson_04_mixed_precision(request):
 def test_lesson_05_mixed_precision(request):
     """bf16 pipelines (gpipe, 1f1b, interleaved) equal one process with m micro-batches bit for bit
     (a small model: 4 layers, two chunks per rank interleaved, width 32, T 16)."""
-    out = job_output(world(2, request), "test_lesson_05_mixed_precision")
+    out = text(request, world(2, request))
     assert "PASS: 05_pipeline_parallel" in out and "bf16: bit for bit" in out, out
     s = json.loads(Path(scratch("l05h.json")).read_text())
     assert s["check"] == "PASS" and {r["precision"] for r in s["runs"]} == {"bf16"}

@@ -4,19 +4,18 @@ from pathlib import Path
 
 import pytest
 
-from shared_launch import own, suite_world
+from shared_launch import own, world
 
 W = Path(__file__).parent / "workers"
 
 
-def suite_jobs(n, names):
-    """This module's job at n ranks in the suite's launch of that size."""
-    test = f"test_mesh_every_factorization[{n}]"
-    return {test: [W / "mesh_worker.py"]} if test in names else {}
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {f"test_mesh_every_factorization[{n}]": (n, [W / "mesh_worker.py"]) for n in (1, 2, 3, 4)}
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
 def test_mesh_every_factorization(n, request):
-    out = suite_world(n, request)
+    out = world(n, request)
     (got,) = own(request, out)
     assert got["n"] == n and len(got["shapes"]) == {1: 1, 2: 3, 3: 3, 4: 6}[n], out

@@ -14,7 +14,7 @@ from pdist.models.gpt import GPTConfig
 from pdist.plan import main, plan, search, text_chart
 from pdist.plan.model import Layout, layer_activations
 from pdist.plan.presets import CLUSTERS, MODELS, NARAYANAN_TABLE1, narayanan_flops
-from shared_launch import chosen, jobs, mpirun_shared, scratch
+from shared_launch import chosen, scratch, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -34,17 +34,23 @@ L03, L06 = os.path.join(ROOT, "lessons", "03_zero.py"), os.path.join(ROOT, "less
 LAYOUTS_06 = {"--dp 2 --tp 2": "m-dp2tp2.json", "--tp 2 --pp 2": "m-tp2pp2.json"}
 
 
-def runs(request, n, name):
-    """The JSON a lesson wrote in this session's one launch at n ranks (tests/shared_launch.py):
-    at 4 ranks lesson 03 and each lesson 06 layout as jobs, at 2 and 3 lesson 03 alone (at 3 the
-    launch of tests/test_lessons_02_03.py, the same command)."""
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py):
+    lesson 03 (at 3 ranks a job tests/test_lessons_02_03.py shares: the same run), and at 4 each
+    lesson 06 layout, each writing its JSON."""
+    spec = {f"test_lesson_03_bytes_equal_the_plan[{n}]": [L03, "--steps", "2", "--json", scratch(f"z-n{n}.json")]}
     if n == 4:
-        spec = {"test_lesson_03_bytes_equal_the_plan[4]": [L03, "--steps", "2", "--json", scratch("z-n4.json")]}
         spec |= {f"test_lesson_06_memory_and_group_bytes_equal_the_plan[{a}-lay{i}]":
                  [L06, "--steps", "2", *a.split(), "--json", scratch(f)] for i, (a, f) in enumerate(LAYOUTS_06.items())}
-        mpirun_shared(4, *jobs(chosen(request, spec)), timeout=540)
-    else:
-        mpirun_shared(n, L03, "--steps", "2", "--json", scratch(f"z-n{n}.json"), timeout=240)
+    spec = chosen(spec, names)
+    if n == 3 and spec:                                                  # the shared job's name
+        spec = {"::lesson 03 at 3 ranks, 2 steps": spec.popitem()[1]}
+    return spec
+
+
+def runs(request, n, name):
+    """The runs of the JSON a lesson wrote in the launch at n ranks."""
+    world(n, request)
     return json.loads(Path(scratch(name)).read_text())["runs"]
 
 

@@ -2,12 +2,12 @@
 process in the same precision, fp16's overflow on one rank skips the step on every rank, and the
 two-byte collectives sum in fp32 and round once (single-process tests: tests/test_precision.py).
 
-The tests at one world size share one launch (tests/shared_launch.py, tests/workers/jobs.py):
-each worker runs as a job named after the test that reads its reports; a job that fails ends
-the launch and fails every test of it with the failing rank's traceback."""
+The tests at one world size share one launch (tests/shared_launch.py, tests/workers/jobs.py): each
+worker runs as a job named after the test that reads its reports; a job that fails ends the
+launch and fails every test of it with the failing rank's traceback."""
 import pytest
 
-from shared_launch import chosen, jobs, mpirun_shared, own
+from shared_launch import chosen, own, world
 
 W = "tests/workers/"
 LAYOUTS = {2: ["--zero 0", "--zero 0 --naive", "--zero 1", "--zero 2", "--zero 3", "--precision fp16 --zero 2",
@@ -22,17 +22,16 @@ PIPELINE_CASES = {2: ["pp2 gpipe bf16 m4", "pp2 1f1b fp16 m4", "pp2 interleaved 
 OVERFLOW = {2: ["--zero 0 --pp 1", "--zero 0 --pp 2"], 4: ["--zero 2 --pp 1", "--zero 3 --pp 1", "--zero 1 --pp 2"]}
 
 
-def world(n, request):
-    """The output of the one launch at n ranks: the jobs of this session's tests at n."""
-    return mpirun_shared(n, *jobs(chosen(request, {
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): those of ``names``."""
+    return chosen({
         f"test_layout_equals_one_process_in_the_same_precision[n{n}]":
             [W + "precision_equiv.py", "--each=" + ";".join(LAYOUTS.get(n, []))],
         f"test_pipeline_and_sequence_parallel_equal_one_process[n{n}]":
             [W + "precision_pipeline.py", *PIPELINE_CASES.get(n, [])],
         f"test_fp16_overflow_on_one_rank_skips_on_every_rank[{n}]":
             [W + "precision_overflow.py", "--each=" + ";".join(OVERFLOW.get(n, []))],
-        f"test_two_byte_collectives_sum_in_fp32_and_round_once[{n}]": [W + "comm_low_precision.py"]})),
-        timeout=540)
+        f"test_two_byte_collectives_sum_in_fp32_and_round_once[{n}]": [W + "comm_low_precision.py"]}, names)
 
 
 @pytest.mark.parametrize("n", list(LAYOUTS), ids=[f"n{n}" for n in LAYOUTS])

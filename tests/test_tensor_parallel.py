@@ -12,17 +12,16 @@ and errors, each under a real mpiexec (pdist.testing.mpirun).
 """
 import pytest
 
-from shared_launch import chosen, jobs, mpirun_shared, own
+from shared_launch import chosen, own, world
 
 SIZES = [1, 2, 4]
 
 
-def world(n, request):
-    """The one launch at n ranks of this session's two tests at n (tests/shared_launch.py): the
-    model, then the layers (which count from their own reset of the world's statistics)."""
-    return mpirun_shared(n, *jobs(chosen(request, {
-        f"test_gpt_equivalence_and_comm_counts[{n}]": ["tests/workers/tp_gpt.py", "3"],
-        f"test_layers[{n}]": ["tests/workers/tp_layers.py"]})), timeout=540)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py):
+    the model, then the layers (which count from their own reset of the world's statistics)."""
+    return chosen({f"test_gpt_equivalence_and_comm_counts[{n}]": ["tests/workers/tp_gpt.py", "3"],
+                   f"test_layers[{n}]": ["tests/workers/tp_layers.py"]}, names)
 
 
 @pytest.mark.parametrize("n", SIZES)

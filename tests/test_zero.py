@@ -2,28 +2,28 @@
 training shard by shard (n = 1, 2, 3 with padding, 4), model-state bytes equal to the
 paper's formula, bytes sent equal to the ring theory, the stage-2/3 schedule (gradients
 freed as units are reduced, at most root + current + prefetched unit gathered), stage
-3's peak bound, bad input; and lesson 03's JSON summary. The tests at one world size share
-one launch (tests/shared_launch.py), each its job (tests/workers/jobs.py)."""
+3's peak bound, bad input; and lesson 03's JSON summary. Each test's run is a job of the suite's
+launch at its world size (tests/shared_launch.py, tests/workers/jobs.py)."""
 import json
 from pathlib import Path
 
 import pytest
 
-from shared_launch import chosen, job_output, jobs, mpirun_shared, own, scratch, stops
+from shared_launch import chosen, own, scratch, stops, world, text
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "zero_check.py"
 LESSON = ROOT / "lessons" / "03_zero.py"
 
 
-def world(n, request):
-    """The one launch at n ranks of this session's tests at n (tests/shared_launch.py): the worker,
-    then the lesson (at 2 ranks its bad flag, which stops every rank before any collective)."""
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): the
+    worker, then the lesson (at 2 ranks its bad flag, which stops every rank before any collective)."""
     every = {f"test_zero_stages_equal_single_process_and_formulas[{m}]": (m, [WORKER]) for m in (1, 2, 3, 4)}
     every["test_lesson_03_json_contract"] = (4, [LESSON, "--steps", 3, "--dtype", "float64",
                                                  "--json", scratch("l03.json")])
     every["test_lesson_03_bad_input_fails_on_every_rank"] = (2, stops(LESSON, "--batch-size", 5, "--steps", 1))
-    return mpirun_shared(n, *jobs(chosen(request, every, n)), timeout=540)
+    return chosen(every, names, n)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
@@ -40,7 +40,7 @@ def test_zero_stages_equal_single_process_and_formulas(n, request):
 def test_lesson_03_json_contract(request):
     n, steps = 4, 3
     path = Path(scratch("l03.json"))
-    out = job_output(world(n, request), "test_lesson_03_json_contract")
+    out = text(request, world(n, request))
     assert "PASS: 03_zero" in out, out
     for col in ("params", "grads", "optim", "formula", "sent/step", "theory", "peak", "baseline"):
         assert col in out, out

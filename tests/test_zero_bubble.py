@@ -13,7 +13,7 @@ bit: tests/test_precision_layouts.py.)
 """
 import pytest
 
-from shared_launch import own, suite_world
+from shared_launch import own, world
 
 W = "tests/workers/zero_bubble.py"
 SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
@@ -34,15 +34,14 @@ def _expected(n):
     return names
 
 
-def suite_jobs(n, names):
-    """This module's job at n ranks in the suite's launch of that size (tests/shared_launch.py)."""
-    test = f"test_zero_bubble_schedules_equal_one_process[{n}]"
-    return {test: [W]} if test in names else {}
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {f"test_zero_bubble_schedules_equal_one_process[{n}]": (n, [W]) for n in (2, 4)}
 
 
 @pytest.mark.parametrize("n", [2, 4])
 def test_zero_bubble_schedules_equal_one_process(n, request):
-    got = own(request, suite_world(n, request))
+    got = own(request, world(n, request))
     cases = [r for r in got if "case" in r]
     for name in _expected(n):
         mine = [r for r in cases if r["case"] == name]

@@ -85,8 +85,9 @@ def stopped(name, script, *args):
 
 
 for name, job in JOBS.items():
-    if RANK == 0:
-        print(f"[pdist job] {name}", flush=True)
+    if RANK == 0:                                     # one write: no other rank's output inside the line
+        sys.stdout.write(f"[pdist job] {name}\n")
+        sys.stdout.flush()
     if isinstance(job, dict):
         stopped(name, *map(str, job["argv"]))
     else:
