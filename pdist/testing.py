@@ -163,6 +163,7 @@ def failures(out):
 
 
 REPORT_PREFIX = "[pdist report] "
+JOB = [None]          # the job running now when one launch runs several (tests/workers/jobs.py)
 
 
 def check_shards(sharded, ref_sd, ref_state, same, label=()):
@@ -193,8 +194,11 @@ def check_shards(sharded, ref_sd, ref_state, same, label=()):
 def report(**results):
     """Print one JSON object of a worker's results (a test reads them back with
     ``reports(out)``; every value must be JSON-serialisable). Any rank may call it;
-    include ``rank=`` when the rank matters."""
+    include ``rank=`` when the rank matters. Inside a job of a batched launch (``JOB``
+    set) the object carries the job's name as ``job``."""
     import json
+    if JOB[0] is not None:
+        results = {**results, "job": JOB[0]}
     sys.stdout.write(REPORT_PREFIX + json.dumps(results, sort_keys=True) + "\n")   # one write: no
     sys.stdout.flush()                                                            # interleaving
 
@@ -210,15 +214,18 @@ def each_case(spec, run, what="case"):
             raise AssertionError(f"{what} {case!r}: {type(e).__name__}: {e}") from e
 
 
-def reports(out):
+def reports(out, job=None):
     """Every JSON object that ``report()`` printed in a run's output, in order (ranks
-    printing at once may share a line: each object is decoded where its prefix starts)."""
+    printing at once may share a line: each object is decoded where its prefix starts).
+    ``job``: only that job's objects (a launch of several jobs), without their ``job`` key."""
     import json
     dec, found = json.JSONDecoder(), []
     for line in out.splitlines():
         for part in line.split(REPORT_PREFIX)[1:]:
             found.append(dec.raw_decode(part)[0])
-    return found
+    if job is None:
+        return found
+    return [{k: v for k, v in r.items() if k != "job"} for r in found if r.get("job") == job]
 
 
 def _failure_message(n, script, rc, out):

@@ -22,8 +22,10 @@ then the longest, first) and a one-time bytecode compile (``compile_bytecode``).
 """
 import contextlib
 import fcntl
+import glob
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -45,7 +47,7 @@ def _cores():
 
 
 UNITS = int(os.environ.get("PDIST_TEST_UNITS", 4 * _cores()))
-_mine = [0]                                   # units this worker holds now
+_mine, _launches = [0], [0]                   # units this worker holds now; launches it started
 
 
 def _alive(pid):
@@ -102,10 +104,10 @@ def _set(k):
 
 
 @contextlib.contextmanager
-def holding(k):
-    """Hold at least k units inside the block (nothing to do if this worker holds them)."""
+def holding(k, exactly=False):
+    """Hold at least k units inside the block, or ``exactly`` k (0: waiting on tests/shared_launch.py)."""
     before = _mine[0]
-    if RUN is None or min(k, UNITS) <= before:
+    if RUN is None or min(k, UNITS) == before or (min(k, UNITS) < before and not exactly):
         yield
         return
     _set(k)
@@ -117,10 +119,10 @@ def holding(k):
 
 def _counted(launch):
     def launch_counted(n, *args, **kwargs):
+        _launches[0] += 1
         with holding(int(n)):
             return launch(n, *args, **kwargs)
-    launch_counted.__wrapped__ = launch
-    launch_counted.__doc__ = launch.__doc__
+    launch_counted.__wrapped__, launch_counted.__doc__ = launch, launch.__doc__
     return launch_counted
 
 
@@ -133,20 +135,18 @@ SLOW = [
     "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
     "tests/test_grade.py::test_class_mode_rejects_each_wrong_answer",
     "tests/test_grade.py::test_reference_gets_full_points",
-    "tests/test_comm.py::test_collectives[4]",                       # [1], [2], [3] stay
+    "tests/test_comm.py::test_collectives[4]", "tests/test_precision.py::test_loss_curve_close_to_fp32",   # comm: [4] only
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
     "tests/test_recompute.py::test_layouts_train_the_same_with_recompute[n4-2of2]",   # --dp 4 --zero 3; --dp 2 --tp 2 --sp
     "tests/test_checkpoint.py::test_bad_checkpoints_raise_the_same_error_on_every_rank_and_touch_nothing",
     "tests/test_checkpoint.py::test_a_plain_model_saves_and_loads_as_one_process",
-    "tests/test_precision.py::test_pipeline_and_sequence_parallel_equal_one_process",
-    "tests/test_precision.py::test_loss_curve_close_to_fp32",
-    "tests/test_precision.py::test_two_byte_collectives_sum_in_fp32_and_round_once[3]",
+    "tests/test_precision_layouts.py::test_pipeline_and_sequence_parallel_equal_one_process",
+    "tests/test_precision_layouts.py::test_two_byte_collectives_sum_in_fp32_and_round_once[3]",
     "tests/test_lessons_04_05.py::test_lesson_05_mixed_precision",
     "tests/test_failures.py::test_object_collective_mismatch[4]",
     "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts[4]",
-    "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
+    "tests/test_lesson_07.py::test_lesson_07_mixed_precision", "tests/test_killed_suite.py::",
     "tests/test_plan.py::test_lesson_06_memory_and_group_bytes_equal_the_plan",
-    "tests/test_killed_suite.py::",
 ]
 
 
@@ -158,25 +158,25 @@ ALONE = ["tests/test_failures.py::",
          "tests/test_grade.py::test_reference", "tests/test_grade.py::test_class_mode"]
 
 
-# Tests that take longest: 6-45 s of CPU each in a run of the whole suite under -n 4 on 2
-# cores (AMD EPYC, load 13-20, 2026-12-01), and the batched layouts and wrong answers. Started
-# first, one per worker in turn, so that none of them is left running alone at the end while
-# the other workers are idle.
+# Tests that take longest (6-45 s of CPU each under -n 4 on 2 cores, AMD EPYC, load 13-20, 2026-12-01) and the
+# readers that start the longest shared launches: started first, one per worker in turn, none left alone at the end.
 LONG = [
-    "tests/test_gpu_standin.py::test_file_passes_on_the_standin",
+    "tests/test_gpu_standin.py::test_file_passes_on_the_standin", "tests/test_killed_suite.py::",
     "tests/test_gpu_standin.py::test_device_defects_fixed_with_lazy_streams",
-    "tests/test_debug.py::test_lesson_08_passes_and_its_trace_validates",
+    "tests/test_deterministic.py::test_layouts_same_bits_under_mpiexec",
+    "tests/test_layouts.py::test_layouts_equal_single_process[n4-dp-2-tp-2]",      # its own 4-rank launch,
+    "tests/test_layouts.py::test_layouts_equal_single_process[n2-dp-2]",           # and 2-rank one
+    "tests/test_context_parallel.py::test_cp_composes_at_8_ranks",                 # the suite's 8-rank launch,
+    "tests/test_zero_bubble.py::test_zero_bubble_schedules_equal_one_process",     # 2- and 4-rank ones
+    "tests/test_comm.py::test_collectives[3]", "tests/test_zero.py::test_lesson_03_json_contract",   # 3-rank one
+    "tests/test_precision_layouts.py::test_layout_equals_one_process_in_the_same_precision",
+    "tests/test_context_parallel.py::test_cp4_and_cp2_dp2_and_zero_equal_one_process",
     "tests/test_lessons_02_03.py::test_lesson_03_rss_meta_init_and_timeline",
-    "tests/test_layouts.py::test_layouts_equal_single_process",
-    "tests/test_lesson_06.py::test_lesson_06_at_8_ranks_json",
-    "tests/test_lessons_04_05.py::test_lesson_05",
-    "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks",
-    "tests/test_tensor_parallel.py::test_gpt_equivalence_and_comm_counts",
-    "tests/test_lesson_07.py::test_lesson_07_mixed_precision",
-    "tests/test_zero.py::test_lesson_03_json_contract",
-    "tests/test_grade.py::test_each_wrong_answer_is_rejected_naming_its_mistake",
-    "tests/test_precision.py::test_loss_curve_close_to_fp32",
-    "tests/test_killed_suite.py::",
+    "tests/test_expert_parallel.py::test_expert_parallel_equals_one_process_and_checkpoints_reshard",
+    "tests/test_lesson_06.py::test_lesson_06_pairs_at_4_ranks[--dp 2 --tp 2]",
+    "tests/test_plan.py::test_lesson_03_bytes_equal_the_plan[4]", "tests/test_lesson_07.py::test_lesson_07_at_4_ranks",
+    "tests/test_grade.py::test_each_wrong_answer", "tests/test_precision.py::test_loss_curve",
+    "tests/test_grader_runner.py::test_class_mode_progress_json_and_a_stuck_student_capped",   # 30 s of a cap
 ]
 
 
@@ -276,29 +276,29 @@ def pytest_runtest_protocol(item, nextitem):
 @contextlib.contextmanager
 def _cpu_seconds(nodeid):
     """``PDIST_TEST_CPU=FILE``: one JSON line per test, its CPU seconds (the worker's own and its
-    waited-for children's: every launch's mpiexec and ranks), a load-independent cost; the
-    suite's budget is kept by these (``sort`` them to see the largest)."""
+    waited-for children's: every launch's mpiexec and ranks), a load-independent cost that keeps the
+    suite's budget, and its launches (a shared one in the test that ran it); ``sort`` them."""
     path = os.environ.get("PDIST_TEST_CPU")
     if not path:
         yield
         return
-    import json
     import resource
 
     def now():
         a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
         return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
-    t0 = now()
+    t0, k0 = now(), _launches[0]
     try:
         yield
     finally:
         with open(path, "a") as f:
-            f.write(json.dumps({"test": nodeid, "cpu_s": round(now() - t0, 2)}) + "\n")
+            f.write(json.dumps({"test": nodeid, "cpu_s": round(now() - t0, 2),
+                                "launches": _launches[0] - k0}) + "\n")
 
 
 def pytest_unconfigure(config):
-    """The controller (no ``workerinput``) removes the pool's two files, which its workers wrote."""
+    """The controller (no ``workerinput``) removes its workers' files (pool, lock, shared_launch.py's)."""
     if not hasattr(config, "workerinput") and getattr(config.option, "numprocesses", None):
-        for p in (_path(os.getpid()), _path(os.getpid()) + ".lock"):
+        for p in glob.glob(glob.escape(_path(os.getpid())) + "*"):
             with contextlib.suppress(FileNotFoundError):
-                os.remove(p)
+                (shutil.rmtree if os.path.isdir(p) else os.remove)(p)      # a folder: a lesson's --dir

@@ -9,6 +9,7 @@ import numpy as np
 import pytest
 
 from pdist.testing import MPIRunError, mpirun, reports
+from shared_launch import chosen, own, world
 
 W = Path(__file__).parent / "workers"
 
@@ -27,13 +28,20 @@ def test_chunk_bounds_equal_array_split():
             assert [b - a for a, b in chunk_bounds(size, n)] == [p.size for p in parts]
 
 
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py):
+    the collectives, then the bad inputs (which leave the group usable, by design)."""
+    return chosen({f"test_collectives[{n}]": [W / "comm_collectives.py", "1" if n > cores() else "0"],
+                   f"test_bad_inputs_raise_on_every_rank[{n}]": [W / "comm_errors.py"]}, names)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_collectives(n):
+def test_collectives(n, request):
     """All ops x algorithms, sizes 0..20003, f32/f64/int64, async, p2p, stats;
     at n=4 also the dp and tp groups of a 2x2 mesh. The worker asserts the wait
     mode matches oversubscription detection (ranks > cores)."""
     expect = "1" if n > cores() else "0"
-    res = reports(mpirun(n, W / "comm_collectives.py", expect, timeout=180))
+    res = own(request, world(n, request))
     assert sorted(r["rank"] for r in res) == list(range(n))
     assert all(r["ok"] and r["n"] == n and r["cooperative"] == (expect == "1") for r in res)
 
@@ -56,8 +64,8 @@ def test_forced_blocking_waits_win_over_oversubscription():
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_bad_inputs_raise_on_every_rank(n):
-    res = reports(mpirun(n, W / "comm_errors.py", timeout=120))
+def test_bad_inputs_raise_on_every_rank(n, request):
+    res = own(request, world(n, request))
     assert sorted(r["rank"] for r in res) == list(range(n)) and all(r["ok"] for r in res)
 
 

@@ -17,6 +17,7 @@ from pdist.models.llama import LlamaConfig
 from pdist.parallel.context import check_context
 from pdist.parallel.context.zigzag import attention_work, block_pairs, positions, segments
 from pdist.testing import mpirun, reports
+from shared_launch import chosen, own, world
 
 W = "tests/workers/context_parallel.py"
 MEMORY_CP2 = 108032     # a GPT block's activation bytes per rank at cp 2 (B 4, T 16, C 16, float64)
@@ -50,17 +51,26 @@ def test_cp2_on_device_arrays_standin():
     assert sum(r["case"] == "train" for r in rs) == 2 * 7 and sum(r["case"] == "op" for r in rs) == 2 * 6, rs
 
 
-def test_cp4_and_cp2_dp2_and_zero_equal_one_process():
-    out = mpirun(4, W, timeout=150)
-    train = [r for r in reports(out) if r["case"] == "train"]
+def suite_jobs(n, names):
+    """This module's jobs at 4 and 8 ranks, for ``world`` (tests/shared_launch.py), each
+    named after its test (tests/workers/jobs.py); the 2-rank ones have their own (the stand-in's
+    environment, and ring attention's 2-rank cases alone)."""
+    return chosen({"test_cp4_and_cp2_dp2_and_zero_equal_one_process": (4, [W]),
+                   "test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4": (4, [C]),
+                   "test_cp_composes_at_8_ranks": (8, [C])}, names, n)
+
+
+def test_cp4_and_cp2_dp2_and_zero_equal_one_process(request):
+    rs = own(request, world(4, request))
+    train = [r for r in rs if r["case"] == "train"]
     got = {(r["model"], r["mode"], r["dp"], r["cp"], r["zero"]) for r in train}
     assert got == {("gpt2", "ring-zigzag", 2, 2, 0), ("llama", "ulysses", 2, 2, 0), ("gpt2", "ring", 2, 2, 1),
                    ("llama", "ring", 2, 2, 3),
                    ("gpt2", "ring", 1, 4, 0), ("llama", "ring-zigzag", 1, 4, 0), ("gpt2", "ulysses", 1, 4, 0)}, got
     assert len(train) == 4 * 7
-    ops = [r for r in reports(out) if r["case"] == "op"]
+    ops = [r for r in rs if r["case"] == "op"]
     assert len(ops) == 4 * 5
-    assert {r["bytes"] for r in reports(out) if r["case"] == "memory"} == {MEMORY_CP2 // 2}  # activations ∝ T/cp
+    assert {r["bytes"] for r in rs if r["case"] == "memory"} == {MEMORY_CP2 // 2}  # activations ∝ T/cp
     work = {lay: sorted(r["work"] for r in ops if r["kind"] == "ring" and r["layout"] == lay and r["fused"])
             for lay in ("contiguous", "zigzag")}           # measured by the op, per rank, T = 16, cp = 4
     assert work == {"contiguous": [16, 32, 48, 64], "zigzag": [36, 36, 36, 36]}, work
@@ -69,10 +79,10 @@ def test_cp4_and_cp2_dp2_and_zero_equal_one_process():
 C = "tests/workers/cp_compose.py"
 
 
-def _layouts(out, n):
-    """{(model, mode, dp, cp, tp, pp, sp, zero, schedule, precision)} reported by all n ranks,
-    each rank at its own mesh coordinates, with the bytes of the formula every step."""
-    train = [r for r in reports(out) if r["case"] == "train"]
+def _layouts(rs, n):
+    """{(model, mode, dp, cp, tp, pp, sp, zero, schedule, precision)} reported by all n ranks
+    (reports ``rs``), each rank at its own mesh coordinates, with the bytes of the formula every step."""
+    train = [r for r in rs if r["case"] == "train"]
     got = {}
     for r in train:
         assert r["bytes"] == [r["want_bytes"]] * 2 and r["pieces"] > 0, r   # = ring_bytes / ulysses_bytes
@@ -83,14 +93,14 @@ def _layouts(out, n):
     return set(got)
 
 
-def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4():
+def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4(request):
     """One launch: cp2 x tp2 (ring, zigzag, Ulysses; with and without SP), cp2 x pp2 under every
     schedule (1f1b, gpipe, interleaved, zb-h1, zb-v, dualpipev), cp2 x dp2 ZeRO-1/2/3, GPT and
     Llama, equal to one process (float64, rtol 1e-9, every piece); bf16 and fp16 to the
     rounding (the worker's docstring says which claim); the refusals on every rank; a checkpoint
     saved at cp2 x tp2 resumes at cp2 x dp2 ZeRO-3 and at one process, equal to the run."""
-    out = mpirun(4, C, timeout=240)
-    got = _layouts(out, 4)
+    rs = own(request, world(4, request))
+    got = _layouts(rs, 4)
     tp = {(m, mode, 1, 2, 2, 1, sp, 0, "1f1b", "fp32") for m, mode, sp in (
         ("gpt2", "ring", False), ("llama", "ring", True), ("gpt2", "ring-zigzag", True),
         ("llama", "ring-zigzag", False), ("gpt2", "ulysses", True), ("llama", "ulysses", False))}
@@ -102,17 +112,17 @@ def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4():
     low = {("gpt2", "ring-zigzag", 2, 2, 1, 1, False, 1, "1f1b", "bf16"), ("llama", "ring", 1, 2, 2, 1, True, 0,
                                                                           "1f1b", "fp16")}
     assert got == tp | pp | zero | low, got ^ (tp | pp | zero | low)
-    msgs = [r["message"] for r in reports(out) if r["case"] == "refused"]
+    msgs = [r["message"] for r in rs if r["case"] == "refused"]
     assert len(msgs) == 2 * 4 and sum("per tp rank" in m for m in msgs) == 4, msgs
-    ckpt = [(r["layout"], r["step"]) for r in reports(out) if r["case"] == "checkpoint"]    # saved at cp2 x tp2
+    ckpt = [(r["layout"], r["step"]) for r in rs if r["case"] == "checkpoint"]    # saved at cp2 x tp2
     assert sorted(ckpt) == sorted([("cp2 x dp2, ulysses, zero 3", 2), ("one process", 2)] * 4), ckpt
 
 
-def test_cp_composes_at_8_ranks():
+def test_cp_composes_at_8_ranks(request):
     """cp2 x dp2 x tp2 (zigzag +SP ZeRO-1, GPT; Ulysses ZeRO-3, Llama), cp2 x tp2 x pp2 (ring +SP,
     Llama), cp4 x tp2 (zigzag +SP, GPT): every rank's pieces equal one process's, the bytes the
     formula's."""
-    got = _layouts(mpirun(8, C, timeout=240), 8)
+    got = _layouts(own(request, world(8, request)), 8)
     assert got == {("gpt2", "ring-zigzag", 2, 2, 2, 1, True, 1, "1f1b", "fp32"),
                    ("llama", "ulysses", 2, 2, 2, 1, False, 3, "1f1b", "fp32"),
                    ("llama", "ring", 1, 2, 2, 2, True, 0, "1f1b", "fp32"),

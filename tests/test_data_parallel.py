@@ -7,16 +7,21 @@ import pytest
 
 from pdist import nn
 from pdist.parallel.data_parallel import build_buckets
-from pdist.testing import mpirun, reports
+from shared_launch import own, world
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "dp_equiv.py"
 
 
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {f"test_equivalence_overlap_errors[{n}]": (n, [WORKER]) for n in (2, 4)}
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_equivalence_overlap_errors(n):
-    out = mpirun(n, WORKER, timeout=300)
-    got = {r["case"]: r for r in reports(out)}
+def test_equivalence_overlap_errors(n, request):
+    out = world(n, request)
+    got = {r["case"]: r for r in own(request, out)}
     assert set(got) == {"naive accum=1", "naive accum=2", "bucketed accum=1", "bucketed accum=2", "overlap",
                         "errors and replica sync"}, out
     assert got["overlap"]["issued_during_backward"] >= 1

@@ -14,6 +14,7 @@ import pytest
 
 import pdist
 from pdist.testing import launch, reports
+from shared_launch import jobs, mpirun_shared, selected, session, stops
 
 ROOT = Path(pdist.__file__).resolve().parent.parent     # the checkout whose pdist and lessons run
 W = Path(__file__).parent / "workers"
@@ -35,23 +36,39 @@ def leftovers(token):
     return found
 
 
-def job(n, script, *args, env=None, timeout=120, tmp_path=None):
+def job(n, script, env, tmp_path):
     """``launch`` with a token in the environment; asserts the job ended by itself and that
     none of its processes outlived it."""
     token = uuid.uuid4().hex
-    e = {"PDIST_TEST_TOKEN": token, "PDIST_TIMEOUT": "20", **(env or {})}
-    if tmp_path is not None:
-        e["PDIST_FLIGHT_DIR"] = str(tmp_path)
-    res = launch(n, script, *args, timeout=timeout, env=e, wrap=False)
-    assert not res.timed_out, f"the harness had to kill {script} {args}\n{res.out[-3000:]}"
-    assert leftovers(token) == [], f"processes of {script} {args} outlived the job"
+    res = launch(n, script, timeout=120, wrap=False,
+                 env={"PDIST_TEST_TOKEN": token, "PDIST_TIMEOUT": "20", "PDIST_FLIGHT_DIR": tmp_path, **env})
+    assert not res.timed_out, f"the harness had to kill {script}\n{res.out[-3000:]}"
+    assert leftovers(token) == [], f"processes of {script} outlived the job"
     return res
 
 
-def by_rank(res, n):
-    reps = {r["rank"]: r for r in reports(res.out)}
-    assert sorted(reps) == list(range(n)), res.out[-3000:]
-    return reps
+# The 2-rank scenarios that end by themselves (an error raised on every rank, reported; a usage error before any
+# collective, captured) are jobs of one launch (tests/workers/jobs.py): that one, those that pass, those that raise.
+JOBS = [("test_inject_of_a_rank_that_does_not_exist_is_a_usage_error_on_every_rank", "inject",
+         stops(LESSONS / "02_data_parallel.py", "--steps", "2", "--inject", "nan:rank=5,step=1"))]
+JOBS += [(f"test_batch_check_passes_the_same_batch_and_can_be_switched_off[{k}]", k, [W / "defaults_batch.py", *a])
+         for k, a in [("same batch dp", ("dp", "step")), ("same batch pp", ("pp", "step")), ("check off", ("tp", "rank", "off"))]]
+JOBS += [("test_ddp_nan_on_one_rank_stops_every_rank_by_default", c, [W / "defaults_finite.py", c])
+         for c in ("ddp_off", "ddp")]
+JOBS += [(f"test_per_rank_loader_is_caught_at_step_0_on_every_rank[{k}]", k, [W / "defaults_batch.py", k, "rank"])
+         for k in ("dp", "tp", "pp", "dp_fp16")]
+JOBS += [("test_fp16_skips_are_counted_and_k_in_a_row_stop_every_rank", "fp16", [W / "defaults_finite.py", "fp16"])]
+
+
+def shared(request, job=None):
+    """Job ``job``'s reports by rank (None: the output) of this session's 2-rank launch, which ended by itself."""
+    token = f"defaults-{session()}"                  # one per suite: every worker asks the same launch
+    out = mpirun_shared(2, *jobs({k: j for t, k, j in JOBS if t in selected(request)}), timeout=300,
+                        env={"PDIST_TEST_TOKEN": token, "PDIST_TIMEOUT": "20"})
+    assert leftovers(token) == [], "processes of the shared launch outlived it"
+    got = reports(out, job=job)
+    assert job is None or sorted(r["rank"] for r in got) == [0, 1], got
+    return out if job is None else {r["rank"]: r for r in got}
 
 
 def python(*args, env=None, timeout=120):
@@ -85,19 +102,17 @@ def test_corpus_is_the_bundled_file():
 
 # ------------------------------------------------------------------ 2. the batch check
 @pytest.mark.parametrize("layout", ["dp", "tp", "pp", "dp_fp16"])
-def test_per_rank_loader_is_caught_at_step_0_on_every_rank(layout, tmp_path):
-    res = job(2, W / "defaults_batch.py", layout, "rank", tmp_path=tmp_path)
-    for r, rep in by_rank(res, 2).items():
+def test_per_rank_loader_is_caught_at_step_0_on_every_rank(layout, request):
+    for r, rep in shared(request, layout).items():
         assert rep["error"] is not None and BATCH_HEAD in rep["error"], (r, rep)
         assert rep["error"].startswith("step 0:") and rep["steps_done"] == 0, (r, rep)
 
 
 @pytest.mark.parametrize("args", [("dp", "step"), ("pp", "step"), ("tp", "rank", "off")],
                          ids=["same batch dp", "same batch pp", "check off"])
-def test_batch_check_passes_the_same_batch_and_can_be_switched_off(args, tmp_path):
-    res = job(2, W / "defaults_batch.py", *args, tmp_path=tmp_path)
-    assert res.rc == 0, res.out[-3000:]
-    assert all(rep["error"] is None and rep["steps_done"] == 3 for rep in by_rank(res, 2).values())
+def test_batch_check_passes_the_same_batch_and_can_be_switched_off(args, request):
+    got = shared(request, request.node.callspec.id)             # its job ran to the end (exit 0)
+    assert all(rep["error"] is None and rep["steps_done"] == 3 for rep in got.values()), got
 
 
 def test_batch_hash_cost_is_microseconds():
@@ -155,25 +170,22 @@ def test_check_finite_env_switch():
     assert bad.returncode != 0 and "PDIST_CHECK_FINITE='maybe': expected one of" in bad.stderr
 
 
-def test_ddp_nan_on_one_rank_stops_every_rank_by_default(tmp_path):
-    res = job(2, W / "defaults_finite.py", "ddp", tmp_path=tmp_path)
-    for r, rep in by_rank(res, 2).items():
+def test_ddp_nan_on_one_rank_stops_every_rank_by_default(request):
+    for r, rep in shared(request, "ddp").items():
         assert rep["error"] and rep["error"].startswith("step 1: non-finite loss on rank(s) [1]"), (r, rep)
         assert rep["steps_done"] == 1
-    off = job(2, W / "defaults_finite.py", "ddp_off", tmp_path=tmp_path)     # switched off: the old silence
-    assert off.rc == 0 and all(rep["error"] is None and not rep["last_loss_finite"]
-                               for rep in by_rank(off, 2).values())
+    off = shared(request, "ddp_off")                                     # switched off: the old silence
+    assert all(rep["error"] is None and not rep["last_loss_finite"] for rep in off.values()), off
 
 
 # ------------------------------------------------------------------ 4. fp16's skipped steps
-def test_fp16_skips_are_counted_and_k_in_a_row_stop_every_rank(tmp_path):
-    res = job(2, W / "defaults_finite.py", "fp16", tmp_path=tmp_path)
-    for r, rep in by_rank(res, 2).items():
+def test_fp16_skips_are_counted_and_k_in_a_row_stop_every_rank(request):
+    for r, rep in shared(request, "fp16").items():
         assert rep["error"] and rep["error"].startswith(
             "GradScaler: 5 steps in a row skipped (non-finite gradients at every loss scale from 65536 down to 4096; "
             "5 skipped in all)"), (r, rep)
         assert rep["skipped"] == 5 and rep["steps_done"] == 6     # step 0 trained, steps 1-5 skipped
-    assert res.out.count("[GradScaler] skipped a step") == 2 * 4       # verbose: a line per skip, per rank
+    assert shared(request).count("[GradScaler] skipped a step") == 2 * 4   # verbose (this job only): per skip, rank
 
 
 def test_fp16_default_stops_after_100_skips_and_counts_recoveries():
@@ -212,7 +224,7 @@ def test_environment_variables_are_validated_by_name(var, value, message):
 def test_bad_timeout_stops_every_rank_at_init(tmp_path):
     script = tmp_path / "init.py"
     script.write_text("from pdist import comm\ncomm.init()\nprint('trained', flush=True)\n")
-    res = job(2, script, env={"PDIST_TIMEOUT": "nan"}, tmp_path=tmp_path)
+    res = job(2, script, {"PDIST_TIMEOUT": "nan"}, tmp_path)
     assert res.rc != 0 and "trained" not in res.out, res.out[-2000:]
     msg = "ValueError: PDIST_TIMEOUT='nan': must be a positive number of seconds, e.g. PDIST_TIMEOUT=120"
     assert res.out.count(msg) == 2, res.out[-2000:]         # both ranks
@@ -227,13 +239,11 @@ def test_topology_rejects_zero_and_negative_links():
 
 
 # ------------------------------------------------------------------ 5. flags
-def test_inject_of_a_rank_that_does_not_exist_is_a_usage_error_on_every_rank(tmp_path):
-    res = job(2, LESSONS / "02_data_parallel.py", "--steps", "2", "--inject", "nan:rank=5,step=1", tmp_path=tmp_path)
-    assert res.rc == 2, res.out[-2000:]
-    for r in (0, 1):
-        assert (f"usage error (rank {r}): --inject 'nan:rank=5,step=1': rank 5 does not exist: this job has 2 "
-                f"rank(s), 0..1") in res.out, res.out[-2000:]
-    assert "PASS" not in res.out and "==" not in res.out
+def test_inject_of_a_rank_that_does_not_exist_is_a_usage_error_on_every_rank(request):
+    for r, rep in shared(request, "inject").items():                 # exit 2, before any work
+        assert rep["code"] == 2 and (f"usage error (rank {r}): --inject 'nan:rank=5,step=1': rank 5 does not "
+                                     f"exist: this job has 2 rank(s), 0..1") in rep["out"], rep
+        assert "PASS" not in rep["out"] and "==" not in rep["out"], rep
 
 
 @pytest.mark.parametrize("spec,message", [

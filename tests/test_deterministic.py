@@ -21,6 +21,7 @@ from pdist.parallel.deterministic import Deterministic, GranuleTree, check_layou
 from pdist.parallel.deterministic.blocks import Fan, tree_sum
 from pdist.testing import mpirun, reports
 from pdist.training import train
+from shared_launch import own, world
 
 T, SEED = 8, 3
 CFG = lesson.gpt_config(64, block_size=T, n_layer=2, n_head=2, n_embd=16)
@@ -284,10 +285,14 @@ def test_layouts_same_bits_under_mpiexec():
         assert len(ctrl) == 4 and not any(r["equal"] for r in ctrl), ctrl
 
 
-def test_dp_tp_pp_same_bits_under_mpiexec():
-    """One launch of 8 ranks: dp 2 x tp 2 x pp 2 (1f1b), float32, and bf16 with sequence
+# the 8-rank test's job, in the suite's 8-rank launch (tests/shared_launch.py)
+SUITE_JOBS = {"test_dp_tp_pp_same_bits_under_mpiexec": (8, ["tests/workers/deterministic.py", "--steps", "20"])}
+
+
+def test_dp_tp_pp_same_bits_under_mpiexec(request):
+    """At 8 ranks: dp 2 x tp 2 x pp 2 (1f1b), float32, and bf16 with sequence
     parallelism, equal to one process bit for bit after 20 steps."""
-    rows = reports(mpirun(8, "tests/workers/deterministic.py", "--steps", "20", timeout=400))
+    rows = own(request, world(8, request))
     assert {r["case"] for r in rows} == {"fp32.dp2xtp2xpp2", "bf16.dp2xtp2xpp2.sp"} and len(rows) == 16, rows
     bad = [r for r in rows if not r["equal"]]
     assert not bad, bad

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 from pdist.testing import mpirun, reports
+from shared_launch import own, world
 
 W = Path(__file__).parent / "workers"
 
@@ -62,10 +63,15 @@ def test_expert_parallel_equals_one_process_and_checkpoints_reshard(tmp_path):
     assert all(c["pieces"] > 0 for r in res for c in r["ckpt"])
 
 
-def test_expert_parallel_composes_at_8_ranks():
+# the 8-rank test's job, in the suite's 8-rank launch (tests/shared_launch.py; the 4- and 2-rank
+# launches above run in order: the second resumes the first's checkpoints)
+SUITE_JOBS = {"test_expert_parallel_composes_at_8_ranks": (8, [W / "moe_compose.py"])}
+
+
+def test_expert_parallel_composes_at_8_ranks(request):
     """ep2 x tp2 x dp2 ZeRO-2 (Llama, capacity 1.0: drops) against one process, float64: the
     loss per step, every piece of every parameter (the router, every expert, ZeRO's boxes of
     the edp shards, tp's blocks) and its gradient, rtol 1e-9."""
-    res = reports(mpirun(8, W / "moe_compose.py", timeout=120))
+    res = own(request, world(8, request))
     assert sorted(r["rank"] for r in res) == list(range(8)) and all(r["ok"] for r in res)
     assert [c["name"] for c in res[0]["compose"]] == ["ep2xtp2xdp2-zero2"] and res[0]["compose"][0]["drops"] > 0

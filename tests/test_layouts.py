@@ -1,8 +1,8 @@
 """The one shape: every layout and composition equals single-process training, for every model.
 
 tests/workers/layout_equiv.py runs K AdamW steps through the one training loop
-(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one launch per batch of layouts,
-both models) and checks, on every rank: the losses, every piece of every parameter and of
+(pdist.training.train) on a ``parallelize``d GPT-2 and Llama (one job of one launch per world size
+for all of its layouts and both models, tests/shared_launch.py) and checks, on every rank: the losses, every piece of every parameter and of
 Adam's m and v in ``sharded_state_dict`` against the same box of the single-process tensors
 (float64, rtol 1e-9), ``full_state_dict`` against the single-process state_dict, and
 ``load_full_state_dict`` as its inverse.
@@ -12,7 +12,8 @@ import re
 
 import pytest
 
-from pdist.testing import MPIRunError, mpirun, reports
+from pdist.testing import mpirun, reports
+from shared_launch import own, stops, world
 
 W = "tests/workers/layout_equiv.py"
 MODELS = ("gpt2", "llama")
@@ -35,50 +36,52 @@ LAYOUTS = [
 ]
 
 
-# The layouts run in batches: one launch per batch (one mpiexec start and one import of pdist
-# per rank for all of its layouts), each layout reported and asserted by name. A batch holds
-# layouts of one world size, at most PER_BATCH of them (fewer at 4 and 8 ranks, which run
-# longer), so that no batch keeps a pytest-xdist worker busy long after the others.
-PER_BATCH = {1: 5, 2: 5, 3: 5, 4: 3, 8: 2}
+BAD = [
+    (4, "--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
+    (3, "--tp 3 --dp 1 --pp 1", "divisible by 3"),
+    (4, "--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
+    (4, "--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
+    (4, "--tp 4 --dp 1 --pp 1 --model llama", "not divisible: n_kv_head = 2"),   # GQA: kv heads split whole
+]
 
 
-def _batches():
-    out = {}
-    for n in sorted({n for n, _ in LAYOUTS}):
-        mine = [a for m, a in LAYOUTS if m == n]
-        k = -(-len(mine) // PER_BATCH[n])
-        for j in range(k):
-            out[f"n{n}-{j + 1}of{k}"] = (n, mine[j::k])      # round robin: slow kinds spread out
-    return out
+def ident(n, layout):
+    """A layout's test id: "n4-dp-2-tp-2-zero-3-sp" for (4, "--dp 2 --tp 2 --zero 3 --sp")."""
+    return "-".join([f"n{n}", *layout.replace("--", "").split()])
 
 
-BATCHES = _batches()
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): the bad layouts
+    of this session's tests at n, the non-finite cases, then every layout (one --each job of the
+    worker: one reference per model). A layout that fails ends the job naming it, and fails every
+    test of the launch with the failing rank's traceback."""
+    each = [a for m, a in LAYOUTS if m == n and f"test_layouts_equal_single_process[{ident(m, a)}]" in names]
+    spec = {f"bad {a}": stops(W, *a.split()) for m, a, w in BAD if m == n      # each raises on every rank
+            and f"test_bad_layout_fails_on_every_rank[{m}-{a}-{w}]" in names}   # before any work
+    if f"test_nonfinite_raises_on_every_rank[{n}]" in names:
+        spec["nonfinite"] = ["tests/workers/nonfinite.py"]
+    if each:
+        spec["layouts"] = [W, "--each=" + ";".join(each), "--model", ",".join(MODELS)]
+    return spec
 
 
-def test_batches_hold_every_layout_once():
-    held = sorted((n, a) for n, layouts in BATCHES.values() for a in layouts)
-    assert held == sorted(LAYOUTS), held
-
-
-@pytest.mark.parametrize("batch", list(BATCHES))
-def test_layouts_equal_single_process(batch):
-    """Each layout of the batch, in one launch: every rank reports every model, with its own
-    (pp, dp, tp) coordinates. A layout that fails ends the job with its name in the message."""
-    n, layouts = BATCHES[batch]
-    out = mpirun(n, W, "--each=" + ";".join(layouts), "--model", ",".join(MODELS), timeout=120 + 60 * len(layouts))
-    got = reports(out)
-    for layout in layouts:
-        for name in MODELS:
-            mine = [r for r in got if r["model"] == name and r["case"] == layout]
-            assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
-            assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (layout, name, mine)
-            coords = {tuple(r["coords"]) for r in mine}
-            assert len(coords) == n, (layout, coords)                  # every rank its own (pp, dp, tp)
+@pytest.mark.parametrize("n,layout", LAYOUTS, ids=[ident(n, a) for n, a in LAYOUTS])
+def test_layouts_equal_single_process(n, layout, request):
+    """The layout, in its world size's launch: every rank reports every model, with its own
+    (pp, dp, tp) coordinates."""
+    out = world(n, request)
+    got = own(request, out, "layouts")
+    for name in MODELS:
+        mine = [r for r in got if r["model"] == name and r["case"] == layout]
+        assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
+        assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (layout, name, mine)
+        coords = {tuple(r["coords"]) for r in mine}
+        assert len(coords) == n, (layout, coords)                  # every rank its own (pp, dp, tp)
 
 
 @pytest.mark.parametrize("n", [2, 4])
-def test_nonfinite_raises_on_every_rank(n):
-    got = reports(mpirun(n, "tests/workers/nonfinite.py", timeout=200))
+def test_nonfinite_raises_on_every_rank(n, request):
+    got = own(request, world(n, request), "nonfinite")
     for zero in (0, 1, 3):
         mine = [r for r in got if r["case"] == f"nan weight zero={zero}"]
         assert len(mine) == n, got
@@ -89,18 +92,13 @@ def test_nonfinite_raises_on_every_rank(n):
     assert len(clip) == n and all(r["error"] and "inf" in r["error"] and r["untouched"] for r in clip), clip
 
 
-@pytest.mark.parametrize("n,args,words", [
-    (4, "--dp 2 --pp 2 --zero 3 --microbatches 2", "ZeRO-3 does not compose with pipeline parallelism"),
-    (3, "--tp 3 --dp 1 --pp 1", "divisible by 3"),
-    (4, "--dp 3 --tp 1 --pp 1", "dp*tp*pp = 3 but the world has 4"),
-    (4, "--pp 4 --n-layer 2", "4 (virtual) stages but only 2 layers"),
-    (4, "--tp 4 --dp 1 --pp 1 --model llama", "not divisible: n_kv_head = 2"),   # GQA: kv heads split whole
-])
-def test_bad_layout_fails_on_every_rank(n, args, words):
-    with pytest.raises(MPIRunError) as e:
-        mpirun(n, W, *args.split(), timeout=120)
-    msg = str(e.value)
-    assert words in msg, msg
+@pytest.mark.parametrize("n,args,words", BAD)
+def test_bad_layout_fails_on_every_rank(n, args, words, request):
+    """The layout raises the same error on every rank, before any work (a job of the world's
+    launch, which goes on: tests/workers/jobs.py)."""
+    got = own(request, world(n, request), f"bad {args}")
+    assert sorted(r["rank"] for r in got) == list(range(n)), got
+    assert all(r["code"] != 0 and words in r["error"] for r in got), got
 
 
 @pytest.mark.parametrize("n,case,zero", [(2, "one", 0), (4, "one", 1), (2, "two", 0), (4, "two", 2)])

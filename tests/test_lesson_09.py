@@ -9,7 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from pdist.testing import mpirun
+from shared_launch import scratch, world, text
 
 REPO = Path(__file__).resolve().parent.parent
 L09 = REPO / "lessons" / "09_context_parallel.py"
@@ -21,12 +21,16 @@ def contiguous_work(T, cp):
     return [(r + 1) * c * c for r in range(cp)]      # rank r: r + 1 chunk pairs
 
 
-def test_lesson_09_at_4_ranks(tmp_path):
-    path = tmp_path / "cp.json"
-    out = mpirun(CP, L09, "--steps", "2", "--n-layer", str(LAYERS), "--mem-seq", ",".join(map(str, MEM_T)),
-                 "--repeats", "1", "--json", path, timeout=180)
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {"test_lesson_09_at_4_ranks": (CP, [L09, "--steps", "2", "--n-layer", LAYERS, "--mem-seq",
+                                             ",".join(map(str, MEM_T)), "--repeats", "1", "--json", scratch("l09.json")])}
+
+
+def test_lesson_09_at_4_ranks(request):
+    out = text(request, world(CP, request))
     assert "PASS: 09_context_parallel" in out, out
-    s = json.loads(path.read_text())
+    s = json.loads(Path(scratch("l09.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("09_context_parallel", CP, "PASS")
     memory, attn, work, *trains = s["runs"]
     hs, e = C // H, 8

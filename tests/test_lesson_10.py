@@ -6,17 +6,24 @@ capacity 1.0 / 1.25 = sum_e max(0, routed_e - ceil(c N k / E)), expert memory = 
 replicated. And a bad --ep stops every rank with one usage message."""
 import json
 import os
+from pathlib import Path
 
-from pdist.testing import launch, mpirun
+from shared_launch import own, scratch, stops, world, text
 
 L10 = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "lessons", "10_experts.py")
 
 
-def test_lesson_10_at_4_ranks(tmp_path):
-    path = tmp_path / "moe.json"
-    out = mpirun(4, L10, "--steps", "2", "--n-embd", "16", "--block-size", "8", "--json", path, timeout=120)
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {"test_lesson_10_at_4_ranks": (4, [L10, "--steps", "2", "--n-embd", "16", "--block-size", "8",
+                                              "--json", scratch("l10.json")]),
+              "test_lesson_10_bad_ep_stops_every_rank": (2, stops(L10, "--ep", "4"))}     # it stops before any work
+
+
+def test_lesson_10_at_4_ranks(request):
+    out = text(request, world(4, request))
     assert "PASS: 10_experts" in out and "tokens per expert" in out, out
-    s = json.loads(path.read_text())
+    s = json.loads(Path(scratch("l10.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("10_experts", 4, "PASS")
     runs = {r["name"]: r for r in s["runs"]}
     assert list(runs) == ["ep 2", "ep 4", "capacity", "uniform routing"]
@@ -40,6 +47,8 @@ def test_lesson_10_at_4_ranks(tmp_path):
     assert all(d["dropped"] == d["formula"] and d["assignments"] == 2 * 2 * 4 * N * k for d in drops.values())
 
 
-def test_lesson_10_bad_ep_stops_every_rank():
-    r = launch(2, L10, "--ep", "4", timeout=60, wrap=False)
-    assert r.rc == 2 and r.out.count("--ep 4: must be >= 2, divide the world (2 ranks") == 2, r.out
+def test_lesson_10_bad_ep_stops_every_rank(request):
+    got = own(request, world(2, request))          # exit 2 on every rank, with one usage message
+    assert sorted(r["rank"] for r in got) == [0, 1], got
+    assert all(r["code"] == 2 and r["out"].count("--ep 4: must be >= 2, divide the world (2 ranks") == 1
+               for r in got), got

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-from pdist.testing import mpirun
+from shared_launch import scratch, world, text
 
 REPO = Path(__file__).resolve().parent.parent
 L11 = REPO / "lessons" / "11_same_bits.py"
@@ -28,12 +28,16 @@ def _cut_same(rng, T, C):
     return np.array_equal((x[:2 * T] @ w)[:, :3 * C // 2], (x @ np.ascontiguousarray(w[:, :3 * C // 2]))[:2 * T])
 
 
-def test_lesson_11_at_4_ranks(tmp_path):
-    path = tmp_path / "l11.json"
-    out = mpirun(4, str(L11), "--steps", "3", "--n-embd", "16", "--block-size", "8", "--json", str(path),
-                 timeout=150)
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {"test_lesson_11_at_4_ranks": (4, [L11, "--steps", "3", "--n-embd", "16", "--block-size", "8",
+                                             "--json", scratch("l11.json")])}
+
+
+def test_lesson_11_at_4_ranks(request):
+    out = text(request, world(4, request))
     assert "PASS: 11_same_bits" in out, out
-    s = json.loads(path.read_text())
+    s = json.loads(Path(scratch("l11.json")).read_text())
     assert (s["lesson"], s["world_size"], s["check"]) == ("11_same_bits", 4, "PASS")
     act1, act2 = s["runs"]
     assert act1["layouts"] == ["dp 4", "dp 2 x tp 2"] and len(act1["loss"]) == 3

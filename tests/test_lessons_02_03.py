@@ -1,15 +1,21 @@
 """lessons/02_data_parallel.py and lessons/03_zero.py under mpirun: the PASS line, the
-JSON summary contract, and bad flags stopping every rank with exit code 2."""
+JSON summary contract, and bad flags stopping every rank with exit code 2 (jobs of one 2-rank
+launch with lesson 02, tests/shared_launch.py; a bad layout run as a user runs it, with no
+harness: tests/test_lesson_06.py)."""
 import json
 import os
+from pathlib import Path
 
 import pytest
 
-from pdist.testing import launch, mpirun
+from pdist.testing import mpirun
+from shared_launch import chosen, own, scratch, stops, world
+from shared_launch import text as job_text
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 L02 = os.path.join(ROOT, "lessons", "02_data_parallel.py")
 L03 = os.path.join(ROOT, "lessons", "03_zero.py")
+L03_AT_3 = "::lesson 03 at 3 ranks, 2 steps"          # a job name tests/test_plan.py uses too
 RUN_FIELDS = {"name", "layout", "dtype", "params", "loss", "baseline_loss", "memory_per_rank",
               "comm_bytes_per_step", "seconds_per_step"}
 MEM_FIELDS = {"rank", "params_bytes", "grads_bytes", "optim_bytes"}
@@ -29,9 +35,22 @@ def check_summary(s, lesson, n, names, steps, dtype):
         assert 0 < r["seconds_per_step"] < 10
 
 
-def test_lesson_02_two_ranks_float64_accum(tmp_path):
-    out = tmp_path / "s.json"
-    text = mpirun(2, L02, "--dtype", "float64", "--steps", "3", "--accum", "2", "--json", out, timeout=120)
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py; the RSS test has its own):
+    at 2 ranks the bad flags first (each stops every rank before any collective, its output
+    captured), then lesson 02; at 3 lesson 03, a job tests/test_plan.py shares (the same run)."""
+    if n == 3:
+        return {L03_AT_3: [L03, "--steps", "2", "--json", scratch("z-n3.json")]} \
+            if "test_lesson_03_three_ranks" in names else {}
+    return chosen({f"test_bad_flag_exits_2_on_every_rank[{s}]": stops(s, "--batch-size", "0") for s in (L02, L03)}
+                  | {"test_lesson_02_two_ranks_float64_accum": [L02, "--dtype", "float64", "--steps", "3", "--accum",
+                                                                "2", "--json", scratch("l02.json")]}, names) \
+        if n == 2 else {}
+
+
+def test_lesson_02_two_ranks_float64_accum(request):
+    out = Path(scratch("l02.json"))
+    text = job_text(request, world(2, request))
     assert "PASS: 02_data_parallel -- 2 rank(s)" in text, text
     assert "in 2 micro-batches" in text and "bucketed DP" in text
     s = json.loads(out.read_text())
@@ -43,9 +62,9 @@ def test_lesson_02_two_ranks_float64_accum(tmp_path):
         assert r["comm_bytes_per_step"] == [psi_bytes, psi_bytes]      # 2(n-1)/n * Psi * b, n = 2
 
 
-def test_lesson_03_three_ranks(tmp_path):
-    out = tmp_path / "s.json"
-    text = mpirun(3, L03, "--steps", "2", "--json", out, timeout=120)
+def test_lesson_03_three_ranks(request):
+    out = Path(scratch("z-n3.json"))                  # the job of tests/test_plan.py at 3 ranks too
+    text = job_text(request, world(3, request), L03_AT_3)
     assert "PASS: 03_zero (stages [0, 1, 2, 3] on 3 ranks" in text, text
     wide = [line for line in text.splitlines() if len(line) > 100]
     assert not wide, f"lesson 03 prints lines over 100 characters: {wide}"
@@ -61,11 +80,12 @@ def test_lesson_03_three_ranks(tmp_path):
 
 
 @pytest.mark.parametrize("script", [L02, L03])
-def test_bad_flag_exits_2_on_every_rank(script):
-    r = launch(2, script, "--batch-size", "0", timeout=60, wrap=False)       # as a user runs it
-    assert r.rc == 2, r.out
-    assert r.out.count("--batch-size must be >= 1, got 0") == 2, r.out       # both ranks
-    assert r.out.count("usage:") == 2 and "PASS" not in r.out and "FAIL" not in r.out
+def test_bad_flag_exits_2_on_every_rank(script, request):
+    got = own(request, world(2, request))
+    assert sorted(r["rank"] for r in got) == [0, 1], got
+    for r in got:                             # each rank: exit 2, the usage and the reason once, no verdict
+        assert r["code"] == 2 and r["out"].count("--batch-size must be >= 1, got 0") == 1, r
+        assert r["out"].count("usage:") == 1 and "PASS" not in r["out"] and "FAIL" not in r["out"], r
 
 
 def test_lesson_03_rss_meta_init_and_timeline(tmp_path):

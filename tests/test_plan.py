@@ -6,6 +6,7 @@ import json
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -13,7 +14,7 @@ from pdist.models.gpt import GPTConfig
 from pdist.plan import main, plan, search, text_chart
 from pdist.plan.model import Layout, layer_activations
 from pdist.plan.presets import CLUSTERS, MODELS, NARAYANAN_TABLE1, narayanan_flops
-from pdist.testing import mpirun
+from shared_launch import chosen, scratch, world
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -29,11 +30,33 @@ def lesson_cfg(psi, n_layer, C=64, T=32, heads=4):
 
 # --- 1. pdist's own runs -----------------------------------------------------------------------
 
+L03, L06 = os.path.join(ROOT, "lessons", "03_zero.py"), os.path.join(ROOT, "lessons", "06_mesh.py")
+LAYOUTS_06 = {"--dp 2 --tp 2": "m-dp2tp2.json", "--tp 2 --pp 2": "m-tp2pp2.json"}
+
+
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py):
+    lesson 03 (at 3 ranks a job tests/test_lessons_02_03.py shares: the same run), and at 4 each
+    lesson 06 layout, each writing its JSON."""
+    spec = {f"test_lesson_03_bytes_equal_the_plan[{n}]": [L03, "--steps", "2", "--json", scratch(f"z-n{n}.json")]}
+    if n == 4:
+        spec |= {f"test_lesson_06_memory_and_group_bytes_equal_the_plan[{a}-lay{i}]":
+                 [L06, "--steps", "2", *a.split(), "--json", scratch(f)] for i, (a, f) in enumerate(LAYOUTS_06.items())}
+    spec = chosen(spec, names)
+    if n == 3 and spec:                                                  # the shared job's name
+        spec = {"::lesson 03 at 3 ranks, 2 steps": spec.popitem()[1]}
+    return spec
+
+
+def runs(request, n, name):
+    """The runs of the JSON a lesson wrote in the launch at n ranks."""
+    world(n, request)
+    return json.loads(Path(scratch(name)).read_text())["runs"]
+
+
 @pytest.mark.parametrize("n", [2, 3, 4])     # n = 3: units padded to a multiple of 3
-def test_lesson_03_bytes_equal_the_plan(tmp_path, n):
-    path = tmp_path / "z.json"
-    mpirun(n, os.path.join(ROOT, "lessons", "03_zero.py"), "--steps", "2", "--json", path, timeout=240)
-    s = json.loads(path.read_text())
+def test_lesson_03_bytes_equal_the_plan(n, request):
+    s = {"runs": runs(request, n, f"z-n{n}.json")}
     assert len(s["runs"]) == 4
     for run in s["runs"]:
         cfg = lesson_cfg(run["params"], 2)
@@ -52,11 +75,8 @@ def test_lesson_03_bytes_equal_the_plan(tmp_path, n):
     ("--dp 2 --tp 2", dict(dp=2, tp=2, pp=1, zero=1, sp=True)),
     ("--tp 2 --pp 2", dict(dp=1, tp=2, pp=2, zero=0, sp=True)),
 ])
-def test_lesson_06_memory_and_group_bytes_equal_the_plan(tmp_path, layout, lay):
-    path = tmp_path / "m.json"
-    mpirun(4, os.path.join(ROOT, "lessons", "06_mesh.py"), "--steps", "2", *layout.split(), "--json", path,
-           timeout=240)
-    (run,) = json.loads(path.read_text())["runs"]
+def test_lesson_06_memory_and_group_bytes_equal_the_plan(layout, lay, request):
+    (run,) = runs(request, 4, LAYOUTS_06[layout])
     cfg = lesson_cfg(run["params"], 4)
     m = 4                                                        # the lesson's --microbatches
     p = plan(cfg, "this", precision="fp64", m=m, micro_batch=16 // lay["dp"] // m, **lay)

@@ -1,6 +1,6 @@
 """Mixed precision (issue 14 part 3): bf16 / fp16 parameters and gradients, fp32 masters,
-fp16's dynamic loss scaling, and every data-parallel / ZeRO layout equal to one process
-in the same precision, with the ZeRO paper's mixed-precision memory to the byte."""
+fp16's dynamic loss scaling, the ZeRO paper's mixed-precision memory to the byte, in one
+process; every layout equal to one process in the same precision: tests/test_precision_layouts.py."""
 import numpy as np
 import pytest
 from threadpoolctl import threadpool_limits
@@ -13,7 +13,6 @@ from pdist.models.gpt import GPT
 from pdist.engine.grad_scaler import GradScaler
 from pdist.optim import AdamW
 from pdist.parallel import Local, MixedPrecision
-from pdist.testing import mpirun, reports
 from pdist.training import train
 
 
@@ -165,74 +164,6 @@ def test_bad_precision_is_a_clear_error():
         MixedPrecision(Local(GPT(CFG, 0)), "bf16")
 
 
-# ----------------------------------------------------------------- every layout equals one process
-LAYOUTS = {2: ["--zero 0", "--zero 0 --naive", "--zero 1", "--zero 2", "--zero 3", "--precision fp16 --zero 2",
-               "--tp 2", "--tp 2 --precision fp16"],
-           4: ["--zero 0", "--zero 1", "--zero 2", "--zero 3", "--precision fp16 --zero 3", "--precision fp16 --zero 0",
-               "--tp 2 --zero 0", "--tp 2 --zero 1", "--tp 2 --zero 3"]}
-
-
-@pytest.mark.parametrize("n", list(LAYOUTS), ids=[f"n{n}" for n in LAYOUTS])
-def test_layout_equals_one_process_in_the_same_precision(n):
-    """Masters, Adam's m and v and the low weights bit-for-bit (tp: to a few fp32 ulps); memory =
-    the paper's formula; bytes sent over dp per step = the ring accounting of 2-byte elements.
-    One launch per world size (the worker trains each reference once), each layout asserted by
-    name; a layout that fails ends the job with its name in the message."""
-    out = mpirun(n, "tests/workers/precision_equiv.py", "--each=" + ";".join(LAYOUTS[n]), timeout=480)
-    got = reports(out)
-    for layout in LAYOUTS[n]:
-        mine = [r for r in got if r["case"] == layout]
-        assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, out[-6000:])
-        zero = int(layout.split("--zero ")[1].split()[0]) if "--zero" in layout else 0
-        dp = n // (2 if "--tp 2" in layout else 1)
-        s = 2 * mine[0]["psi"]                              # S: 2 bytes per element on the wire
-        ring = {0: 2, 1: 2, 2: 2, 3: 3}[zero] * (dp - 1) * s / dp
-        assert all(r["checked_pieces"] > 0 for r in mine), layout
-        sent = [r["sent_per_step"] for r in mine]           # dp = 1: the group is tp's (activations)
-        assert dp == 1 or all(abs(b - ring) <= 64 for b in sent), (layout, sent, ring)   # integer division
-
-
-# pipeline and sequence parallelism: "case" = sizes (dp2 tp2 pp2 m4 v2, z1: ZeRO-1), schedule, precision, sp
-PIPELINE_CASES = [(2, ["pp2 gpipe bf16 m4", "pp2 1f1b fp16 m4", "pp2 interleaved v2 bf16 m2", "tp2 sp bf16",
-                       "tp2 sp fp16 m2", "pp2 zb-h1 bf16 m4", "pp2 zb-v bf16 m2", "pp2 dualpipev fp16 m4"]),
-                  (4, ["dp2 pp2 1f1b bf16 m2", "dp2 pp2 gpipe fp16 m2 z1", "dp2 pp2 1f1b bf16 z2",
-                       "tp2 pp2 sp 1f1b bf16 m2", "dp2 tp2 sp fp16 z3"])]
-
-
-@pytest.mark.parametrize("n,cases", PIPELINE_CASES, ids=[f"n{n}" for n, _ in PIPELINE_CASES])
-def test_pipeline_and_sequence_parallel_equal_one_process(n, cases):
-    """pp (every schedule, zero-bubble ones too) and dp x pp with m = 1 bit for bit; tp + sp (partial
-    LayerNorm, bias, wpe grads summed before one rounding) to rtol 1e-6; dp x pp with m > 1 (one more rounding
-    grouping) within 16 unit roundoffs of the update (tests/workers/precision_pipeline.py)."""
-    got = reports(mpirun(n, "tests/workers/precision_pipeline.py", *cases, timeout=240))
-    assert sorted(r["rank"] for r in got) == list(range(n))
-    for r in got:
-        assert [c["case"] for c in r["results"]] == cases
-        for c in r["results"]:
-            if "rel_update_err" in c:
-                assert c["rel_update_err"] <= 16 * c["u"], c
-            else:
-                assert c["checked"] > 0 and c["exact"] == ("tp2" not in c["case"]), c
-
-
-# one launch per world size, each case asserted by name
-OVERFLOW = {2: ["--zero 0 --pp 1", "--zero 0 --pp 2"], 4: ["--zero 2 --pp 1", "--zero 3 --pp 1", "--zero 1 --pp 2"]}
-
-
-@pytest.mark.parametrize("n", list(OVERFLOW))
-def test_fp16_overflow_on_one_rank_skips_on_every_rank(n):
-    """pp = 2: the overflow is on the last stage only; the first stage skips too."""
-    out = mpirun(n, "tests/workers/precision_overflow.py", "--each=" + ";".join(OVERFLOW[n]), timeout=200)
-    got = reports(out)
-    for case in OVERFLOW[n]:
-        mine = [r for r in got if r["case"] == case]
-        assert len(mine) == n and all(r["log"] == mine[0]["log"] for r in mine), (case, mine, out[-6000:])
-        log = mine[0]["log"]
-        assert [e["changed"] for e in log] == [True, False, True, True], (case, log)
-        assert [e["scale_next"] for e in log] == [1024, 512, 512, 1024], (case, log)
-        assert log[2]["adam_steps_before"] == [1] and all(e["loss_finite"] for e in log), (case, log)
-
-
 def test_the_chain_can_be_asked():
     """chain(): outermost to Local; find(T): the first of type T, or None (MixedPrecision is a
     Strategy, not a ParallelModule)."""
@@ -267,16 +198,6 @@ def test_full_state_dict_is_the_masters_and_loads_back():
     low = dict(fresh.module.named_parameters())
     for n, p in m.module.named_parameters():                 # refreshed from the loaded masters
         assert np.array_equal(low[n].data, sd[n].astype(precision.bfloat16)), n
-
-
-@pytest.mark.parametrize("n", [2, 3, 4])
-def test_two_byte_collectives_sum_in_fp32_and_round_once(n):
-    """bf16 and fp16 all-reduce (sum, avg, max; sync and async; sizes not divisible by n),
-    reduce-scatter, reduce to one rank, all-gather, broadcast: the exact bits of their
-    definition; an all-reduce of S bytes counts 2(n-1)/n S (2 bytes per element)."""
-    got = reports(mpirun(n, "tests/workers/comm_low_precision.py", timeout=120))
-    assert len(got) == n and all(r["checked"] == 88 and r["sum"] == n for r in got), got
-    assert all(r["all_reduce_bytes"] == 2 * (n - 1) * 2000 // n for r in got), got
 
 
 def test_grad_scaler_matches_torch_amp_grad_scaler():

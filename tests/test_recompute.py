@@ -24,7 +24,7 @@ from pdist.engine.backend import set_default_dtype
 from pdist.models.gpt import GPT, GPTConfig
 from pdist.optim import AdamW
 from pdist.engine.recompute import checkpoint
-from pdist.testing import mpirun, reports
+from shared_launch import own, world
 
 MODES = ("none", "selective", "full")
 CFG = GPTConfig(vocab_size=96, block_size=16, n_layer=3, n_head=4, n_embd=32, dtype="float64")
@@ -178,19 +178,28 @@ def _extra(r, size):
     return {"all_reduce": (calls, calls * 2 * (t - 1) * full // t)}
 
 
-# One launch per batch of layouts of one world size, each layout asserted by name; "n4-2of2"
-# holds the two that `make test-fast` leaves out (conftest.SLOW).
+# One job of one launch per world size for the layouts of this session's batches
+# (tests/shared_launch.py), each layout asserted by name; "n4-2of2" holds the two that
+# `make test-fast` leaves out (conftest.SLOW).
 BATCHES = {"n2": (2, ["--dp 2", "--dp 2 --zero 3 --microbatches 2", "--tp 2 --sp", "--tp 2", "--pp 2 --microbatches 2"]),
            "n4-1of2": (4, ["--dp 2 --pp 2 --microbatches 2", "--tp 2 --pp 2 --sp --microbatches 2",
                            "--dp 2 --tp 2 --zero 3 --sp"]),
            "n4-2of2": (4, ["--dp 4 --zero 3", "--dp 2 --tp 2 --sp"])}
 
 
+def suite_jobs(n, names):
+    """This module's job at n ranks, for ``world`` (tests/shared_launch.py): the layouts of the batches
+    at n of ``names``, this session's tests."""
+    each = [a for b, (m, held) in BATCHES.items() if m == n and f"test_layouts_train_the_same_with_recompute[{b}]"
+            in names for a in held]
+    return {"layouts": ["tests/workers/recompute_equiv.py", "--each=" + ";".join(each)]} if each else {}
+
+
 @pytest.mark.parametrize("batch", list(BATCHES))
-def test_layouts_train_the_same_with_recompute(batch):
+def test_layouts_train_the_same_with_recompute(batch, request):
     n, layouts = BATCHES[batch]
-    out = mpirun(n, "tests/workers/recompute_equiv.py", "--each=" + ";".join(layouts), timeout=300)
-    got = reports(out)
+    out = world(n, request)
+    got = own(request, out, "layouts")
     for layout in layouts:
         _check_layout(n, layout, [r for r in got if r["case"] == layout], out)
 

@@ -12,20 +12,27 @@ and errors, each under a real mpiexec (pdist.testing.mpirun).
 """
 import pytest
 
-from pdist.testing import mpirun, reports
+from shared_launch import chosen, own, world
 
 SIZES = [1, 2, 4]
 
 
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py):
+    the model, then the layers (which count from their own reset of the world's statistics)."""
+    return chosen({f"test_gpt_equivalence_and_comm_counts[{n}]": ["tests/workers/tp_gpt.py", "3"],
+                   f"test_layers[{n}]": ["tests/workers/tp_layers.py"]}, names)
+
+
 @pytest.mark.parametrize("n", SIZES)
-def test_layers(n):
-    out = mpirun(n, "tests/workers/tp_layers.py", timeout=240)
-    got = reports(out)
+def test_layers(n, request):
+    out = world(n, request)
+    got = own(request, out)
     assert sorted(r["rank"] for r in got) == list(range(n)) and all(r["checks"] > 10 for r in got), out
 
 
 @pytest.mark.parametrize("n", SIZES)
-def test_gpt_equivalence_and_comm_counts(n):
-    out = mpirun(n, "tests/workers/tp_gpt.py", "3", timeout=300)
-    got = reports(out)
+def test_gpt_equivalence_and_comm_counts(n, request):
+    out = world(n, request)
+    got = own(request, out)
     assert len(got) == (8 if n == 4 else 6) and all(r["world"] == n and r["worst"] <= 1 for r in got), out

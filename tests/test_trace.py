@@ -4,7 +4,7 @@ from pathlib import Path
 
 import pytest
 
-from pdist.testing import mpirun, reports
+from shared_launch import own, scratch, world
 
 W = Path(__file__).parent / "workers"
 
@@ -27,10 +27,16 @@ def test_local_recorder():
     assert trace.events() == []
 
 
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {f"test_chrome_trace_merges_ranks[{n}]": (n, [W / "comm_trace.py", scratch(f"trace-n{n}.json")])
+              for n in (1, 4)}
+
+
 @pytest.mark.parametrize("n", [1, 4])
-def test_chrome_trace_merges_ranks(n, tmp_path):
-    path = tmp_path / "trace.json"
-    got = reports(mpirun(n, W / "comm_trace.py", path, timeout=120))
+def test_chrome_trace_merges_ranks(n, request):
+    path = Path(scratch(f"trace-n{n}.json"))
+    got = own(request, world(n, request))
     doc = json.loads(path.read_text())
     ev = [e for e in doc["traceEvents"] if e["ph"] == "X"]
     assert sorted(r["rank"] for r in got) == list(range(n)) and all(r["n"] == n for r in got), got

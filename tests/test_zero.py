@@ -2,23 +2,34 @@
 training shard by shard (n = 1, 2, 3 with padding, 4), model-state bytes equal to the
 paper's formula, bytes sent equal to the ring theory, the stage-2/3 schedule (gradients
 freed as units are reduced, at most root + current + prefetched unit gathered), stage
-3's peak bound, bad input; and lesson 03's JSON summary."""
+3's peak bound, bad input; and lesson 03's JSON summary. Each test's run is a job of the suite's
+launch at its world size (tests/shared_launch.py, tests/workers/jobs.py)."""
 import json
 from pathlib import Path
 
 import pytest
 
-from pdist.testing import MPIRunError, mpirun, reports
+from shared_launch import chosen, own, scratch, stops, world, text
 
 ROOT = Path(__file__).resolve().parent.parent
 WORKER = ROOT / "tests" / "workers" / "zero_check.py"
 LESSON = ROOT / "lessons" / "03_zero.py"
 
 
+def suite_jobs(n, names):
+    """This module's jobs at n ranks, for ``world`` (tests/shared_launch.py): the
+    worker, then the lesson (at 2 ranks its bad flag, which stops every rank before any collective)."""
+    every = {f"test_zero_stages_equal_single_process_and_formulas[{m}]": (m, [WORKER]) for m in (1, 2, 3, 4)}
+    every["test_lesson_03_json_contract"] = (4, [LESSON, "--steps", 3, "--dtype", "float64",
+                                                 "--json", scratch("l03.json")])
+    every["test_lesson_03_bad_input_fails_on_every_rank"] = (2, stops(LESSON, "--batch-size", 5, "--steps", 1))
+    return chosen(every, names, n)
+
+
 @pytest.mark.parametrize("n", [1, 2, 3, 4])
-def test_zero_stages_equal_single_process_and_formulas(n):
-    out = mpirun(n, WORKER, timeout=300)
-    got = {r["case"]: r for r in reports(out)}
+def test_zero_stages_equal_single_process_and_formulas(n, request):
+    out = world(n, request)
+    got = {r["case"]: r for r in own(request, out)}
     assert set(got) == {"stage 0", "stage 1", "stage 2", "stage 3", "stage 3 no prefetch", "stage 3 peak",
                         "bad input"}, out
     for case in ("stage 0", "stage 1", "stage 2", "stage 3"):
@@ -26,10 +37,10 @@ def test_zero_stages_equal_single_process_and_formulas(n):
     assert got["stage 3 peak"]["peak_bytes"] <= got["stage 3 peak"]["bound_bytes"]
 
 
-def test_lesson_03_json_contract(tmp_path):
+def test_lesson_03_json_contract(request):
     n, steps = 4, 3
-    path = tmp_path / "zero.json"
-    out = mpirun(n, LESSON, "--steps", steps, "--dtype", "float64", "--json", path, timeout=300)
+    path = Path(scratch("l03.json"))
+    out = text(request, world(n, request))
     assert "PASS: 03_zero" in out, out
     for col in ("params", "grads", "optim", "formula", "sent/step", "theory", "peak", "baseline"):
         assert col in out, out
@@ -62,6 +73,7 @@ def test_lesson_03_json_contract(tmp_path):
         assert r["seconds_per_step"] > 0
 
 
-def test_lesson_03_bad_input_fails_on_every_rank():
-    with pytest.raises(MPIRunError, match="does not divide by the 2 ranks"):
-        mpirun(2, LESSON, "--batch-size", 5, "--steps", 1, timeout=120)
+def test_lesson_03_bad_input_fails_on_every_rank(request):
+    got = own(request, world(2, request))                 # exit 2 on every rank, before any collective
+    assert sorted(r["rank"] for r in got) == [0, 1], got
+    assert all(r["code"] == 2 and "does not divide by the 2 ranks" in r["out"] for r in got), got

@@ -9,11 +9,11 @@ two with recompute (selective, full) and one built on device="meta". The peak st
 must have held memory between B and W and released it. Then the layouts that do not
 compose are refused on every rank with the reason: ZeRO-3 with a pipeline, and a V-shaped
 schedule with other than 2 chunks per rank. (bf16/fp16 under these schedules, bit for
-bit: tests/test_precision.py.)
+bit: tests/test_precision_layouts.py.)
 """
 import pytest
 
-from pdist.testing import mpirun, reports
+from shared_launch import own, world
 
 W = "tests/workers/zero_bubble.py"
 SCHEDULES = ("zb-h1", "zb-v", "dualpipev")
@@ -34,9 +34,14 @@ def _expected(n):
     return names
 
 
+# its jobs in the suite's launches (tests/shared_launch.py), which it joins at every size (few groups)
+SUITE_AT = (1, 2, 3, 4, 8)
+SUITE_JOBS = {f"test_zero_bubble_schedules_equal_one_process[{n}]": (n, [W]) for n in (2, 4)}
+
+
 @pytest.mark.parametrize("n", [2, 4])
-def test_zero_bubble_schedules_equal_one_process(n):
-    got = reports(mpirun(n, W, timeout=240))
+def test_zero_bubble_schedules_equal_one_process(n, request):
+    got = own(request, world(n, request))
     cases = [r for r in got if "case" in r]
     for name in _expected(n):
         mine = [r for r in cases if r["case"] == name]
