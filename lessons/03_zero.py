@@ -132,6 +132,13 @@ def group_theory(stage, z, b):
     return {"shard": comm_theory(stage, z, S, b), "replicate": 2 * (R - 1) * b * z.numel_padded / (R * S)}
 
 
+def group_sizes(z, n, mesh):
+    """{group: ranks} for the table with --dp-shard (None without)."""
+    if mesh is None:
+        return None
+    return {"dp": n, "shard": z.group.size, "replicate": getattr(z, "replicate_group", z.group).size}
+
+
 def groups_of(z, world):
     """The groups whose bytes the table counts: the world, or HSDP's shard and replicate groups."""
     return {"shard": z.group, "replicate": z.replicate_group} if isinstance(z, HSDP) else {"dp": world}
@@ -240,19 +247,21 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
     return z, opt, losses, sent, float(np.median(secs)), check[0], rss
 
 
-GROUP_COMM = {"shard": lambda st: COMM[st].replace("N", "S"), "replicate": lambda st: "2Ψ/S·(R-1)/R"}
+GROUP_COMM = {"dp": lambda st: COMM[st], "shard": lambda st: COMM[st].replace("N", "S"),
+              "replicate": lambda st: "2Ψ/S·(R-1)/R"}
+GROUP_NAME = {"dp": "all", "shard": "shard", "replicate": "replicas"}
 
 
-def comm_rows(stage, per, theory, by_group):
-    """The bytes columns of a stage's row (mean over ranks): sent and theory; with --dp-shard, one
-    pair per group (the world's, at stage 0) and the group's name."""
+def comm_rows(stage, per, theory, tail, sizes=None):
+    """A stage's rows of the bytes table (mean over ranks): sent beside theory, then ``tail`` (loss,
+    baseline, rel err, ms/step). With --dp-shard (``sizes``: {group: ranks}), one row per group,
+    named with its size (the world's at stage 0), ``tail`` on the first."""
     def cell(g):
-        name = GROUP_COMM[g](stage) if g in GROUP_COMM else COMM[stage]
-        return [lesson.fmt_bytes(np.mean([p[g] for p in per])), f"{name} = {lesson.fmt_bytes(theory[g])}"]
-    if not by_group:
-        return [stage, *cell("dp")]
-    gs = list(theory) + [None] * (2 - len(theory))
-    return [stage] + [c for g in gs for c in (cell(g) if g else ["", ""])]
+        return [lesson.fmt_bytes(np.mean([p[g] for p in per])), f"{GROUP_COMM[g](stage)} = {lesson.fmt_bytes(theory[g])}"]
+    if sizes is None:
+        return [[stage, *cell("dp"), *tail]]
+    return [[stage if i == 0 else "", f"{GROUP_NAME[g]} ({sizes[g]})", *cell(g), *(tail if i == 0 else [""] * len(tail))]
+            for i, g in enumerate(theory)]
 
 
 def peak_bytes(cfg, stage, world, args, tokens, prec):
@@ -285,8 +294,8 @@ def print_tables(rows, rss_rows, check_rss, hybrid=False):
                                               "=", "peak"]))
     print("\nBytes sent per step (mean over ranks) against the ring's theory; "
           "the loss beside one process's:")
-    cols = ["shard/step", "theory", "replicas/step", "theory"] if hybrid else ["sent/step", "theory"]
-    print(lesson.table([c for _, c in rows], ["stage", *cols, "loss", "baseline", "rel err", "ms/step"]))
+    cols = ["group", "sent/step", "theory"] if hybrid else ["sent/step", "theory"]
+    print(lesson.table([r for _, c in rows for r in c], ["stage", *cols, "loss", "baseline", "rel err", "ms/step"]))
     print(f"\nWhat each process holds (RSS, the OS's count, in MiB; the last step; "
           f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked here'}):")
     print(lesson.table([r[:9] for r in rss_rows], ["stage", "rank", "baseline", "init peak", "rss",
@@ -351,18 +360,18 @@ def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
         rows.append(([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
                       f"{formula.replace('N', 'S') if hybrid else formula} = {fb(sum(want))}",
                       "yes" if got == want else "NO", fb(peak)],
-                     comm_rows(stage, per, theory, args.mesh is not None) +
-                     [f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"]))
+                     comm_rows(stage, per, theory, [f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}",
+                                                    f"{sps * 1e3:.1f}"], group_sizes(z, n, args.mesh))))
         rss_rows += [[stage] + rss_row(m) for m in mems]
         numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
         del model, z, opt      # the next stage's baseline RSS must not hold this one's model
 
     if rank == 0:
         m = args.mesh
-        hsdp = (f" ({m.dp_replicate_world_size} replicas x {m.dp_shard_world_size}-way shards: HSDP at stages "
-                f"1-3, N = S = {m.dp_shard_world_size}; stage 0 all-reduces over all {n})") if m is not None else ""
-        print(f"ZeRO on {n} rank(s){hsdp}: GPT with Ψ = {numel:,} parameters, Ψ_pad = {numel_padded:,}, "
-              f"AdamW, {args.steps} steps, global batch {args.batch_size}\n"
+        hsdp = (f"  HSDP, stages 1-3: R = {m.dp_replicate_world_size} replicas x S = {m.dp_shard_world_size}-way "
+                f"shards (N = S); stage 0: all-reduce over all {n}\n") if m is not None else ""
+        print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters, Ψ_pad = {numel_padded:,}, "
+              f"AdamW, {args.steps} steps, global batch {args.batch_size}\n{hsdp}"
               f"  {n_units} flat units: root wte+wpe, {cfg.n_layer} blocks, ln_f\n"
               f"  {name} (b = {b}{', K = 12' if mixed else ''})\n")
         print_tables(rows, rss_rows, check_rss, m is not None)
