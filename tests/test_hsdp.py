@@ -3,7 +3,8 @@ and x tp 2 (8 ranks), one job of the suite's launch at each size (tests/workers/
 the mesh's rank order and groups, each group's bytes per step against the formulas and against
 pdist.plan's HSDP numbers, and the refusals (every rank, before any collective). Equivalence
 with one process is in tests/test_layouts.py (its HSDP layouts), checkpoints in
-tests/test_checkpoint.py, lesson 03's --dp-shard in tests/test_lessons_02_03.py."""
+tests/test_checkpoint.py, with context parallelism in tests/test_context_parallel.py, lesson 03's
+--dp-shard in tests/test_zero.py, lesson 06's in tests/test_lesson_06.py."""
 import pytest
 
 from shared_launch import chosen, own, world
@@ -30,8 +31,9 @@ def test_hsdp_mesh_bytes_and_refusals(n, request):
     # S·tp consecutive ranks (one node), the replicas go across
     assert mesh[0]["shard_ranks"] == [s * tp for s in range(S)] and mesh[0]["replicate_ranks"] == [r * S * tp for r in range(R)]
     assert mesh[n - 1]["shard_ranks"] == [(S + s) * tp + tp - 1 for s in range(S)]
-    for stage in (1, 2, 3):
-        rows = by[f"bytes stage {stage}"]
+    for stage, case in [(1, "bytes stage 1"), (2, "bytes stage 2"), (3, "bytes stage 3")] + \
+            [(2, "bytes stage 2 cp 2")] * (tp == 1):         # the shard group: dp_shard 1 x cp 2
+        rows = by[case]
         assert len(rows) == n, rows
         for r in rows:
             for g in ("shard", "replicate"):       # exact: S = R = 2 and 8-byte elements leave no rounding
@@ -39,7 +41,7 @@ def test_hsdp_mesh_bytes_and_refusals(n, request):
                 assert r["planned"][g] == pytest.approx(r["want"][g], rel=1e-12), (stage, g, r)
             assert r["ops"] == {"shard": ["all_gather", "reduce_scatter"], "replicate": ["all_reduce"]}, r
     words = {"dp disagrees": "dp must equal dp_replicate * dp_shard", "experts": "mixture-of-experts",
-             "deterministic": "deterministic mode", "cp": "context parallelism",
+             "deterministic": "deterministic mode",
              "zero-3 x pp": "ZeRO-3 does not compose with pipeline", "stage 0": "stage 0 over the whole dp group"}
     for case, w in words.items():
         rows = by[case]

@@ -95,16 +95,24 @@ class DeviceMesh:
 
     def _split_hybrid(self):
         """dp_shard_group (same dp_replicate_rank) and dp_replicate_group (same dp_shard_rank),
-        split from dp_group; a size-1 one is this process alone and the other is dp_group."""
+        split from dp_group; a size-1 one is this process alone and the other is dp_group.
+        ``dp_shard_cp_group``: the shard group with its cp ranks (same pp, tp, dp_replicate_rank),
+        the first dp_shard·cp of the dp·cp ranks: ZeRO shards over it under context parallelism."""
         from pdist.comm.world import self_group
         R, S, d = self.dp_replicate_world_size, self.dp_shard_world_size, self.dp_rank
         self.dp_replicate_rank, self.dp_shard_rank = d // S, d % S
         if R == 1 or S == 1:
             self.dp_shard_group = self.dp_group if R == 1 else self_group()
             self.dp_replicate_group = self.dp_group if S == 1 else self_group()
+        else:
+            self.dp_shard_group = self.dp_group.split(self.dp_replicate_rank, self.dp_shard_rank, "dp_shard")
+            self.dp_replicate_group = self.dp_group.split(self.dp_shard_rank, self.dp_replicate_rank, "dp_replicate")
+        cp, tp = self.cp_world_size, self.tp_world_size
+        if cp == 1 or R == 1:
+            self.dp_shard_cp_group = self.dp_shard_group if cp == 1 else self.dp_cp_group
             return
-        self.dp_shard_group = self.dp_group.split(self.dp_replicate_rank, self.dp_shard_rank, "dp_shard")
-        self.dp_replicate_group = self.dp_group.split(self.dp_shard_rank, self.dp_replicate_rank, "dp_replicate")
+        self.dp_shard_cp_group = self.world.split((self.pp_rank * R + self.dp_replicate_rank) * tp + self.tp_rank,
+                                                  self.dp_shard_rank * cp + self.cp_rank, "dp_shard_cp")
 
     def _split_cp(self, world):
         """cp_group (same pp, dp, tp) and dp_cp_group (same pp, tp); with cp = 1 no split:

@@ -12,7 +12,7 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
     HSDP(.., mesh.dp_shard_group, mesh.dp_replicate_group)   dp_replicate > 1, zero_stage >= 1: ZeRO inside each
-                                                             shard group, shards averaged across replicas (zero/hsdp.py)
+                                                             shard group (x cp), shards averaged across replicas
     ExpertParallel(.., mesh, zero_stage)                     n_expert > 0, in DDP's place: E/ep experts per rank,
                                                              tokens over all_to_all_v (expert_parallel.py); with
                                                              ZeRO it holds ZeRO: dense units over dp, experts over edp
@@ -105,7 +105,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
                  data_parallel, precision)
     chunks = default_chunks(schedule, chunks)
     det = Deterministic.of(deterministic)
-    check_hybrid(model.config, mesh, zero_stage, context_parallel, det is not None)
+    check_hybrid(model.config, mesh, zero_stage, det is not None)
     if det is not None:                    # what the mode refuses, on every rank, before any collective
         check_deterministic(det, model.config, mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size,
                             getattr(mesh, "cp_world_size", 1), getattr(mesh, "ep_world_size", 1), chunks,
@@ -125,7 +125,8 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
     if getattr(model.config, "n_expert", 0) and (mesh.dp_world_size > 1 or zero_stage):
         s = ExpertParallel(s, mesh, zero_stage)   # experts over ep (E/ep per rank); ZeRO inside it: edp shards
     elif zero_stage and getattr(mesh, "dp_replicate_world_size", 1) > 1:     # hybrid: shard inside, replicate across
-        s = HSDP(s, zero_stage, mesh.dp_shard_group, mesh.dp_replicate_group, dp_group=mesh.dp_group)
+        shard = mesh.dp_shard_cp_group if context_parallel else mesh.dp_shard_group   # cp: shard over dp_shard x cp
+        s = HSDP(s, zero_stage, shard, mesh.dp_replicate_group, dp_group=dp_group)
     elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, dp_group)
     elif data_parallel == "naive" and dp_group.size > 1:

@@ -8,8 +8,10 @@
   dp_replicate 1 is ZeRO;
 * bytes: for stages 1-3 (GPT-2, float64), the second step's bytes on the shard group and on the
   replicate group (ProcessGroup.stats) against the formulas (ZeRO's with N = S inside, 2(R-1)/R
-  b Ψ_pad/S across) and against pdist.plan's ``dp`` and ``dp_rep`` for the same layout;
-* refusals: each bad input raises the same ValueError on every rank before any collective.
+  b Ψ_pad/S across) and against pdist.plan's ``dp`` and ``dp_rep`` for the same layout; at 4 ranks
+  also under context parallelism (2 replicas of a dp_shard 1 x cp 2 shard group, stage 2);
+* refusals (a mixture of experts, the deterministic mode, a dp that disagrees, ZeRO-3 x pp, stage 0):
+  each bad input raises the same ValueError on every rank before any collective.
 Reports one JSON object per case and rank (pdist.testing.report).
 """
 import argparse
@@ -60,14 +62,18 @@ def check_mesh():
     out("mesh", shard_ranks=m.dp_shard_group.ranks, replicate_ranks=m.dp_replicate_group.ranks)
 
 
-def check_bytes(stage):
-    """The second step's bytes per group (the first has no all-gather of updated parameters)."""
-    m = comm.DeviceMesh(dp_replicate=R, dp_shard=S, tp=TP)
-    model = parallelize(GPT(cfg, SEED), m, zero_stage=stage, sequence_parallel=TP > 1)
+def check_bytes(stage, cp=1):
+    """The second step's bytes per group (the first has no all-gather of updated parameters). With
+    ``cp`` = 2 (ring attention): dp_shard 1, the shard group is the cp pair (dp_shard x cp)."""
+    S_ = S // cp
+    m = comm.DeviceMesh(dp_replicate=R, dp_shard=S_, tp=TP, cp=cp)
+    model = parallelize(GPT(cfg, SEED), m, zero_stage=stage, sequence_parallel=TP > 1,
+                        context_parallel="ring" if cp > 1 else None)
     opt = AdamW(model.parameters(), lr=lesson.LR)
     hsdp = model.find(HSDP)
-    assert hsdp is not None and hsdp.group is m.dp_shard_group and hsdp.replicate_group is m.dp_replicate_group
-    groups = {"shard": m.dp_shard_group, "replicate": m.dp_replicate_group}
+    assert hsdp is not None and hsdp.group is m.dp_shard_cp_group and hsdp.replicate_group is m.dp_replicate_group
+    assert hsdp.group.size == S_ * cp
+    groups = {"shard": m.dp_shard_cp_group, "replicate": m.dp_replicate_group}
     train(model, opt, batch, 1)
     for g in groups.values():
         g.reset_stats()
@@ -75,10 +81,10 @@ def check_bytes(stage):
     sent = {k: g.bytes_sent() for k, g in groups.items()}
     pad = hsdp.numel_padded                                              # Ψ_pad = Σ_units ceil(Ψ_u/S)·S, per tp rank
     want = {"shard": (2 if stage < 3 else 3) * (S - 1) / S * b * pad, "replicate": 2 * (R - 1) / R * b * pad / S}
-    planned = plan(cfg, "a100", dp=R * S, tp=TP, zero=stage, shard=S, sp=TP > 1, m=1, micro_batch=B // (R * S),
-                   precision="fp64")["memory_per_stage"][0]["comm_bytes"]
+    planned = plan(cfg, "a100", dp=R * S_, cp=cp, tp=TP, zero=stage, shard=S, sp=TP > 1, m=1,
+                   micro_batch=B // (R * S_), precision="fp64")["memory_per_stage"][0]["comm_bytes"]
     planned = {"shard": planned["dp"], "replicate": planned["dp_rep"]}
-    out(f"bytes stage {stage}", sent=sent, want=want, planned=planned, padded=pad, units=len(hsdp.units),
+    out(f"bytes stage {stage}" + (f" cp {cp}" if cp > 1 else ""), sent=sent, want=want, planned=planned, padded=pad, units=len(hsdp.units),
         ops={k: sorted(g.stats) for k, g in groups.items()})
 
 
@@ -99,8 +105,6 @@ def check_refusals():
                                            zero_stage=1))
     refused("deterministic", lambda: parallelize(GPT(cfg, SEED), comm.DeviceMesh(dp_replicate=R, dp_shard=S, tp=TP),
                                                  zero_stage=1, deterministic=True))
-    refused("cp", lambda: parallelize(GPT(cfg, SEED), comm.DeviceMesh(dp_replicate=R, dp_shard=1, cp=S, tp=TP),
-                                      zero_stage=2, context_parallel="ring"))
     refused("zero-3 x pp", lambda: parallelize(GPT(cfg, SEED), comm.DeviceMesh(dp_replicate=R, dp_shard=1, pp=S,
                                                                                 tp=TP), zero_stage=3))
     m = comm.DeviceMesh(dp_replicate=R, dp_shard=S, tp=TP)
@@ -110,4 +114,6 @@ def check_refusals():
 check_mesh()
 for stage in (1, 2, 3):
     check_bytes(stage)
+if TP == 1:
+    check_bytes(2, cp=2)
 check_refusals()

@@ -29,7 +29,10 @@ ceil(Ψ_u/S)·S, the unit's flat buffer padded for S shards):
     replicate group (R ranks)  one all-reduce of the padded flat shard: 2(R-1)/R b Ψ_pad/S
 
 The cross-node group moves 1/S of DDP's bytes, and the shard group, inside a node, moves
-ZeRO's. Memory is ZeRO's with N = S (the formulas of zero.py). With R = 1 this is ZeRO; with
+ZeRO's. Under context parallelism (cp ranks per sequence, ``parallelize`` with
+``context_parallel=``) the shard group is the dp_shard x cp ranks (``mesh.dp_shard_cp_group``,
+as torchtitan shards over dp_shard x cp): S above reads S·cp, and the mean over its ranks of
+their T/cp-token means is again the mean over their rows. Memory is ZeRO's with N = S (the formulas of zero.py). With R = 1 this is ZeRO; with
 S = 1 each "shard" is the whole unit and the all-reduce across replicas is DDP's.
 
 Schedule: as ZeRO's (zero.py); when a unit's reduce-scatter finishes, its shard's
@@ -43,7 +46,7 @@ from pdist import comm
 from pdist.parallel.zero.zero import ZeRO
 
 
-def check_hybrid(cfg, mesh, zero_stage, context_parallel=None, deterministic=False):
+def check_hybrid(cfg, mesh, zero_stage, deterministic=False):
     """What HSDP (dp_replicate > 1 with zero_stage >= 1) does not compose with yet, refused the
     same on every rank before any collective, naming the input and the fix."""
     R = getattr(mesh, "dp_replicate_world_size", 1)
@@ -53,9 +56,6 @@ def check_hybrid(cfg, mesh, zero_stage, context_parallel=None, deterministic=Fal
     fix = "use dp_replicate=1 (ZeRO over all of dp) or zero_stage=0 (DDP over all of dp)"
     if getattr(cfg, "n_expert", 0):
         raise ValueError(f"{what} does not run a mixture-of-experts model (n_expert={cfg.n_expert}) yet: {fix}")
-    if getattr(mesh, "cp_world_size", 1) > 1 or context_parallel:
-        raise ValueError(f"{what} does not run with context parallelism (cp={getattr(mesh, 'cp_world_size', 1)}) "
-                         f"yet: use cp=1, or {fix}")
     if deterministic:
         raise ValueError(f"{what} does not run in the deterministic mode yet: use deterministic=False, or {fix}")
 
