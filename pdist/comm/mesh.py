@@ -134,6 +134,8 @@ class DeviceMesh:
         out = {"pp": self.pp_world_size, "dp": self.dp_world_size, "tp": self.tp_world_size}
         if self.cp_world_size > 1:
             out["cp"] = self.cp_world_size
+        if self.dp_replicate_world_size > 1:       # HSDP: dp = dp_replicate x dp_shard
+            out.update(dp_replicate=self.dp_replicate_world_size, dp_shard=self.dp_shard_world_size)
         return out
 
     def __repr__(self):

@@ -21,7 +21,7 @@ from pdist.course import lesson
 from pdist.engine.backend import set_default_dtype
 from pdist.models.gpt import GPT
 from pdist.optim import AdamW
-from pdist.parallel import parallelize
+from pdist.parallel import Local, parallelize
 from pdist.parallel.data_parallel import DataParallel
 from pdist.parallel.zero import HSDP, ZeRO
 from pdist.plan import plan
@@ -109,6 +109,8 @@ def check_refusals():
                                                                                 tp=TP), zero_stage=3))
     m = comm.DeviceMesh(dp_replicate=R, dp_shard=S, tp=TP)
     refused("stage 0", lambda: HSDP(GPT(cfg, SEED), 0, m.dp_shard_group, m.dp_replicate_group))
+    refused("mode", lambda: HSDP(Local(GPT(cfg, SEED), deterministic=True), 1, m.dp_shard_group,
+                                 m.dp_replicate_group))             # built by hand around a chain in a mode
 
 
 check_mesh()
