@@ -5,6 +5,15 @@ parameters (Rajbhandari et al., 2020), FSDP-style (pdist/parallel/zero/zero.py).
     mpirun -n 4 python lessons/03_zero.py --stage 3    # one stage
     python lessons/03_zero.py                          # one rank: nothing to shard, same numbers
     mpirun -n 4 python lessons/03_zero.py --precision bf16   # also the paper's own mixed-precision table
+    mpirun -n 4 python lessons/03_zero.py --dp-shard 2       # HSDP: 2-way shards, 2 replicas
+
+``--dp-shard S`` (S dividing the world's n ranks) is hybrid sharding (HSDP,
+pdist/parallel/zero/hsdp.py; MiCS, Zhang et al. 2022; PyTorch FSDP's HYBRID_SHARD): stages
+1-3 shard over groups of S consecutive ranks (one node) and keep R = n/S replicas of each
+shard; each unit's gradient is reduce-scattered inside the shard group, then each shard
+all-reduced across the R replicas. Memory is ZeRO's with N = S; the table prints each
+group's bytes beside its formula: inside, ZeRO's with N = S; across, 2(R-1)/R·bΨ_pad/S.
+Stage 0 stays plain data parallelism over all n ranks.
 
 ``--precision bf16`` (or fp16) prints a second table: bf16 params and grads, fp32 master, m
 and v (K = 12), so the formulas are the paper's literally: stage 0 16Ψ, 1 4Ψ+12Ψ/N, 2
@@ -84,12 +93,13 @@ import time
 import numpy as np
 
 from pdist.engine import host_memory, precision
-from pdist import data
+from pdist import comm, data
 from pdist.course import lesson
 from pdist.measure import memory, memory_timeline
 from pdist.engine.backend import synchronize, to_numpy
 from pdist.models.gpt import GPT
 from pdist.parallel import MixedPrecision, ZeRO
+from pdist.parallel.zero import HSDP
 from pdist.parallel.layout import box_slices
 from pdist.training import train
 
@@ -111,6 +121,27 @@ def formula_bytes(stage, psi, n, b, k=None):
             1: (b * psi, b * psi, k * psi // n),
             2: (b * psi, b * psi // n, k * psi // n),
             3: (b * psi // n, b * psi // n, k * psi // n)}[stage]
+
+
+def group_theory(stage, z, b):
+    """{group: bytes sent per step per rank}: ZeRO over the world {"dp": ...}; HSDP
+    {"shard": ZeRO's with N = S, "replicate": 2(R-1)/R·bΨ_pad/S}."""
+    if not isinstance(z, HSDP):
+        return {"dp": comm_theory(stage, z, z.group.size, b)}
+    S, R = z.group.size, z.replicate_group.size
+    return {"shard": comm_theory(stage, z, S, b), "replicate": 2 * (R - 1) * b * z.numel_padded / (R * S)}
+
+
+def group_sizes(z, n, mesh):
+    """{group: ranks} for the table with --dp-shard (None without)."""
+    if mesh is None:
+        return None
+    return {"dp": n, "shard": z.group.size, "replicate": getattr(z, "replicate_group", z.group).size}
+
+
+def groups_of(z, world):
+    """The groups whose bytes the table counts: the world, or HSDP's shard and replicate groups."""
+    return {"shard": z.group, "replicate": z.replicate_group} if isinstance(z, HSDP) else {"dp": world}
 
 
 def comm_theory(stage, z, n, b):
@@ -168,6 +199,11 @@ def build(cfg, stage, world, args, prec):
     """ZeRO-``stage`` over the world from a meta GPT: each rank draws its own pieces only
     (pdist/engine/meta.py); bf16/fp16: the model cast, fp32 masters outside."""
     model = precision.cast_module(GPT(cfg, seed=args.seed, device="meta"), prec)
+    m = args.mesh                   # --dp-shard: HSDP (stage 0 stays DDP over the world)
+    if m is not None and stage >= 1:
+        z = HSDP(model, stage, m.dp_shard_group, m.dp_replicate_group, dp_group=m.dp_group,
+                 prefetch=not args.no_prefetch)
+        return z if prec == "fp32" else MixedPrecision(z, prec)
     z = ZeRO(model, stage, world, prefetch=not args.no_prefetch)
     return z if prec == "fp32" else MixedPrecision(z, prec)
 
@@ -184,11 +220,13 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
         z = build(cfg, stage, world, args, prec)
     rss["rss_init_peak_bytes"] = init.peak_bytes
     opt = lesson.make_adamw(z.parameters())
+    groups = groups_of(z.find(ZeRO), world)
     sent, secs, check, clock = [], [], [(True, 0.0)], [0.0]
 
     def batch(step):           # the step starts here: counters, clock and RSS peak from zero
         b = data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
-        world.reset_stats()
+        for g in {id(g): g for g in (world, *groups.values())}.values():
+            g.reset_stats()
         memory.reset_rss_peak()
         clock[0] = time.perf_counter()
         return b
@@ -201,12 +239,29 @@ def run(cfg, stage, world, args, tokens, steps, check_at=None, ref_sd=None, tol=
                        malloc_free_bytes=host_memory.malloc_free_bytes())
             host_memory.malloc_trim()
             rss["rss_trimmed_bytes"] = memory.rss_bytes()
-        sent.append(world.bytes_sent())
+        sent.append({k: g.bytes_sent() for k, g in groups.items()})
         if step + 1 == check_at:   # (after reading the step's bytes: this all-reduce is not counted)
             check[0] = shard_error(z, ref_sd, world, tol)
 
     losses = train(z, opt, batch, steps, on_step=on_step)
     return z, opt, losses, sent, float(np.median(secs)), check[0], rss
+
+
+GROUP_COMM = {"dp": lambda st: COMM[st], "shard": lambda st: COMM[st].replace("N", "S"),
+              "replicate": lambda st: "2Ψ/S·(R-1)/R"}
+GROUP_NAME = {"dp": "all", "shard": "shard", "replicate": "replicas"}
+
+
+def comm_rows(stage, per, theory, tail, sizes=None):
+    """A stage's rows of the bytes table (mean over ranks): sent beside theory, then ``tail`` (loss,
+    baseline, rel err, ms/step). With --dp-shard (``sizes``: {group: ranks}), one row per group,
+    named with its size (the world's at stage 0), ``tail`` on the first."""
+    def cell(g):
+        return [lesson.fmt_bytes(np.mean([p[g] for p in per])), f"{GROUP_COMM[g](stage)} = {lesson.fmt_bytes(theory[g])}"]
+    if sizes is None:
+        return [[stage, *cell("dp"), *tail]]
+    return [[stage if i == 0 else "", f"{GROUP_NAME[g]} ({sizes[g]})", *cell(g), *(tail if i == 0 else [""] * len(tail))]
+            for i, g in enumerate(theory)]
 
 
 def peak_bytes(cfg, stage, world, args, tokens, prec):
@@ -230,16 +285,17 @@ def peak_bytes(cfg, stage, world, args, tokens, prec):
     return pk.peak_bytes
 
 
-def print_tables(rows, rss_rows, check_rss):
+def print_tables(rows, rss_rows, check_rss, hybrid=False):
     """Rank 0's tables, each at most 100 characters wide: memory per rank against the formula;
-    bytes sent, loss and time per step; what each process holds (RSS, in MiB)."""
+    bytes sent, loss and time per step (with --dp-shard: each group's, the shard group's, then
+    the replicas', at stage 0 the world's); what each process holds (RSS, in MiB)."""
     print("Memory per rank (rank 0), against the formula:")
     print(lesson.table([m for m, _ in rows], ["stage", "params", "grads", "optim", "total", "formula",
                                               "=", "peak"]))
     print("\nBytes sent per step (mean over ranks) against the ring's theory; "
           "the loss beside one process's:")
-    print(lesson.table([c for _, c in rows], ["stage", "sent/step", "theory", "loss", "baseline",
-                                              "rel err", "ms/step"]))
+    cols = ["group", "sent/step", "theory"] if hybrid else ["sent/step", "theory"]
+    print(lesson.table([r for _, c in rows for r in c], ["stage", *cols, "loss", "baseline", "rel err", "ms/step"]))
     print(f"\nWhat each process holds (RSS, the OS's count, in MiB; the last step; "
           f"{'checked: within ' + format(RSS_TOL, '.0%') if check_rss else 'not checked here'}):")
     print(lesson.table([r[:9] for r in rss_rows], ["stage", "rank", "baseline", "init peak", "rss",
@@ -271,44 +327,74 @@ def one_precision(cfg, prec, stages, world, args, tokens, check_rss):
         mem = memory.memory_row(rank, model, opt, peak, rss)
         z = model.find(ZeRO)
         psi = z.numel if stage == 0 else z.numel_padded
-        want = formula_bytes(stage, psi, n, b, k)
-        theory = comm_theory(stage, z, n, b)
+        want = formula_bytes(stage, psi, z.group.size, b, k)       # N: the ranks a shard is cut over
+        theory = group_theory(stage, z, b)
         got = (mem["params_bytes"], mem["grads_bytes"], mem["optim_bytes"])
         rss_pred = rss_prediction(rss, sum(want), peak)
         mem.update(rss_prediction_bytes=rss_pred[0], rss_peak_prediction_bytes=rss_pred[1])
         rss_ok = not check_rss or rss_close(rss, rss_pred)
         loss_ok = np.allclose(losses[:check_at], baseline[:check_at], rtol=loss_rtol, atol=0)
         ok = (shards_ok and loss_ok and got == want and rss_ok
-              and all(abs(s - theory) <= len(z.units) for s in sent))
+              and all(abs(s[g] - theory[g]) <= len(z.units) for s in sent for g in theory))
         flag = np.array([1.0 if ok else 0.0])
         world.all_reduce(flag, op="min")                            # PASS only if every rank passed
         ok_all &= bool(flag[0])
-        mems, sents = world.all_gather_object(mem), world.all_gather_object(float(np.mean(sent)))
-        runs.append({"name": f"zero{stage}" + (f"_{prec}" if mixed else ""),
-                     "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage},
+        mean = {g: float(np.mean([s[g] for s in sent])) for g in theory}    # this rank, per group
+        mems, per = world.all_gather_object(mem), world.all_gather_object(mean)
+        hybrid = isinstance(z, HSDP)
+        run_ = {"name": f"{'hsdp' if hybrid else 'zero'}{stage}" + (f"_{prec}" if mixed else ""),
+                "layout": {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage}}
+        if hybrid:
+            run_["layout"].update(dp_replicate=z.replicate_group.size, dp_shard=z.group.size)
+            run_["comm_bytes_per_group"] = {g: {"sent": [p[g] for p in per], "theory": theory[g]} for g in theory}
+        runs.append({**run_,
                      "dtype": args.dtype, "precision": prec,
                      "params": z.numel, "params_padded": z.numel_padded,
                      "loss": list(losses), "baseline_loss": list(baseline), "memory_per_rank": mems,
-                     "comm_bytes_per_step": sents, "comm_bytes_theory": theory,
+                     "comm_bytes_per_step": [sum(p.values()) for p in per],
+                     "comm_bytes_theory": sum(theory.values()),
                      "memory_formula": dict(zip(("params_bytes", "grads_bytes", "optim_bytes"), want)),
                      "seconds_per_step": sps, "rss_checked": check_rss})
         fb = lesson.fmt_bytes
         formula = FORMULA_MIXED[stage] if mixed else FORMULA[stage] if b == 4 else "2x " + FORMULA[stage]
-        rows.append(([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)), f"{formula} = {fb(sum(want))}",
+        rows.append(([stage, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(got)),
+                      f"{formula.replace('N', 'S') if hybrid else formula} = {fb(sum(want))}",
                       "yes" if got == want else "NO", fb(peak)],
-                     [stage, fb(np.mean(sent)), f"{COMM[stage]} = {fb(theory)}", f"{losses[-1]:.6f}",
-                      f"{baseline[-1]:.6f}", f"{err:.1e}", f"{sps * 1e3:.1f}"]))
+                     comm_rows(stage, per, theory, [f"{losses[-1]:.6f}", f"{baseline[-1]:.6f}", f"{err:.1e}",
+                                                    f"{sps * 1e3:.1f}"], group_sizes(z, n, args.mesh))))
         rss_rows += [[stage] + rss_row(m) for m in mems]
         numel, numel_padded, n_units = z.numel, z.numel_padded, len(z.units)
         del model, z, opt      # the next stage's baseline RSS must not hold this one's model
 
     if rank == 0:
+        m = args.mesh
+        hsdp = (f"  HSDP, stages 1-3: R = {m.dp_replicate_world_size} replicas x S = {m.dp_shard_world_size}-way "
+                f"shards (N = S); stage 0: all-reduce over all {n}\n") if m is not None else ""
         print(f"ZeRO on {n} rank(s): GPT with Ψ = {numel:,} parameters, Ψ_pad = {numel_padded:,}, "
-              f"AdamW, {args.steps} steps, global batch {args.batch_size}\n"
+              f"AdamW, {args.steps} steps, global batch {args.batch_size}\n{hsdp}"
               f"  {n_units} flat units: root wte+wpe, {cfg.n_layer} blocks, ln_f\n"
               f"  {name} (b = {b}{', K = 12' if mixed else ''})\n")
-        print_tables(rows, rss_rows, check_rss)
+        print_tables(rows, rss_rows, check_rss, m is not None)
     return runs, ok_all
+
+
+def hsdp_words(m):
+    return f", HSDP {m.dp_replicate_world_size} x {m.dp_shard_world_size}" if m is not None else ""
+
+
+def hybrid_mesh(p, args, n):
+    """--dp-shard S: the DeviceMesh(dp_replicate=n/S, dp_shard=S) of HSDP, or None (no flag, or S = n:
+    one shard group, plain ZeRO). Bad values stop every rank here, before any collective."""
+    S = args.dp_shard
+    if S is None:
+        return None
+    if S < 1 or n % S:
+        p.error(f"--dp-shard {S} must be a positive divisor of the {n} ranks (the replicas are {n}/S); "
+                f"use one of {[d for d in range(1, n + 1) if n % d == 0]}")
+    if args.precision != "fp32":
+        p.error(f"--dp-shard with --precision {args.precision}: the mixed-precision table checks one process's "
+                f"bits, which assume one reduction over all ranks; use --precision fp32 with --dp-shard")
+    return comm.DeviceMesh(dp_replicate=n // S, dp_shard=S) if S < n else None
 
 
 def main():
@@ -316,6 +402,9 @@ def main():
     p.add_argument("--stage", type=int, default=None, choices=[0, 1, 2, 3],
                    help="one ZeRO stage (0-3); default: all four")
     p.add_argument("--no-prefetch", action="store_true", help="stage 3 without all-gather prefetch")
+    p.add_argument("--dp-shard", type=int, default=None, metavar="S",
+                   help="HSDP: stages 1-3 shard over groups of S ranks and replicate across the n/S groups "
+                        "(S must divide the ranks; float32/float64, --precision fp32); default: shard over all")
     p.add_argument("--timeline", metavar="PNG", default=None,
                    help="plot each rank's memory over one step (params, grads, optimizer, activations "
                         "stacked; all-gather/free/reduce-scatter marked) here; with all stages, one PNG "
@@ -330,6 +419,7 @@ def main():
     n, rank = world.size, world.rank
     if args.batch_size % n:    # the same on every rank, before any collective
         p.error(f"--batch-size {args.batch_size} does not divide by the {n} ranks; use a multiple of {n}")
+    args.mesh = hybrid_mesh(p, args, n)
     stages = [args.stage] if args.stage is not None else [0, 1, 2, 3]
 
     cfg = lesson.config_from_args(args, tok.vocab_size)
@@ -340,7 +430,7 @@ def main():
         runs += r
         ok_all &= ok
     lesson.finish("03_zero", ok_all, runs, args, rank=rank, world_size=n,
-                  detail=f"(stages {stages} on {n} ranks: shards equal the single-process run,\n"
+                  detail=f"(stages {stages} on {n} ranks{hsdp_words(args.mesh)}: shards equal the single-process run,\n"
                          f"  memory = formula, bytes = theory)" if ok_all else
                   "(a stage differs from the single-process run, the formula or the theory: see the table)")
 

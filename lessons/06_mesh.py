@@ -6,6 +6,14 @@
     python lessons/06_mesh.py                                      # 1 rank: the same loop, nothing split
     mpirun -n 4 python lessons/06_mesh.py --dp 2 --tp 2 --pp 1 --precision bf16   # mixed precision
     mpirun -n 4 python lessons/06_mesh.py --tp 2 --pp 2 --precision fp16
+    mpirun -n 8 python lessons/06_mesh.py --dp-replicate 2 --dp-shard 2 --tp 2 --pp 1 --zero 3   # HSDP
+
+``--dp-replicate R --dp-shard S`` (either one with --dp, or both; dp = R·S) is hybrid sharding
+(HSDP, pdist/parallel/zero/hsdp.py, docs/zero.md): with --zero 1-3 ZeRO shards over the S ranks
+of a shard group and the R shard groups are replicas; the table's "dp" columns are then the
+shard group's (ZeRO's formulas with N = S) and "dp_rep" the replicas' all-reduce of each
+shard, 2(R-1)/R·bΨ_pad/S. With --zero 0 it is DDP over all of dp. fp32 only (its bits
+check assumes one reduction over dp).
 
 ``--precision bf16`` (or fp16; any layout) trains with bf16 params and grads and fp32 masters
 (docs/mixed_precision.md); the memory formula is the paper's (2 + 2 + 12 bytes per parameter)
@@ -58,6 +66,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pdist import comm, data
+from pdist.comm.mesh import split_dp
 from pdist.course import lesson
 from pdist.measure import memory
 from pdist.engine import precision
@@ -84,7 +93,17 @@ def parse():
     p.add_argument("--schedule", default="1f1b", choices=["gpipe", "1f1b", "interleaved"])
     p.add_argument("--microbatches", type=int, default=4)
     p.add_argument("--chunks", type=int, default=None, help="model chunks per rank (interleaved: default 2)")
+    p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: replicas of each shard (dp = R·S)")
+    p.add_argument("--dp-shard", type=int, default=None, help="HSDP: ranks of a shard group (dp = R·S)")
     args = lesson.validate(p, p.parse_args())
+    if args.dp_replicate is not None or args.dp_shard is not None:     # dp from the split, or checked against it
+        try:
+            args.dp, args.dp_replicate, args.dp_shard = split_dp(args.dp, args.dp_replicate, args.dp_shard)
+        except ValueError as e:
+            p.error(str(e).replace("DeviceMesh", "--dp/--dp-replicate/--dp-shard"))
+        if args.precision != "fp32":
+            p.error(f"--dp-replicate/--dp-shard with --precision {args.precision}: the bits check assumes one "
+                    f"reduction over dp; use --precision fp32")
     for axis in ("dp", "tp", "pp"):
         if getattr(args, axis) is not None and getattr(args, axis) < 1:
             p.error(f"--{axis} must be >= 1, got {getattr(args, axis)}")
@@ -107,6 +126,9 @@ def layout_for(args, world_size):
         args.chunks = 2 if args.schedule == "interleaved" else 1
     if args.zero is None:
         args.zero = 1 if args.dp > 1 else 0
+    if args.dp_shard is None:
+        args.dp_replicate, args.dp_shard = 1, args.dp
+    args.hybrid = args.dp_replicate > 1 and args.zero >= 1     # HSDP: ZeRO over dp_shard, replicas across
 
 
 def local_numel(cfg, names, t):
@@ -144,7 +166,7 @@ def memory_formula(cfg, args, pp_rank, b, k=None):
     """(params, grads, optim) bytes: b per param and grad, k per optimizer state (Adam: 2b;
     mixed precision: b = 2, k = 12, the fp32 master, m and v)."""
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
-    N, psi, k = args.dp, sum(units), 2 * b if k is None else k
+    N, psi, k = args.dp_shard if args.hybrid else args.dp, sum(units), 2 * b if k is None else k
     pad = sum(-(-u // N) * N for u in units)
     return {0: (b * psi, b * psi, k * psi), 1: (b * pad, b * pad, k * pad // N),
             2: (b * pad, b * pad // N, k * pad // N),
@@ -157,12 +179,14 @@ def comm_theory(cfg, args, coords, b, b_act=None):
     b_act = b if b_act is None else b_act
     pp_rank = coords.pp
     units = [local_numel(cfg, u, args.tp) for u in stage_units(cfg, args, pp_rank)]
-    N, t, psi = args.dp, args.tp, sum(units)
+    N, t, psi = args.dp_shard if args.hybrid else args.dp, args.tp, sum(units)    # HSDP: ZeRO over dp_shard
     pad = sum(-(-u // N) * N for u in units)
+    R = args.dp_replicate if args.hybrid else 1
+    dp_rep = 2 * (R - 1) * b * pad / (R * N)            # HSDP: each padded shard all-reduced across the replicas
     m = args.microbatches          # ZeRO-3 gathers every unit for each micro-batch's forward and backward
     dp = {0: 2 * (N - 1) * b * psi / N, 1: 2 * (N - 1) * b * pad / N, 2: 2 * (N - 1) * b * pad / N,
           3: (2 * m + 1) * (N - 1) * b * pad / N}[args.zero]
-    rows = args.batch_size // N // args.microbatches                  # per micro-batch
+    rows = args.batch_size // args.dp // args.microbatches            # per micro-batch
     T, C, V = cfg.block_size, cfg.parallel_plan().pipeline.hidden, args.pp * args.chunks
     act = rows * T // (t if args.sp else 1) * C * b_act
     ks = [virtual_stage(c, args.pp, pp_rank) for c in range(args.chunks)]
@@ -179,7 +203,7 @@ def comm_theory(cfg, args, coords, b, b_act=None):
         partial = sum(math.prod(shapes[n]) for n in set(stage_names(cfg, args, pp_rank))
                       if any(matches(q, n) for q in pats))                  # (mixed: each micro-batch's,
         tp += 2 * ring * partial * (b if args.precision == "fp32" else m * b_act)   # unrounded)
-    return {"dp": dp, "tp": tp if t > 1 else 0.0, "pp": float(pp)}
+    return {"dp": dp, "dp_rep": dp_rep, "tp": tp if t > 1 else 0.0, "pp": float(pp)}
 
 
 def main():
@@ -203,7 +227,7 @@ def main():
                      precision=args.precision)
     except ValueError as e:
         parser.error(str(e))
-    mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
+    mesh = comm.DeviceMesh(dp_replicate=args.dp_replicate, dp_shard=args.dp_shard, tp=args.tp, pp=args.pp)
 
     def batch(step):
         return data.get_batch(tokens, args.batch_size, cfg.block_size, args.seed, step)
@@ -219,7 +243,9 @@ def main():
                         sequence_parallel=args.sp, schedule=args.schedule, microbatches=args.microbatches,
                         chunks=args.chunks, precision=args.precision)
     opt = lesson.make_adamw(model.parameters())
-    groups = {"dp": mesh.dp_group, "tp": mesh.tp_group, "pp": mesh.pp_group}
+    groups = {"dp": mesh.dp_shard_group if args.hybrid else mesh.dp_group,    # HSDP: the shard group's, and
+              "dp_rep": mesh.dp_replicate_group if args.hybrid else comm.self_group(),   # the replicas'
+              "tp": mesh.tp_group, "pp": mesh.pp_group}
     sent, snap, times = [], {}, []
 
     rss_step = memory.StepRSS()
@@ -272,7 +298,8 @@ def main():
     if world.rank == 0:
         report(args, cfg, rows, losses, ref_losses, rel, secs)
     fb = lesson.fmt_bytes
-    runs = [{"name": "mesh", "layout": {"dp": args.dp, "tp": args.tp, "pp": args.pp, "zero_stage": args.zero,
+    runs = [{"name": "mesh", "layout": {"dp": args.dp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard,
+                                        "tp": args.tp, "pp": args.pp, "zero_stage": args.zero,
                                         "sequence_parallel": args.sp, "schedule": args.schedule,
                                         "microbatches": args.microbatches, "chunks": args.chunks},
              "dtype": args.dtype, "params": cfg.num_params(), "loss": losses, "baseline_loss": list(ref_losses),
@@ -283,7 +310,8 @@ def main():
              "comm_bytes_per_group": [dict(row[4], theory=row[5]) for row in rows],
              "seconds_per_step": secs}]
     lesson.finish("06_mesh", bool(flag[0]), runs, args, rank=world.rank, world_size=world.size,
-                  detail=f"(dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}"
+                  detail=f"(dp {args.dp}{f' = {args.dp_replicate} x {args.dp_shard}' if args.hybrid else ''}"
+                         f" x tp {args.tp} x pp {args.pp}, {'HSDP' if args.hybrid else 'ZeRO'}-{args.zero}"
                          f"{', SP' if args.sp and args.tp > 1 else ''}, "
                          f"{args.schedule if args.pp > 1 else 'accumulation'} m={args.microbatches}: "
                          f"every shard equals single-process training, memory = formula, bytes = theory; "
@@ -303,20 +331,28 @@ def _reference(cfg, batch, seed, steps, prec="fp32", microbatches=1):
 
 def report(args, cfg, rows, losses, ref_losses, rel, secs):
     fb = lesson.fmt_bytes
+    hy = f" (HSDP: {args.dp_replicate} replicas x {args.dp_shard} shards)" if args.hybrid else ""
     print(f"{args.model} Ψ = {cfg.num_params():,} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, {args.dtype}); mesh "
-          f"dp {args.dp} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}, SP {'on' if args.sp else 'off'}, "
+          f"dp {args.dp}{hy} x tp {args.tp} x pp {args.pp}, ZeRO-{args.zero}, SP {'on' if args.sp else 'off'}, "
           f"{args.schedule} m={args.microbatches} v={args.chunks}; global batch {args.batch_size}, "
           f"{args.steps} steps\n")
-    print(lesson.table([(r, c[1], c[2], c[0]) for r, c, *_ in rows], ["world rank", "dp", "tp", "pp"]))
+    if args.hybrid:      # dp = dp_replicate_rank * dp_shard + dp_shard_rank: the shard group inside, replicas across
+        S = args.dp_shard
+        print(lesson.table([(r, c[1], c[1] // S, c[1] % S, c[2], c[0]) for r, c, *_ in rows],
+                           ["world rank", "dp", "dp_replicate", "dp_shard", "tp", "pp"]))
+    else:
+        print(lesson.table([(r, c[1], c[2], c[0]) for r, c, *_ in rows], ["world rank", "dp", "tp", "pp"]))
     print()
     table = []
     for r, c, got, want, ps, th, ok, rss in rows:
         table.append((r, fb(got[0]), fb(got[1]), fb(got[2]), fb(sum(want)), "yes" if got == tuple(want) else "NO",
-                      fb(rss[0] or 0), fb(rss[1] or 0), fb(ps["dp"]), fb(th["dp"]), fb(ps["tp"]),
-                      fb(th["tp"]),
-                      fb(ps["pp"]), fb(th["pp"]), "yes" if ok else "NO"))
+                      fb(rss[0] or 0), fb(rss[1] or 0), fb(ps["dp"]), fb(th["dp"]),
+                      *((fb(ps["dp_rep"]), fb(th["dp_rep"])) if args.hybrid else ()), fb(ps["tp"]),
+                      fb(th["tp"]), fb(ps["pp"]), fb(th["pp"]), "yes" if ok else "NO"))
+    rep = ["dp_rep sent", "theory"] if args.hybrid else []
     print(lesson.table(table, ["rank", "params", "grads", "optim", "formula", "=", "rss", "rss peak",
-                               "dp sent", "theory", "tp sent", "theory", "pp sent", "theory", "shards = 1 proc"]))
+                               "dp sent", "theory", *rep, "tp sent", "theory", "pp sent", "theory",
+                               "shards = 1 proc"]))
     print(f"\nloss {losses[-1]:.6f} (1 process {ref_losses[-1]:.6f}); |θ - θ_ref| / |θ_ref| = {rel:.1e} after "
           f"{min(args.steps, CHECK_STEPS)} steps; {secs * 1e3:.1f} ms/step\n")
 

@@ -23,7 +23,8 @@ from pdist.testing import launch, mpirun, reports
 
 W = "tests/workers/ckpt_resume.py"
 SAVED_AT = "dp=2,tp=2,zero=1"
-RESUME = {4: [SAVED_AT, "dp=4,zero=3", "pp=2,dp=2,mb=2", "pp=2,dp=2,zero=1,mb=2"],
+HSDP = "rep=2,shard=2,zero=3"          # dp_replicate 2 x dp_shard 2: replicas hold the same shards
+RESUME = {4: [SAVED_AT, "dp=4,zero=3", "pp=2,dp=2,mb=2", "pp=2,dp=2,zero=1,mb=2", HSDP],
           2: ["tp=2,sp=1", "dp=2,zero=2"], 1: ["local"]}
 
 
@@ -79,6 +80,26 @@ def test_resume_under_any_layout(run, n, spec):
         else:
             scale = float(np.max(np.abs(straight[k])))
             np.testing.assert_allclose(res[k], straight[k], rtol=1e-12, atol=1e-12 * scale, err_msg=k)
+
+
+def test_hsdp_saves_each_piece_once_and_loads_under_another_layout(run, tmp_path):
+    """Saved under HSDP (the reloaded step 2, written from dp_replicate 2 x dp_shard 2, ZeRO-3): each
+    piece once (replicas hold the same shard; the boxes tile every tensor), and loaded back under
+    tp 2 on 2 ranks it saves the same numbers again."""
+    d, resumed = run
+    resumed(4)
+    saved = os.path.join(d, f"reloaded-{tag(HSDP)}")
+    index = verify(saved)
+    assert index["layout"]["mesh"] == {"dp": 4, "tp": 1, "pp": 1, "dp_replicate": 2, "dp_shard": 2}, index["layout"]
+    assert [c["strategy"] for c in index["layout"]["chain"]] == ["HSDP", "Local"]
+    for name, t in index["tensors"].items():
+        assert sum(int(np.prod(s["shape"])) for s in t["slices"]) == int(np.prod(t["shape"])), name
+    back = str(tmp_path / "back")
+    mpirun(2, W, "transfer", "--copy", "tp=2", saved, back, timeout=120)
+    src, again = read_tensors(os.path.join(d, "step-000002")), read_tensors(back)
+    assert sorted(src) == sorted(again)
+    for k in src:
+        assert np.array_equal(src[k], again[k]), k
 
 
 def test_a_plain_model_saves_and_loads_as_one_process(tmp_path):

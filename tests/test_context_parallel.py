@@ -111,7 +111,9 @@ def test_cp_composes_with_tp_sp_pp_zero_and_low_precision_at_4(request):
             ("gpt2", "ulysses", 2, 2, 1, 1, False, 3, "1f1b", "fp32")}            # the test above)
     low = {("gpt2", "ring-zigzag", 2, 2, 1, 1, False, 1, "1f1b", "bf16"), ("llama", "ring", 1, 2, 2, 1, True, 0,
                                                                           "1f1b", "fp16")}
-    assert got == tp | pp | zero | low, got ^ (tp | pp | zero | low)
+    hsdp = {("gpt2", "ring", 2, 2, 1, 1, False, 2, "1f1b", "fp32")}       # 2 replicas x (1 x cp2) shards
+    assert got == tp | pp | zero | low | hsdp, got ^ (tp | pp | zero | low | hsdp)
+    _hsdp(rs, shard_group=2)
     msgs = [r["message"] for r in rs if r["case"] == "refused"]
     assert len(msgs) == 2 * 4 and sum("per tp rank" in m for m in msgs) == 4, msgs
     ckpt = [(r["layout"], r["step"]) for r in rs if r["case"] == "checkpoint"]    # saved at cp2 x tp2
@@ -126,7 +128,15 @@ def test_cp_composes_at_8_ranks(request):
     assert got == {("gpt2", "ring-zigzag", 2, 2, 2, 1, True, 1, "1f1b", "fp32"),
                    ("llama", "ulysses", 2, 2, 2, 1, False, 3, "1f1b", "fp32"),
                    ("llama", "ring", 1, 2, 2, 2, True, 0, "1f1b", "fp32"),
-                   ("gpt2", "ring-zigzag", 1, 4, 2, 1, True, 0, "1f1b", "fp32")}, got
+                   ("gpt2", "ring-zigzag", 1, 4, 2, 1, True, 0, "1f1b", "fp32"),
+                   ("llama", "ulysses", 4, 2, 1, 1, False, 3, "1f1b", "fp32")}, got      # HSDP 2 x (2 x cp2)
+    _hsdp(own(request, world(8, request)), shard_group=4)
+
+
+def _hsdp(rs, shard_group):
+    """The HSDP case (rep 2) ran as HSDP over dp_shard x cp ranks on every rank."""
+    hs = [r for r in rs if r["case"] == "train" and r["rep"] == 2]
+    assert hs and all(r["chain"][1] == "HSDP" and r["shard_group"] == shard_group for r in hs), hs
 
 
 def test_zigzag_balances_the_causal_work():

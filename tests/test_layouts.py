@@ -33,6 +33,11 @@ LAYOUTS = [
     (2, "--dp 2 --meta"), (2, "--dp 2 --zero 1 --meta"), (2, "--dp 2 --zero 3 --meta"), (2, "--tp 2 --sp --meta"),
     (2, "--pp 2 --schedule gpipe --microbatches 2 --meta"), (4, "--dp 2 --tp 2 --zero 3 --sp --meta"),
     (4, "--tp 2 --pp 2 --zero 2 --microbatches 2 --meta"),
+    # HSDP (dp_replicate x dp_shard): ZeRO inside each shard group, shards averaged across the replicas
+    (4, "--dp-replicate 2 --dp-shard 2 --zero 1"), (4, "--dp-replicate 2 --dp-shard 2 --zero 2 --microbatches 2"),
+    (4, "--dp-replicate 2 --dp-shard 2 --zero 3 --meta"),
+    (8, "--dp-replicate 2 --dp-shard 2 --tp 2 --zero 1 --sp"), (8, "--dp-replicate 2 --dp-shard 2 --tp 2 --zero 3"),
+    (8, "--dp-replicate 2 --dp-shard 2 --pp 2 --zero 2 --microbatches 2 --schedule gpipe"),
 ]
 
 
@@ -75,6 +80,8 @@ def test_layouts_equal_single_process(n, layout, request):
         mine = [r for r in got if r["model"] == name and r["case"] == layout]
         assert sorted(r["rank"] for r in mine) == list(range(n)), (layout, name, out[-6000:])
         assert all(r["checked_pieces"] > 0 and r["steps"] == 3 for r in mine), (layout, name, mine)
+        if "--dp-replicate" in layout:                             # built as HSDP, not ZeRO over all of dp
+            assert all(r["chain"][0] == "HSDP" for r in mine), (layout, mine[0]["chain"])
         coords = {tuple(r["coords"]) for r in mine}
         assert len(coords) == n, (layout, coords)                  # every rank its own (pp, dp, tp)
 

@@ -44,7 +44,8 @@ def test_lesson_06_at_8_ranks_json(request):
 # each pair on a small model (the 8-rank test above runs the lesson's own sizes): 2 layers (one per stage
 # at pp 2), width 32, T 16, 2 steps
 PAIRS = ["--dp 2 --tp 2", "--tp 2 --pp 2", "--dp 2 --pp 2 --schedule gpipe", "--dp 2 --tp 2 --zero 1 --no-sp",
-         "--dp 4 --zero 3", "--tp 2 --pp 2 --precision bf16", "--model llama --dp 2 --tp 2 --precision bf16"]
+         "--dp 4 --zero 3", "--tp 2 --pp 2 --precision bf16", "--model llama --dp 2 --tp 2 --precision bf16",
+         "--dp-replicate 2 --dp-shard 2 --zero 3"]                # HSDP: the shard group's and the replicas' bytes
 SMALL = ["--steps", "2", "--n-layer", "2", "--n-embd", "32", "--block-size", "16"]
 BAD = [
     ("--dp 2 --tp 2 --pp 2", "= 8, but the job has 4 ranks"),
@@ -54,6 +55,7 @@ BAD = [
     ("--dp 2 --pp 2 --zero 3", "ZeRO-3 does not compose with pipeline parallelism"),
     ("--tp 4 --model llama", "not divisible: n_kv_head = 2"),
     ("--model llama --n-head 4 --n-kv-head 3", "must be a multiple of n_kv_head = 3"),
+    ("--dp 4 --dp-shard 3", "dp must equal dp_replicate * dp_shard"),
 ]
 
 
@@ -74,7 +76,10 @@ def suite_jobs(n, names):
 def test_lesson_06_pairs_at_4_ranks(layout, request):
     """The pair composes and equals one process."""
     out = world(4, request)
-    assert "PASS: 06_mesh" in job_text(request, out, layout), (layout, out[-6000:])
+    text = job_text(request, out, layout)
+    assert "PASS: 06_mesh" in text, (layout, out[-6000:])
+    if "--dp-shard" in layout:             # built as HSDP, its replicas' bytes in their own column
+        assert "HSDP-3" in text and "dp_rep sent" in text, text
 
 
 @pytest.mark.parametrize("args,words", BAD)

@@ -23,6 +23,9 @@ def suite_jobs(n, names):
     every["test_lesson_03_json_contract"] = (4, [LESSON, "--steps", 3, "--dtype", "float64",
                                                  "--json", scratch("l03.json")])
     every["test_lesson_03_bad_input_fails_on_every_rank"] = (2, stops(LESSON, "--batch-size", 5, "--steps", 1))
+    every["test_lesson_03_dp_shard"] = (4, [LESSON, "--dp-shard", 2, "--steps", 2, "--dtype", "float64",
+                                            "--json", scratch("l03_hsdp.json")])
+    every["test_lesson_03_bad_dp_shard_fails_on_every_rank"] = (4, stops(LESSON, "--dp-shard", 3, "--steps", 1))
     return chosen(every, names, n)
 
 
@@ -77,3 +80,32 @@ def test_lesson_03_bad_input_fails_on_every_rank(request):
     got = own(request, world(2, request))                 # exit 2 on every rank, before any collective
     assert sorted(r["rank"] for r in got) == [0, 1], got
     assert all(r["code"] == 2 and "does not divide by the 2 ranks" in r["out"] for r in got), got
+
+
+def test_lesson_03_dp_shard(request):
+    """--dp-shard 2 on 4 ranks: HSDP (2 replicas x 2-way shards) at stages 1-3, each group's bytes beside
+    its formula (shard: ZeRO's with N = S; replicas: 2(R-1)/R·bΨ_pad/S), memory with N = S, PASS."""
+    n, S, R, b = 4, 2, 2, 8
+    out = text(request, world(n, request))
+    assert "PASS: 03_zero" in out and "HSDP 2 x 2" in out, out
+    for col in ("shard (2)", "replicas (2)", "2Ψ/S·(R-1)/R", "8Ψ+8Ψ/S"):
+        assert col in out, out
+    s = json.loads(Path(scratch("l03_hsdp.json")).read_text())
+    assert s["check"] == "PASS" and [r["name"] for r in s["runs"]] == ["zero0", "hsdp1", "hsdp2", "hsdp3"]
+    for stage, r in enumerate(s["runs"][1:], 1):
+        assert r["layout"] == {"dp": n, "tp": 1, "pp": 1, "zero_stage": stage, "dp_replicate": R, "dp_shard": S}
+        P = r["params_padded"]
+        want = {"shard": (2 if stage < 3 else 3) * (S - 1) / S * b * P, "replicate": 2 * (R - 1) / R * b * P / S}
+        for g, w in want.items():
+            assert r["comm_bytes_per_group"][g]["theory"] == w
+            assert all(abs(x - w) <= 4 for x in r["comm_bytes_per_group"][g]["sent"]), (stage, g, r)
+        mem = {1: (b * P, b * P, 2 * b * P / S), 2: (b * P, b * P / S, 2 * b * P / S),
+               3: (b * P / S, b * P / S, 2 * b * P / S)}[stage]
+        assert all((m["params_bytes"], m["grads_bytes"], m["optim_bytes"]) == mem for m in r["memory_per_rank"])
+
+
+def test_lesson_03_bad_dp_shard_fails_on_every_rank(request):
+    got = own(request, world(4, request))                 # exit 2 on every rank, before any collective
+    assert sorted(r["rank"] for r in got) == [0, 1, 2, 3], got
+    assert all(r["code"] == 2 and "--dp-shard 3 must be a positive divisor of the 4 ranks" in r["out"]
+               for r in got), got

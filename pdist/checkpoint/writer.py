@@ -43,9 +43,11 @@ def _layout(model):
         chain.append(d)
     mesh = getattr(model, "mesh", None)
     sizes = {"dp": mesh.dp_world_size, "tp": mesh.tp_world_size, "pp": mesh.pp_world_size} if mesh else None
-    for axis in ("cp", "ep") if mesh else ():                # recorded where used (> 1)
+    for axis in ("cp", "ep", "dp_replicate") if mesh else ():    # recorded where used (> 1)
         if getattr(mesh, f"{axis}_world_size", 1) > 1:
             sizes[axis] = getattr(mesh, f"{axis}_world_size")
+    if sizes and "dp_replicate" in sizes:                        # HSDP: dp = dp_replicate x dp_shard
+        sizes["dp_shard"] = mesh.dp_shard_world_size
     return {"world_size": model.span_group().size, "mesh": sizes, "chain": chain}
 
 

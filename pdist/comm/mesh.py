@@ -5,6 +5,16 @@ the tensor-parallel ranks, which talk most, are neighbours on a node):
 
     world_rank = ((pp_rank * dp + dp_rank) * cp + cp_rank) * tp + tp_rank
 
+Hybrid sharding (HSDP) splits dp = dp_replicate x dp_shard, dp_shard the faster:
+
+    dp_rank = dp_replicate_rank * dp_shard + dp_shard_rank
+
+so with ranks placed on nodes in blocks, a ``dp_shard_group`` (the dp ranks with the same
+dp_replicate_rank) sits inside a node and a ``dp_replicate_group`` (the same dp_shard_rank)
+goes across them (pdist/parallel/zero/hsdp.py). ``DeviceMesh(dp=4)`` is dp_replicate 1,
+dp_shard 4; with dp_replicate = 1 the shard group is ``dp_group`` and the replicate group
+this process alone, with dp_shard = 1 the other way round.
+
 ``cp`` (context parallelism, default 1) cuts every sequence; its ranks hold the same rows
 of the batch, so gradients are reduced over ``dp_cp_group`` (dp x cp ranks; ZeRO shards
 over it, as Megatron and torchtitan do). With cp = 1 it is ``dp_group``.
@@ -22,10 +32,14 @@ Coords = namedtuple("Coords", ["pp", "dp", "tp"])
 class DeviceMesh:
     """World -> dp / tp / pp ProcessGroups for a (pp, dp, tp) grid of ranks."""
 
-    def __init__(self, dp=1, tp=1, pp=1, world=None, topology=None, cp=1, ep=1):
+    def __init__(self, dp=None, tp=1, pp=1, world=None, topology=None, cp=1, ep=1, dp_replicate=None,
+                 dp_shard=None):
         """``topology``: simulate a cluster from now on (a spec string of
-        pdist/comm/topology.py, e.g. "nodes=2x2,inter=12.5GB/s:10us"); None leaves it."""
+        pdist/comm/topology.py, e.g. "nodes=2x2,inter=12.5GB/s:10us"); None leaves it.
+        ``dp_replicate``, ``dp_shard``: hybrid sharding's split of dp (module docstring); the
+        one not given follows from ``dp`` (or is 1); dp defaults to their product (or 1)."""
         from pdist.comm.world import get_world
+        dp, self.dp_replicate_world_size, self.dp_shard_world_size = split_dp(dp, dp_replicate, dp_shard)
         world = world or get_world()
         if topology is not None:
             from pdist.comm import topology as topo
@@ -55,6 +69,7 @@ class DeviceMesh:
         self.dp_group = world.split((p * cp + c) * tp + t, d, "dp")
         self.pp_group = world.split((d * cp + c) * tp + t, p, "pp")
         self._split_cp(world)
+        self._split_hybrid()
         self.pp_is_first_stage = self.pp_rank == 0
         self.pp_is_last_stage = self.pp_rank == pp - 1
         self.pp_prev_rank = None if self.pp_is_first_stage else self.pp_rank - 1
@@ -78,6 +93,27 @@ class DeviceMesh:
         self.ep_group = self.dp_group.split(self.dp_rank // ep, self.dp_rank, "ep")
         self.edp_group = self.dp_group.split(self.ep_rank, self.dp_rank, "edp")
 
+    def _split_hybrid(self):
+        """dp_shard_group (same dp_replicate_rank) and dp_replicate_group (same dp_shard_rank),
+        split from dp_group; a size-1 one is this process alone and the other is dp_group.
+        ``dp_shard_cp_group``: the shard group with its cp ranks (same pp, tp, dp_replicate_rank),
+        the first dp_shard·cp of the dp·cp ranks: ZeRO shards over it under context parallelism."""
+        from pdist.comm.world import self_group
+        R, S, d = self.dp_replicate_world_size, self.dp_shard_world_size, self.dp_rank
+        self.dp_replicate_rank, self.dp_shard_rank = d // S, d % S
+        if R == 1 or S == 1:
+            self.dp_shard_group = self.dp_group if R == 1 else self_group()
+            self.dp_replicate_group = self.dp_group if S == 1 else self_group()
+        else:
+            self.dp_shard_group = self.dp_group.split(self.dp_replicate_rank, self.dp_shard_rank, "dp_shard")
+            self.dp_replicate_group = self.dp_group.split(self.dp_shard_rank, self.dp_replicate_rank, "dp_replicate")
+        cp, tp = self.cp_world_size, self.tp_world_size
+        if cp == 1 or R == 1:
+            self.dp_shard_cp_group = self.dp_shard_group if cp == 1 else self.dp_cp_group
+            return
+        self.dp_shard_cp_group = self.world.split((self.pp_rank * R + self.dp_replicate_rank) * tp + self.tp_rank,
+                                                  self.dp_shard_rank * cp + self.cp_rank, "dp_shard_cp")
+
     def _split_cp(self, world):
         """cp_group (same pp, dp, tp) and dp_cp_group (same pp, tp); with cp = 1 no split:
         this process alone, and dp_group."""
@@ -98,9 +134,35 @@ class DeviceMesh:
         out = {"pp": self.pp_world_size, "dp": self.dp_world_size, "tp": self.tp_world_size}
         if self.cp_world_size > 1:
             out["cp"] = self.cp_world_size
+        if self.dp_replicate_world_size > 1:       # HSDP: dp = dp_replicate x dp_shard
+            out.update(dp_replicate=self.dp_replicate_world_size, dp_shard=self.dp_shard_world_size)
         return out
 
     def __repr__(self):
         cp = f" cp={self.cp_world_size}" if self.cp_world_size > 1 else ""
-        return (f"<DeviceMesh pp={self.pp_world_size} dp={self.dp_world_size}{cp} tp={self.tp_world_size}; "
+        R, S = self.dp_replicate_world_size, self.dp_shard_world_size
+        hy = f" (dp_replicate={R} x dp_shard={S})" if R > 1 else ""
+        return (f"<DeviceMesh pp={self.pp_world_size} dp={self.dp_world_size}{hy}{cp} tp={self.tp_world_size}; "
                 f"rank {self.world.rank} at {tuple(self.coords)}>")
+
+
+def split_dp(dp, dp_replicate, dp_shard):
+    """(dp, dp_replicate, dp_shard) from what was given: dp alone is (dp, 1, dp); a missing
+    split size follows from dp (or is 1); sizes that disagree raise one clear error."""
+    given = {k: v for k, v in (("dp", dp), ("dp_replicate", dp_replicate), ("dp_shard", dp_shard)) if v is not None}
+    for k, v in given.items():
+        if not isinstance(v, int) or isinstance(v, bool) or v < 1:
+            raise ValueError(f"DeviceMesh: {k}={v!r} must be a positive integer")
+    R, S = dp_replicate, dp_shard
+    if R is None and S is None:
+        return (dp or 1), 1, (dp or 1)
+    if dp is not None and R is None and dp % S == 0:
+        R = dp // S
+    if dp is not None and S is None and dp % R == 0:
+        S = dp // R
+    R, S = R or 1, S or 1
+    if dp is not None and R * S != dp:
+        raise ValueError(f"DeviceMesh({', '.join(f'{k}={v}' for k, v in given.items())}): dp must equal "
+                         f"dp_replicate * dp_shard (= {R * S}). Give dp_replicate and dp_shard alone (dp is "
+                         f"their product), or dp alone (plain ZeRO/DDP over all of it).")
+    return R * S, R, S

@@ -11,6 +11,8 @@ builds, from the inside out (each strategy wraps the one before; base.py):
                                                              ("gpipe", "1f1b", "interleaved", and the zero-bubble
                                                              "zb-h1", "zb-v", "dualpipev": chunks 2 for the V ones)
     DataParallel / ZeRO(.., mesh.dp_group, zero_stage)       averages (reduce-scatters) the gradients
+    HSDP(.., mesh.dp_shard_group, mesh.dp_replicate_group)   dp_replicate > 1, zero_stage >= 1: ZeRO inside each
+                                                             shard group (x cp), shards averaged across replicas
     ExpertParallel(.., mesh, zero_stage)                     n_expert > 0, in DDP's place: E/ep experts per rank,
                                                              tokens over all_to_all_v (expert_parallel.py); with
                                                              ZeRO it holds ZeRO: dense units over dp, experts over edp
@@ -35,7 +37,7 @@ from pdist.parallel.pipeline.pipeline_parallel import PipelineParallel, default_
 from pdist.parallel.pipeline.stages import partition_layers
 from pdist.parallel.pipeline.schedules import make_schedule
 from pdist.parallel.tensor.tensor_parallel import TensorParallel, check_tp_config
-from pdist.parallel.zero import STAGES, ZeRO
+from pdist.parallel.zero import HSDP, STAGES, ZeRO, check_hybrid
 from pdist.parallel.zero.zero import check_stage_with_pipeline
 from pdist.engine.precision import cast_module, low_dtype, policy_for
 from pdist.parallel.deterministic import Deterministic, check_layout as check_deterministic
@@ -58,6 +60,7 @@ def check_layout(cfg, mesh, zero_stage=0, sequence_parallel=False, schedule="1f1
         check_moe_layout(cfg, tp, pp, cp, sequence_parallel)
     if getattr(mesh, "ep_world_size", 1) > 1 and not getattr(cfg, "n_expert", 0):
         raise ValueError(f"ep={mesh.ep_world_size} needs a mixture-of-experts model (n_expert > 0 in the config)")
+    check_hybrid(cfg, mesh, zero_stage)
     check_tp_config(cfg, tp)
     if sequence_parallel and cfg.block_size % tp:
         raise ValueError(f"sequence parallelism over tp = {tp} needs block_size ({cfg.block_size}) divisible "
@@ -102,6 +105,7 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
                  data_parallel, precision)
     chunks = default_chunks(schedule, chunks)
     det = Deterministic.of(deterministic)
+    check_hybrid(model.config, mesh, zero_stage, det is not None)
     if det is not None:                    # what the mode refuses, on every rank, before any collective
         check_deterministic(det, model.config, mesh.dp_world_size, mesh.tp_world_size, mesh.pp_world_size,
                             getattr(mesh, "cp_world_size", 1), getattr(mesh, "ep_world_size", 1), chunks,
@@ -120,6 +124,9 @@ def parallelize(model, mesh, zero_stage=0, sequence_parallel=False, schedule="1f
         s = PipelineParallel(s, mesh.pp_group, schedule, microbatches, chunks)
     if getattr(model.config, "n_expert", 0) and (mesh.dp_world_size > 1 or zero_stage):
         s = ExpertParallel(s, mesh, zero_stage)   # experts over ep (E/ep per rank); ZeRO inside it: edp shards
+    elif zero_stage and getattr(mesh, "dp_replicate_world_size", 1) > 1:     # hybrid: shard inside, replicate across
+        shard = mesh.dp_shard_cp_group if context_parallel else mesh.dp_shard_group   # cp: shard over dp_shard x cp
+        s = HSDP(s, zero_stage, shard, mesh.dp_replicate_group, dp_group=dp_group)
     elif zero_stage:               # ZeRO fills a meta model's shards itself; the rest materialize here
         s = ZeRO(s, zero_stage, dp_group)
     elif data_parallel == "naive" and dp_group.size > 1:

@@ -7,7 +7,8 @@
 DIR/step-<n> with keep=3. ``resume``: for each layout, a fresh model and optimizer load
 DIR/step-<k>, save it again as DIR/reloaded-<tag> (the test compares it with step-<k>:
 the transfer must be exact), train K - k steps from step k and save DIR/resumed-<tag>
-(the test compares it with step-<K>). A layout is ``dp=,tp=,pp=,zero=,sp=,mb=,schedule=``,
+(the test compares it with step-<K>). A layout is ``dp=,tp=,pp=,zero=,sp=,mb=,schedule=``
+(``rep=,shard=``: HSDP's dp_replicate and dp_shard),
 ``local`` (one process, no mesh) or ``plain`` (the GPT itself, no strategy). Reports JSON per layout.
 
     mpiexec -n 1 python tests/workers/ckpt_resume.py plain DIR
@@ -50,7 +51,9 @@ def build(spec):
     if spec == "plain":                 # no strategy: the checkpoint treats it as one process
         return GPT(cfg, SEED)
     kw = dict(kv.split("=") for kv in spec.split(","))
-    mesh = comm.DeviceMesh(dp=int(kw.get("dp", 1)), tp=int(kw.get("tp", 1)), pp=int(kw.get("pp", 1)))
+    hybrid = {k: int(kw[a]) for k, a in (("dp_replicate", "rep"), ("dp_shard", "shard")) if a in kw}   # HSDP
+    mesh = comm.DeviceMesh(dp=int(kw["dp"]) if "dp" in kw else None, tp=int(kw.get("tp", 1)),
+                           pp=int(kw.get("pp", 1)), **hybrid)
     return parallelize(GPT(cfg, SEED), mesh, zero_stage=int(kw.get("zero", 0)),
                        sequence_parallel=bool(int(kw.get("sp", 0))),
                        microbatches=int(kw.get("mb", 1)), schedule=kw.get("schedule", "1f1b"))

@@ -39,6 +39,7 @@ from pdist.parallel.context import MODES, ContextParallel
 from pdist.parallel.context.ring_attention import ring_bytes
 from pdist.parallel.context.ulysses import ulysses_bytes
 from pdist.parallel.layout import box_slices
+from pdist.parallel.zero import ZeRO
 from pdist.testing import check_shards, report
 from pdist.training import train
 
@@ -125,19 +126,21 @@ def cp_bytes(cfg, mode, dp, tp, pp, cp):
 _meshes = {}
 
 
-def mesh_of(dp, cp, tp, pp):
-    """One DeviceMesh per shape for all its cases (its group splits are collectives: paid once)."""
-    if (dp, cp, tp, pp) not in _meshes:
-        _meshes[dp, cp, tp, pp] = comm.DeviceMesh(dp=dp, cp=cp, tp=tp, pp=pp)
-    return _meshes[dp, cp, tp, pp]
+def mesh_of(dp, cp, tp, pp, rep=1):
+    """One DeviceMesh per shape for all its cases (its group splits are collectives: paid once);
+    ``rep`` > 1: HSDP's dp_replicate (dp_shard = dp / rep)."""
+    if (dp, cp, tp, pp, rep) not in _meshes:
+        _meshes[dp, cp, tp, pp, rep] = comm.DeviceMesh(dp_replicate=rep, dp_shard=dp // rep, cp=cp, tp=tp, pp=pp)
+    return _meshes[dp, cp, tp, pp, rep]
 
 
 def train_case(name, mode, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b", chunks=1, mb=1, prec="fp32",
-               n_layer=2):
-    """K steps of one layout against one process; asserts rows, tokens and bytes every step."""
+               n_layer=2, rep=1):
+    """K steps of one layout against one process; asserts rows, tokens and bytes every step.
+    ``rep`` > 1: HSDP, ZeRO over dp/rep x cp ranks and ``rep`` replicas (dp_replicate)."""
     cp = N // (dp * tp * pp)
     cfg, cls = config(name, n_layer), (GPT if name == "gpt2" else Llama)
-    mesh = mesh_of(dp, cp, tp, pp)
+    mesh = mesh_of(dp, cp, tp, pp, rep)
     model = parallelize(cls(cfg, SEED), mesh, zero_stage=zero, sequence_parallel=sp, schedule=schedule,
                         chunks=chunks, microbatches=mb, context_parallel=mode, precision=prec, scaler=scaler(prec))
     opt, losses, sent, ref = make_opt(model.parameters()), [], [], reference(name, n_layer, prec, dp)
@@ -163,7 +166,9 @@ def train_case(name, mode, dp=1, tp=1, pp=1, sp=False, zero=0, schedule="1f1b", 
         assert model.scaler.state_dict() == ref[4].state_dict(), (model.scaler.state_dict(), ref[4].state_dict())
     report(case="train", model=name, mode=mode, dp=dp, cp=cp, tp=tp, pp=pp, sp=sp, zero=zero, schedule=schedule,
            chunks=chunks, precision=prec, rank=world.rank, pieces=checked, bytes=sent, want_bytes=want_bytes,
-           coords=[mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.tp_rank], grad_worst=worst[0])
+           coords=[mesh.pp_rank, mesh.dp_rank, mesh.cp_rank, mesh.tp_rank], grad_worst=worst[0], rep=rep,
+           chain=[type(s).__name__ for s in model.chain()],
+           shard_group=model.find(ZeRO).group.size if model.find(ZeRO) else None)
     worst[0] = 0.0
 
 
@@ -222,6 +227,7 @@ def cases_4():
     train_case("llama", "ring-zigzag", dp=2, zero=2)          # cp2 x dp2 ZeRO-2, ZeRO-3 (ZeRO-1, ring
     train_case("gpt2", "ulysses", dp=2, zero=3)               # ZeRO-3: tests/workers/context_parallel.py)
     train_case("gpt2", "ring-zigzag", dp=2, zero=1, prec="bf16")
+    train_case("gpt2", "ring", dp=2, zero=2, rep=2)           # HSDP: 2 replicas of a cp2 shard group
     train_case("llama", "ring", tp=2, sp=True, prec="fp16")
     llama_kv2 = LlamaConfig(vocab_size=96, block_size=T, n_layer=1, n_head=4, n_kv_head=2, n_embd=16,
                             dtype="float64")
@@ -236,6 +242,7 @@ def cases_4():
 def cases_8():
     train_case("gpt2", "ring-zigzag", dp=2, tp=2, sp=True, zero=1)                # cp2 x dp2 x tp2
     train_case("llama", "ulysses", dp=2, tp=2, zero=3)
+    train_case("llama", "ulysses", dp=4, zero=3, rep=2)                           # HSDP 2 x (2 x cp2)
     train_case("llama", "ring", tp=2, pp=2, sp=True, mb=2)                         # cp2 x tp2 x pp2
     train_case("gpt2", "ring-zigzag", tp=2, sp=True)                               # cp4 x tp2
 

@@ -35,6 +35,8 @@ from pdist.training import train
 p = argparse.ArgumentParser()
 for k in ("dp", "tp", "pp", "zero", "microbatches", "chunks", "steps"):
     p.add_argument(f"--{k}", type=int, default={"microbatches": 1, "chunks": 1, "steps": 3, "zero": 0}.get(k, 1))
+p.add_argument("--dp-replicate", type=int, default=None, help="HSDP: replicas (DeviceMesh dp_replicate)")
+p.add_argument("--dp-shard", type=int, default=None, help="HSDP: ranks of a shard group (DeviceMesh dp_shard)")
 p.add_argument("--sp", action="store_true")
 p.add_argument("--schedule", default="1f1b")
 p.add_argument("--naive", action="store_true")
@@ -125,7 +127,9 @@ def check_full(model, shards, ref_sd, make):
 def run(name, args, case):
     cfg, cls = config(name, args), MODELS[name]
     batch = data.batch_fn(tokens, args.batch_size, T, SEED, 96)
-    mesh = comm.DeviceMesh(dp=args.dp, tp=args.tp, pp=args.pp)
+    hybrid = args.dp_replicate is not None or args.dp_shard is not None
+    mesh = comm.DeviceMesh(dp=None if hybrid else args.dp, tp=args.tp, pp=args.pp, dp_replicate=args.dp_replicate,
+                           dp_shard=args.dp_shard)
     meta.CHUNK_ELEMS = 37 if args.meta else CHUNK      # chunks that cut rows: the stream must still match
     model = parallelize(cls(cfg, SEED, device="meta" if args.meta else None), mesh, zero_stage=args.zero,
                         sequence_parallel=args.sp, schedule=args.schedule, microbatches=args.microbatches,
@@ -138,7 +142,7 @@ def run(name, args, case):
             assert np.array_equal(to_numpy(pc.view(pc.tensor.data)), init_sd[pc.name][box_slices(pc)]), pc
     rows = len(model.local_batch(*batch(0))[0])
     B = args.batch_size
-    assert rows == B // args.dp, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
+    assert rows == B // mesh.dp_world_size, f"this rank trains on {rows} rows of the global batch of {B}, want B/dp"
     losses = train(model, opt, batch, args.steps)
     ref_losses, ref_sd, ref_state = reference(name, args, batch)
     np.testing.assert_allclose(losses, ref_losses, rtol=1e-9, atol=0, err_msg=f"{name}: losses")
@@ -146,7 +150,7 @@ def run(name, args, case):
     checked = check_shards(shards, ref_sd, ref_state, args.steps)
     check_full(model, shards, ref_sd, lambda: cls(cfg, SEED))
     report(rank=world.rank, model=name, case=case, coords=list(mesh.coords), layout=vars(args), steps=args.steps,
-           checked_pieces=checked, losses=losses)
+           checked_pieces=checked, losses=losses, chain=[type(s).__name__ for s in model.chain()])
 
 
 def main():

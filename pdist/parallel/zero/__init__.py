@@ -5,8 +5,10 @@
     units.py       which modules are units, their flat buffers, where each shard sits
     flat_param.py  one unit: its parameters in one flat buffer, this rank's shard
     experts.py     ExpertZeRO: a mixture of experts, each expert a unit over the edp group
+    hsdp.py        HSDP: ZeRO inside a shard group, each shard's gradient averaged across the replicas
 """
 from pdist.parallel.zero.units import default_units
 from pdist.parallel.zero.zero import STAGES, ZeRO
+from pdist.parallel.zero.hsdp import HSDP, check_hybrid
 
-__all__ = ["ZeRO", "STAGES", "default_units"]
+__all__ = ["ZeRO", "HSDP", "STAGES", "default_units", "check_hybrid"]
