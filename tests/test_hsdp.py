@@ -40,6 +40,9 @@ def test_hsdp_mesh_bytes_and_refusals(n, request):
                 assert r["sent"][g] == r["want"][g] > 0, (stage, g, r)
                 assert r["planned"][g] == pytest.approx(r["want"][g], rel=1e-12), (stage, g, r)
             assert r["ops"] == {"shard": ["all_gather", "reduce_scatter"], "replicate": ["all_reduce"]}, r
+            if "cp" not in case:     # pdist.plan.measured reads HSDP off the chain: each group on its own link
+                assert r["read"] == {"dp": R * S, "shard": S, "zero": stage, "groups": {
+                    "dp": r["groups"]["shard"], "dp_rep": r["groups"]["replicate"]}}, r
     words = {"dp disagrees": "dp must equal dp_replicate * dp_shard", "experts": "mixture-of-experts",
              "deterministic": "deterministic mode",
              "zero-3 x pp": "ZeRO-3 does not compose with pipeline", "stage 0": "stage 0 over the whole dp group",

@@ -187,7 +187,10 @@ def layout_of(model, batch):
     kw, groups, m = {"dp": 1, "tp": 1, "pp": 1}, {}, 1
     for s in model.chain():
         n = type(s).__name__
-        if n in ("DataParallel", "DataParallelNaive", "ZeRO"):
+        if n == "HSDP":                  # ZeRO over the shard group, the shards all-reduced across replicas
+            kw["dp"], kw["shard"], kw["zero"] = s.dp_world_size, s.group.size, s.stage
+            groups["dp"], groups["dp_rep"] = s.group, s.replicate_group
+        elif n in ("DataParallel", "DataParallelNaive", "ZeRO"):
             kw["dp"], groups["dp"] = s.group.size, s.group
             kw["zero"] = s.stage if n == "ZeRO" else 0
         elif n == "TensorParallel":
@@ -219,7 +222,7 @@ def plan_for(model, batch, world=None, sizes=None):
     cfg, lay, groups = layout_of(model, batch)
     world = world or (comm.get_world() if comm.is_initialized() else None)
     sizes = sizes or {}
-    links = {g: group_link(groups[g], sizes.get(g)) for g in ("tp", "dp", "pp") if g in groups}   # one order, every rank
+    links = {g: group_link(groups[g], sizes.get(g)) for g in ("tp", "dp", "pp", "dp_rep") if g in groups}   # one order, every rank
     rate, op_s, step_s = flops.gemm_rate(), host_op_cost(), host_step_cost()
     if world is not None:       # the best rank's, as the GEMM rate (load only adds)
         rate, op_s, step_s = (f(world.all_gather_object(v)) for f, v in ((max, rate), (min, op_s), (min, step_s)))

@@ -78,7 +78,7 @@ def plan_config(cfg, cluster, lay: Layout, global_batch=0, efficiency=None, fit_
     comm = [comm_time(st["comm_bytes"], st["comm_calls"], link_of) for st in stages]
     for st, c in zip(stages, comm):    # HSDP: the replicas' all-reduce of the shard, on its own link, in dp
         if st["comm_calls"].get("dp_rep"):
-            lk = cluster.inter if link["dp_rep"] else cluster.intra
+            lk = link_of("dp_rep")
             c["dp"] += st["comm_calls"]["dp_rep"] * lk.alpha + st["comm_bytes"]["dp_rep"] / lk.beta
     flat = efficiency if efficiency is not None else (cluster.efficiency or None)
     peak = cluster.peak[lay.precision]

@@ -25,6 +25,7 @@ from pdist.parallel import Local, parallelize
 from pdist.parallel.data_parallel import DataParallel
 from pdist.parallel.zero import HSDP, ZeRO
 from pdist.plan import plan
+from pdist.plan.measured import layout_of
 from pdist.testing import report
 from pdist.training import train
 
@@ -84,8 +85,12 @@ def check_bytes(stage, cp=1):
     planned = plan(cfg, "a100", dp=R * S_, cp=cp, tp=TP, zero=stage, shard=S, sp=TP > 1, m=1,
                    micro_batch=B // (R * S_), precision="fp64")["memory_per_stage"][0]["comm_bytes"]
     planned = {"shard": planned["dp"], "replicate": planned["dp_rep"]}
+    lay, read = layout_of(model, (B, T))[1:] if cp == 1 else (None, {})   # the measured planner's reading
     out(f"bytes stage {stage}" + (f" cp {cp}" if cp > 1 else ""), sent=sent, want=want, planned=planned, padded=pad, units=len(hsdp.units),
-        ops={k: sorted(g.stats) for k, g in groups.items()})
+        ops={k: sorted(g.stats) for k, g in groups.items()},
+        read=lay and {"dp": lay.dp, "shard": lay.shard, "zero": lay.zero,
+                      "groups": {k: g.ranks for k, g in read.items() if k in ("dp", "dp_rep")}},
+        groups={"shard": m.dp_shard_cp_group.ranks, "replicate": m.dp_replicate_group.ranks})
 
 
 def refused(case, make):
