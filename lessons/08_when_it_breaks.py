@@ -25,7 +25,13 @@ before it counts as FAIL.
 4. A checkpoint tied to one layout: ZeRO-3's per-rank dump does not load into 2 ranks; the
    resharding checkpoint (pdist.checkpoint) does, equal to the 4-rank model.
 
-The cluster is scaled to the lesson's tiny model: a 64-wide GPT computes a step in
+Inside the emulated cluster (``python -m pdist.cluster --nodes 2 --ranks-per-node 2 -- python
+lessons/08_when_it_breaks.py``: PDIST_NODE_LINK set, 2 nodes by hostname) act 2 runs on the
+real link between the nodes instead (TCP over a veth pair, rate-limited with ``--link-gbps``):
+tp across the nodes by renumbering the world, the link's alpha and beta measured by a
+ping-pong, the kernel's byte counters beside pdist's; it says which link it used.
+
+The simulated cluster is scaled to the lesson's tiny model: a 64-wide GPT computes a step in
 milliseconds, so the inter-node link is 20 MB/s with 200 us latency (with 1000x the
 parameters and compute: 20 GB/s; a latency that a tiny step feels as a real one feels 10 us). The ratio of communication to compute is what matters.
 """
@@ -44,7 +50,7 @@ from pdist import checkpoint, comm, data
 from pdist.faults import debug, inject
 from pdist.course import lesson
 from pdist.engine.backend import synchronize
-from pdist.comm import topology, watchdog
+from pdist.comm import nodes, topology, watchdog
 from pdist.models.gpt import GPT
 from pdist.parallel import DataParallel, ZeRO, parallelize
 from pdist.training import train
@@ -127,15 +133,92 @@ def per_link(groups):
     return out
 
 
+def in_the_box(world):
+    """(True, why) inside the emulated cluster (pdist.cluster: PDIST_NODE_LINK set) on 2 nodes of 2
+    ranks by hostname, numbered in blocks; else (False, why the simulation is used)."""
+    link = os.environ.get("PDIST_NODE_LINK")
+    if not link:
+        return False, "not in the box (PDIST_NODE_LINK unset): the simulated link"
+    if nodes.hosts() != [nodes.names()[0]] * 2 + [nodes.names()[-1]] * 2:
+        return False, f"in the box, but the ranks are on {nodes.hosts()}, not 2 nodes x 2: the simulated link"
+    return True, f"the real link between the box's nodes ({link}, the kernel's counters beside pdist's)"
+
+
+def link_counter(name="tx"):
+    """This node's link interface's bytes sent (or received) so far, the kernel's counter."""
+    with open(f"/sys/class/net/{os.environ['PDIST_NODE_LINK']}/statistics/{name}_bytes") as f:
+        return int(f.read())
+
+
+def ping_pong(world, nbytes, rounds):
+    """Seconds per one-way message of ``nbytes`` between rank 0 (node 1) and rank 2 (node 2)."""
+    buf = np.zeros(max(1, nbytes // 8))
+    world.barrier()
+    t0 = time.perf_counter()
+    for _ in range(rounds):
+        if world.rank == 0:
+            world.send(buf, 2)
+            world.recv(buf, 2)
+        elif world.rank == 2:
+            world.recv(buf, 0)
+            world.send(buf, 0)
+    return world.broadcast_object((time.perf_counter() - t0) / (2 * rounds) if world.rank == 0 else None)
+
+
+def act_links_real(world, cfg, batch, args, why):
+    """Act 2 on the box's real link: the same four layouts, placed on the two nodes by the rank
+    order (tp across: the world renumbered 0, 2, 1, 3), timed; the prediction is each run's compute
+    (the detector's) plus the alpha-beta time, on the link's measured alpha and beta, of the bytes
+    pdist counted in the groups that cross nodes (every message of a collective, no overlap)."""
+    say(world, f"\n== act 2: communication swamps compute (2 nodes x 2 ranks of the box; {why}) ==")
+    alpha = ping_pong(world, 8, 50)
+    beta = (1 << 22) / max(ping_pong(world, 1 << 22, 4) - alpha, 1e-9)
+    swapped = world.split(0, [0, 2, 1, 3][world.rank], name="swapped")    # tp across the nodes
+    layouts = [("tp in node, dp across", dict(dp=2, tp=2), world, 0),
+               ("tp across, dp in node", dict(dp=2, tp=2), swapped, 0),
+               ("DDP dp=4 (2 nodes)", dict(dp=4), world, 0), ("ZeRO-3 dp=4 (2 nodes)", dict(dp=4), world, 3)]
+    rows, res, steps = [], {}, max(4, args.steps // 2)
+    for name, shape, w, stage in layouts:
+        measured, kernel = float("inf"), []
+        for _ in range(2):       # the faster of two runs: load from other processes only adds time
+            mesh = comm.DeviceMesh(**shape, world=w)
+            model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=stage)
+            k0 = link_counter()
+            measured = min(measured, max(world.all_gather_object(timed_run(model, batch, steps))))
+            kernel.append(link_counter() - k0)
+        comp = max(r["compute"] for r in debug.straggler_report(model, last=steps, skip=0).rows)
+        cross = [g for g in watchdog.groups() if len(nodes.spans(g.ranks)) > 1 and g.stats]
+        sent = sum(g.bytes_sent() for g in cross) / steps
+        msgs = sum(st["calls"] * topology.ring_steps(op, 2 if op in ("send", "recv") else g.size)
+                   for g in cross for op, st in g.stats.items()) / steps
+        link_s = max(world.all_gather_object(msgs * alpha + sent / beta))
+        sent, msgs = sum(world.all_gather_object(sent)), max(world.all_gather_object(msgs))
+        kern = sum(world.all_gather_object(min(kernel) if world.rank in (0, 2) else 0)) / (steps + 1)
+        res[name] = (measured, comp + link_s)
+        rows.append([name, sent / 1024, kern / 1024, msgs, comp * 1e3, link_s * 1e3, (comp + link_s) * 1e3,
+                     measured * 1e3])
+    say(world, f"the link, measured: alpha {alpha * 1e6:.0f} us, beta {beta / 1e6:.0f} MB/s (ping-pong, ranks 0 and 2)")
+    say(world, lesson.table(rows, ["layout", "crossing groups KiB/step", "kernel KiB/step", "msgs/step", "compute ms",
+                                   "a-b link ms", "predicted ms", "measured ms"], floatfmt="{:.1f}"))
+    say(world, "(crossing groups: what pdist counted as sent, per step summed over ranks, in the groups that span "
+               "both nodes; kernel: what both nodes' link interfaces sent per step, headers and pdist's own "
+               "messages included, the warm-up step spread over the steps)")
+    return res, {"link": "real", "interface": os.environ["PDIST_NODE_LINK"], "alpha_s": alpha, "beta_Bps": beta}
+
+
 def act_links(world, cfg, batch, args):
-    say(world, "\n== act 2: communication swamps compute (2 simulated nodes x 2 ranks, inter-node 20 MB/s) ==")
+    real, why = in_the_box(world)
+    if real:
+        res, info = act_links_real(world, cfg, batch, args, why)
+        return links_verdict(world, res, dict(info, why=why))
+    say(world, f"\n== act 2: communication swamps compute (2 simulated nodes x 2 ranks, inter-node 20 MB/s; {why}) ==")
     layouts = [("tp in node, dp across", dict(dp=2, tp=2), "0+1/2+3", 0),
                ("tp across, dp in node", dict(dp=2, tp=2), "0+2/1+3", 0),
                ("DDP dp=4 (2 nodes)", dict(dp=4), "2x2", 0),
                ("ZeRO-3 dp=4 (2 nodes)", dict(dp=4), "2x2", 3)]
     rows, res, plains = [], {}, {}
     steps = max(4, args.steps // 2)
-    for name, shape, nodes, stage in layouts:
+    for name, shape, placed, stage in layouts:
         topology.set(None)
         key = (tuple(shape.items()), stage)    # the two tp layouts are one layout without the simulation
         if key not in plains:
@@ -144,7 +227,7 @@ def act_links(world, cfg, batch, args):
         plain = plains[key]
         measured = float("inf")
         for _ in range(2):       # the faster of two runs: load from other processes only adds time
-            mesh = comm.DeviceMesh(**shape, topology=CLUSTER.format(nodes=nodes))
+            mesh = comm.DeviceMesh(**shape, topology=CLUSTER.format(nodes=placed))
             model = parallelize(GPT(cfg, args.seed), mesh, zero_stage=stage)
             measured = min(measured, max(world.all_gather_object(timed_run(model, batch, steps))))
         groups = watchdog.groups()
@@ -159,6 +242,10 @@ def act_links(world, cfg, batch, args):
                      pl.get("inter", (0, 0))[1] / steps, plain * 1e3, link_s * 1e3, pred * 1e3, measured * 1e3])
     say(world, lesson.table(rows, ["layout", "intra KiB/step", "inter KiB/step", "inter msgs/step",
                                    "no-link ms", "a-b link ms", "predicted ms", "measured ms"], floatfmt="{:.1f}"))
+    return links_verdict(world, res, {"link": "simulated", "cluster": CLUSTER, "why": why})
+
+
+def links_verdict(world, res, info):
     a, b = res["tp in node, dp across"], res["tp across, dp in node"]
     c, d = res["DDP dp=4 (2 nodes)"], res["ZeRO-3 dp=4 (2 nodes)"]
     ok = (a[0] < b[0]) == (a[1] < b[1]) and (c[0] < d[0]) == (c[1] < d[1]) and a[1] < b[1]
@@ -170,8 +257,8 @@ def act_links(world, cfg, batch, args):
     say(world, f"{'PASS' if ok else 'FAIL'}: act 2 -- measured step times order as the alpha-beta prediction: "
                f"tp in node {a[0] * 1e3:.0f} ms < tp across {b[0] * 1e3:.0f} ms; "
                f"DDP {c[0] * 1e3:.0f} ms vs ZeRO-3 {d[0] * 1e3:.0f} ms (predicted {c[1] * 1e3:.0f} vs {d[1] * 1e3:.0f})")
-    return ok, {"name": "links", "cluster": CLUSTER, "layouts": {k: {"measured_s": v[0], "predicted_s": v[1]}
-                                                                  for k, v in res.items()}}
+    say(world, f"(act 2 used {info['why']})")
+    return ok, dict(info, name="links", layouts={k: {"measured_s": v[0], "predicted_s": v[1]} for k, v in res.items()})
 
 
 # ------------------------------------------------------------------ act 3

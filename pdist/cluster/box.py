@@ -192,10 +192,13 @@ class Box:
         e = {k: v for k, v in e.items() if v is not None}
         e["PATH"] = os.path.dirname(self.python) + os.pathsep + e.get("PATH", "")
         e["PDIST_NODE_LINK"] = self.plan["link"]
+        e.pop("PDIST_LINK_GBPS", None)
+        if self.gbps is not None:
+            e["PDIST_LINK_GBPS"] = f"{self.gbps:g}"         # the limit, for the planner (pdist/plan/here.py)
         e["PYTHONUNBUFFERED"] = "1"
         if self.mpi == "openmpi":
             e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        names = sorted({"PDIST_NODE_LINK", "PATH", "PYTHONPATH", *(k for k in (env or {}) if env[k] is not None)})
+        names = sorted({"PDIST_NODE_LINK", "PDIST_LINK_GBPS", "PATH", "PYTHONPATH", *(k for k in (env or {}) if env[k] is not None)})
         argv = (files.enter(self.plan, "node1", self.files["hosts"])
                 + launchers.command(self.mpi, self.mpiexec, self.files, self.nodes, self.ranks_per_node,
                                     [n for n in names if n in e], self.extra)
