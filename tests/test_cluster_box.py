@@ -234,7 +234,7 @@ def test_bad_input_names_the_input():
         launchers.find("lam")
 
 
-def test_planner_this_from_the_launch():
+def test_planner_this_from_the_launch(monkeypatch, capsys):
     """``--cluster this`` under a launch of 2 nodes x 2 ranks (Hydra's or Open MPI's variables) in
     the box at 1 Gbit/s: 2 nodes of 2 "GPUs", the link's rate shared by the node's 2 ranks; one node,
     or no launch: the preset as it is."""
@@ -245,3 +245,12 @@ def test_planner_this_from_the_launch():
         assert (cl.gpus_per_node, cl.nodes, cl.inter.beta) == (2, 2, 1e9 / 8 / 2) and "pd-0, 1 Gbit/s" in cl.name
     assert this_cluster({"PMI_SIZE": "2", "MPI_LOCALNRANKS": "2"}) is CLUSTERS["this"]
     assert this_cluster({}) is CLUSTERS["this"]
+    from pdist.plan.cli import main
+    for k in ("PMI_SIZE", "MPI_LOCALNRANKS", "PDIST_NODE_LINK", "PDIST_LINK_GBPS"):
+        monkeypatch.setenv(k, {"PMI_SIZE": "4", "MPI_LOCALNRANKS": "2", "PDIST_NODE_LINK": "pd-0",
+                               "PDIST_LINK_GBPS": "1"}[k])
+    for rank, printed in (("1", False), ("0", True)):      # one plan from a launch: rank 0's
+        monkeypatch.setenv("PMI_RANK", rank)
+        assert main(["--cluster", "this", "--dp", "2", "--tp", "2", "--json"]) == 0
+        out = capsys.readouterr().out
+        assert ('"cluster": "this machine as 2 nodes x 2 ranks' in out) is printed and bool(out) is printed, out

@@ -5,8 +5,8 @@ harness's pid and its start time (``/proc/<pid>/stat``, field 22: ticks since bo
 guardian's once it runs, every name it will make (pdist/cluster/netns.py) and its folder
 ``<STATE_DIR>/<id>/`` (the agent, the hostfile, the nodes' hosts file).
 
-A record is *dead* when neither its harness nor its guardian is alive (a pid that is gone, or
-now another process: its start time differs). Only then ``reap()`` removes what the record
+A record is *dead* when neither its harness nor its guardian is alive (a pid that is gone, a
+zombie, or now another process: its start time differs). Only then ``reap()`` removes what the record
 names: the processes inside and the namespaces named ``pdist-<id>-...`` of that record's own id,
 its folder and the record. A record that does not parse, names another id, or whose names do
 not carry its id is left alone: nothing is removed that cannot be proved to be the box's.
@@ -31,13 +31,15 @@ def state_dir():
 
 
 def start_time(pid):
-    """The start time of ``pid`` in clock ticks since boot, or None when it is gone."""
+    """The start time of ``pid`` in clock ticks since boot, or None when it is gone (a zombie,
+    which an init that does not reap may keep, is gone)."""
     try:
         with open(f"/proc/{pid}/stat") as f:
             s = f.read()
     except OSError:
         return None
-    return int(s[s.rfind(")") + 2:].split()[19])
+    fields = s[s.rfind(")") + 2:].split()
+    return None if fields[0] in ("Z", "X") else int(fields[19])
 
 
 def alive(pid, start):

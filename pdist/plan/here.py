@@ -9,17 +9,21 @@ between nodes is the box's: ``PDIST_LINK_GBPS`` (the tbf limit, Gbit/s each way,
 box sets when it limits) shared by the node's ranks, else the unlimited veth link as
 measured below; its α is the measured one either way. On one node ``this`` is unchanged.
 
-The box's link, measured (MPICH 4 wheel over TCP between two emulated nodes, one rank each,
-``Send``/``Recv`` ping-pong; 2-core AMD EPYC shared with other jobs, load average 9-11,
-2026-12-05; ``python -m pdist.cluster --nodes 2 --ranks-per-node 1 -- python bench/box_link.py``):
+The box's link, measured: ``python -m pdist.cluster --nodes 2 --ranks-per-node 1 -- python
+bench/box_link.py`` (MPICH wheel over TCP on the unlimited veth pair, one rank per node; 8 B
+ping-pong for alpha, 24 MiB streamed in 1 MiB messages for beta), 5 runs on 2 cores of an Intel
+Xeon shared with other jobs, load average 2.3-2.8, 2026-12-05: 4 runs at 7.18-7.42 GB/s and
+4.6-5.5 us, one at 0.61 GB/s and 32.5 us (the two busy-polling ranks on one core). The median,
+7.35 GB/s and 4.8 us, is below. Open MPI's wheel, once: 2.29 GB/s, 5.0 us. At ``--link-gbps 1``:
+0.121 GB/s (3 runs; the limit is 0.125).
 """
 import os
 from dataclasses import replace
 
 from pdist.plan.presets import CLUSTERS, Link
 
-BOX_BETA = 1.0e9             # bytes/s one way, unlimited veth (see the module doc)
-BOX_ALPHA = 60e-6            # seconds per message over TCP between two nodes
+BOX_BETA = 7.35e9            # bytes/s one way, unlimited veth (the module doc)
+BOX_ALPHA = 4.8e-6           # seconds per message over TCP between two nodes
 
 
 def _int(e, *names):
