@@ -161,18 +161,17 @@ def guardian_pid(run_id):
 
 @needs_box
 @mpich
-@pytest.mark.parametrize("how", ["harness", "group"])
-def test_a_killed_run_leaves_nothing(how):
+@pytest.mark.parametrize("who,sig", [("harness", "SIGKILL"), ("group", "SIGKILL"), ("group", "SIGINT"),
+                                     ("harness", "SIGTERM")])
+def test_a_killed_run_leaves_nothing(who, sig):
     """SIGKILL the harness alone, or its whole process group, mid-run: its guardian (a session of
-    its own) tears the box down: no namespace, link, mount or process of the run is left."""
+    its own) tears the box down; Ctrl-C (SIGINT to the group) and SIGTERM: the harness does. No
+    namespace, link, mount or process of the run is left."""
     tag = os.urandom(8).hex()
     p, run_id = start_harness(tag)
     assert leftovers(run_id, tag)                       # the run is there to be cleaned up
-    if how == "harness":
-        os.kill(p.pid, signal.SIGKILL)
-    else:
-        os.killpg(p.pid, signal.SIGKILL)
-    p.wait()
+    (os.kill if who == "harness" else os.killpg)(p.pid, getattr(signal, sig))
+    p.wait(timeout=60)
     assert gone_within(run_id, tag, 20) == []
 
 

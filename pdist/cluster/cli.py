@@ -76,6 +76,9 @@ def main(argv=None):
     except BoxError as e:
         print(f"pdist.cluster: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        print("[box] interrupted: the command was stopped and the box taken down", file=sys.stderr)
+        return 130
     for node, c in r.link.items():
         print(f"[box] {node}: its link sent {fmt(c['tx'])} ({c['tx']} B), received {fmt(c['rx'])} ({c['rx']} B)")
     if r.timed_out:
