@@ -104,7 +104,8 @@ def test_lesson_08_act_2_uses_the_real_link(box, tmp_path):
     """Inside the box lesson 08's act 2 runs on the real link and says so; for the layouts whose
     crossing groups are one rank per node (every byte crosses) the kernel counted at least what
     pdist counted. (Its PASS is a timing on shared cores: not asserted here.)"""
-    r = box.run(["python", lesson("08"), "--acts", "2", "--steps", "4", "--json", tmp_path / "l08.json"],
+    r = box.run(["python", lesson("08"), "--acts", "2", "--steps", "4", "--n-layer", "1", "--block-size", "16",
+                 "--json", tmp_path / "l08.json"],
                 timeout=300)
     assert f"(act 2 used the real link between the box's nodes ({box.plan['link']}" in r.stdout, r.stdout + r.stderr
     run = json.loads((tmp_path / "l08.json").read_text())["runs"][0]

@@ -11,7 +11,9 @@ A node is a network namespace with its own hostname, IPC namespace and /dev/shm
 (pdist/cluster/netns.py, files.py); mpiexec runs inside node1 and reaches the other nodes
 through the agent, as it would through ssh. Every rank's environment has
 ``PDIST_NODE_LINK``, the name of its node's link interface: its counters are
-``/sys/class/net/$PDIST_NODE_LINK/statistics/{tx,rx}_bytes`` inside the node.
+``/sys/class/net/$PDIST_NODE_LINK/statistics/{tx,rx}_bytes`` inside the node. The nodes share
+this machine's cores, which each node's ranks cannot see: where all the ranks outnumber the
+cores, the box sets ``PDIST_COOPERATIVE_WAIT=1`` (unless set), so waiting ranks yield the cores.
 
 Nothing outlives the run: a guardian process (guardian.py), in a session of its own, tears the
 box down when the harness ends, however it ends; a run that finds a dead run's state record
@@ -196,9 +198,11 @@ class Box:
         if self.gbps is not None:
             e["PDIST_LINK_GBPS"] = f"{self.gbps:g}"         # the limit, for the planner (pdist/plan/here.py)
         e["PYTHONUNBUFFERED"] = "1"
+        if self.nodes * self.ranks_per_node > len(os.sched_getaffinity(0)):
+            e.setdefault("PDIST_COOPERATIVE_WAIT", "1")    # the nodes share these cores (pdist/comm/mpi.py)
         if self.mpi == "openmpi":
             e.update(OMPI_ALLOW_RUN_AS_ROOT="1", OMPI_ALLOW_RUN_AS_ROOT_CONFIRM="1")
-        names = sorted({"PDIST_NODE_LINK", "PDIST_LINK_GBPS", "PATH", "PYTHONPATH", *(k for k in (env or {}) if env[k] is not None)})
+        names = sorted({"PDIST_NODE_LINK", "PDIST_LINK_GBPS", "PDIST_COOPERATIVE_WAIT", "PATH", "PYTHONPATH", *(k for k in (env or {}) if env[k] is not None)})
         argv = (files.enter(self.plan, "node1", self.files["hosts"])
                 + launchers.command(self.mpi, self.mpiexec, self.files, self.nodes, self.ranks_per_node,
                                     [n for n in names if n in e], self.extra)
