@@ -96,6 +96,22 @@ def test_pdist_sees_the_nodes(box):
         name, per, n, beta = x["plan"]
         assert (per, n) == (2, 2) and "2 nodes x 2 ranks" in name and box.plan["link"] in name, x["plan"]
         assert x["link"] == box.plan["link"] and int(x["counter"]) > 0
+        assert len(x["warned"]) == (q == 0), x["warned"]         # rank 0 warns, once: the swapped mesh's tp
+        assert q or "tp group (world ranks [0, 2]) crosses nodes ['node1', 'node2']" in x["warned"][0]
+
+
+@needs_box
+@mpich
+def test_three_nodes_through_a_bridge():
+    """N > 2: a bridge in the run's switch namespace joins the nodes; each node's own hostname and
+    link, traffic on every link; the switch goes with the box."""
+    with Box(nodes=3, ranks_per_node=1, mpi=FLAVOUR) as b:
+        sw = b.plan["switch"]
+        assert sw in netns.existing()
+        r = b.run(["sh", "-c", "echo $(hostname) $(cat /sys/class/net/$PDIST_NODE_LINK/address)"], timeout=60)
+    assert r.returncode == 0 and sorted(r.stdout.split()[0::2]) == ["node1", "node2", "node3"], r.stdout + r.stderr
+    assert len(set(r.stdout.split()[1::2])) == 3 and all(c["tx"] > 0 and c["rx"] > 0 for c in r.link.values()), r.link
+    assert sw not in netns.existing()
 
 
 @needs_box

@@ -57,9 +57,17 @@ def nodes():
     train(model, AdamW(model.parameters(), lr=1e-3), lambda s: (x, x), 4)
     rep = debug.straggler_report(model, last=4, skip=0)
     cl = this_cluster()
+    import warnings
+    swapped = w.split(0, [0, 2, 1, 3][w.rank], name="swapped")        # tp across the nodes: warned
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        comm.DeviceMesh(dp=2, tp=2)
+        comm.DeviceMesh(dp=2, tp=2, world=swapped)
+    warned = [str(x.message) for x in caught if "crosses nodes" in str(x.message)]
     report(rank=w.rank, hosts=nd.hosts(), node=nd.node_of(w.rank), count=nd.count(), placement=mesh.placement(),
            rep_nodes=getattr(rep, "nodes", None), rep_rows=[r.get("node") for r in rep.rows], rep_text=rep.text,
            plan=[cl.name, cl.gpus_per_node, cl.nodes, cl.inter.beta], link=os.environ.get("PDIST_NODE_LINK"),
+           warned=warned,
            counter=open(f"/sys/class/net/{os.environ['PDIST_NODE_LINK']}/statistics/tx_bytes").read().strip())
 
 
