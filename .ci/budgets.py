@@ -29,7 +29,7 @@ MAX_FILE_LINES = 300
 MAX_FUNCTION_LINES = 60
 LAYERS = (                       # from the floor up (docs/design.md, "Modules")
     ("engine",),                 # arrays, autograd, ops
-    ("measure", "nn", "optim", "testing"),
+    ("measure", "nn", "optim", "testing", "cluster"),
     ("comm", "models"),
     ("parallel", "faults"),
     ("checkpoint", "plan", "course"),

@@ -39,7 +39,9 @@ one GPT into this rank's part (pdist/parallel/parallelize.py):
 and trains it with the one loop (pdist.training.train) every lesson uses.
 
 The lesson prints (rank 0, gathered from every rank):
-  the mesh       each world rank's (dp, tp, pp) coordinate (the vocabulary is padded to a
+  the mesh       each world rank's (dp, tp, pp) coordinate and its node (its hostname; on
+                 several nodes, which axis stays inside a node: with mpiexec's block placement
+                 tp, the fastest-varying coordinate, does) (the vocabulary is padded to a
                  multiple of tp, as GPT-2 pads 50257 to 50304)
   memory         per rank, bytes of params / grads / Adam m, v (pdist.measure.memory: each buffer
                  once) beside the formula for this layout: Ψ_r = the parameters of this
@@ -66,6 +68,7 @@ from types import SimpleNamespace
 import numpy as np
 
 from pdist import comm, data
+from pdist.comm import nodes
 from pdist.comm.mesh import split_dp
 from pdist.course import lesson
 from pdist.measure import memory
@@ -296,7 +299,7 @@ def main():
     rows = world.all_gather_object((world.rank, tuple(mesh.coords), got, want, per_step, theory, shards_ok,
                                     rss))
     if world.rank == 0:
-        report(args, cfg, rows, losses, ref_losses, rel, secs)
+        report(args, cfg, rows, losses, ref_losses, rel, secs, mesh.placement())
     fb = lesson.fmt_bytes
     runs = [{"name": "mesh", "layout": {"dp": args.dp, "dp_replicate": args.dp_replicate, "dp_shard": args.dp_shard,
                                         "tp": args.tp, "pp": args.pp, "zero_stage": args.zero,
@@ -308,6 +311,7 @@ def main():
                                  for r, _, g, w, *_, rs in rows],
              "comm_bytes_per_step": [sum(row[4].values()) for row in rows],
              "comm_bytes_per_group": [dict(row[4], theory=row[5]) for row in rows],
+             "node_per_rank": nodes.hosts(), "placement": mesh.placement(),
              "seconds_per_step": secs}]
     lesson.finish("06_mesh", bool(flag[0]), runs, args, rank=world.rank, world_size=world.size,
                   detail=f"(dp {args.dp}{f' = {args.dp_replicate} x {args.dp_shard}' if args.hybrid else ''}"
@@ -329,7 +333,7 @@ def _reference(cfg, batch, seed, steps, prec="fp32", microbatches=1):
     return losses, (model.module.state_dict() if prec == "fp32" else model.full_state_dict())
 
 
-def report(args, cfg, rows, losses, ref_losses, rel, secs):
+def report(args, cfg, rows, losses, ref_losses, rel, secs, placement):
     fb = lesson.fmt_bytes
     hy = f" (HSDP: {args.dp_replicate} replicas x {args.dp_shard} shards)" if args.hybrid else ""
     print(f"{args.model} Ψ = {cfg.num_params():,} ({cfg.n_layer} layers, n_embd {cfg.n_embd}, {args.dtype}); mesh "
@@ -338,10 +342,16 @@ def report(args, cfg, rows, losses, ref_losses, rel, secs):
           f"{args.steps} steps\n")
     if args.hybrid:      # dp = dp_replicate_rank * dp_shard + dp_shard_rank: the shard group inside, replicas across
         S = args.dp_shard
-        print(lesson.table([(r, c[1], c[1] // S, c[1] % S, c[2], c[0]) for r, c, *_ in rows],
-                           ["world rank", "dp", "dp_replicate", "dp_shard", "tp", "pp"]))
+        print(lesson.table([(r, c[1], c[1] // S, c[1] % S, c[2], c[0], nodes.host(r)) for r, c, *_ in rows],
+                           ["world rank", "dp", "dp_replicate", "dp_shard", "tp", "pp", "node"]))
     else:
-        print(lesson.table([(r, c[1], c[2], c[0]) for r, c, *_ in rows], ["world rank", "dp", "tp", "pp"]))
+        print(lesson.table([(r, c[1], c[2], c[0], nodes.host(r)) for r, c, *_ in rows],
+                           ["world rank", "dp", "tp", "pp", "node"]))
+    if nodes.count() > 1:     # hostnames (pdist/comm/nodes.py): real nodes, or the box's (pdist.cluster)
+        on = "; ".join(f"{h}: ranks {', '.join(str(r) for r in range(len(nodes.hosts())) if nodes.host(r) == h)}"
+                       for h in nodes.names())
+        where = ", ".join(f"{axis} {w}" for axis, w in placement.items())
+        print(f"{nodes.count()} nodes ({on}); rank 0's groups: {where or 'none'}")
     print()
     table = []
     for r, c, got, want, ps, th, ok, rss in rows:

@@ -19,7 +19,11 @@ this process alone, with dp_shard = 1 the other way round.
 of the batch, so gradients are reduced over ``dp_cp_group`` (dp x cp ranks; ZeRO shards
 over it, as Megatron and torchtitan do). With cp = 1 it is ``dp_group``.
 
-For dp=2, tp=2 (4 ranks): tp groups {0,1} {2,3}; dp groups {0,2} {1,3}.
+For dp=2, tp=2 (4 ranks): tp groups {0,1} {2,3}; dp groups {0,2} {1,3}. On nodes of
+R ranks numbered in blocks (node k holds world ranks kR .. kR+R-1, mpiexec's default placement)
+a tp group stays inside a node whenever tp divides R: tp is the fastest-varying coordinate.
+``placement()`` says where each axis lies, from the ranks' hostnames (pdist/comm/nodes.py), and
+a tp group that crosses nodes needlessly is warned about at construction.
 Each rank belongs to one group per axis: ``tp_group`` holds the ranks with its
 (pp, dp) and varying tp, and so on. Groups are made with MPI ``Split`` (one
 collective per axis, every rank calls it). ``coords`` is ``(pp, dp, tp)``.
@@ -75,6 +79,23 @@ class DeviceMesh:
         self.pp_prev_rank = None if self.pp_is_first_stage else self.pp_rank - 1
         self.pp_next_rank = None if self.pp_is_last_stage else self.pp_rank + 1
         self._expert_groups(ep)
+        self._check_nodes()
+
+    def _check_nodes(self):
+        """On several nodes (by hostname, pdist/comm/nodes.py), warn (world rank 0) when the tp
+        group crosses nodes although block placement would keep it inside one."""
+        from pdist.comm import nodes
+        if nodes.count() > 1 and self.world.rank == 0 and nodes.tp_split_needlessly(self):
+            import warnings
+            warnings.warn(f"DeviceMesh: tp group (world ranks {list(self.tp_group.ranks)}) crosses nodes "
+                          f"{[nodes.names()[i] for i in nodes.spans(self.tp_group.ranks)]}: number the ranks "
+                          f"of a node one after another (block placement: mpiexec's default, srun's "
+                          f"--distribution=block) so that tp stays on a node's fast links", stacklevel=3)
+
+    def placement(self):
+        """{axis: "inside a node" | "across k nodes"} for this rank's groups (pdist/comm/nodes.py)."""
+        from pdist.comm import nodes
+        return nodes.placement(self)
 
     def _expert_groups(self, ep):
         """Expert parallelism inside the dp group (GShard; Megatron's expert groups): ep divides

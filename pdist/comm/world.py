@@ -3,7 +3,8 @@
 ``init()`` starts MPI once (idempotent), checks that the world is the one the launcher
 started (pdist/launcher.py: else ``WorldSizeError`` on every process), sets BLAS threads per rank to
 ``max(1, cores // ranks on this node)`` unless the user set OMP/OPENBLAS/MKL
-_NUM_THREADS, turns on cooperative waits when ranks outnumber cores (mpi.py),
+_NUM_THREADS, turns on cooperative waits when ranks outnumber cores (mpi.py), gathers each
+rank's hostname (which node it runs on, nodes.py),
 starts the watchdog (every wait has a deadline, watchdog.py), installs the
 failure hooks (a failure on any rank ends the job, failures.py) and, at exit, the
 destruction of the NCCL communicators, newest first (gpu_sync.py). The package
@@ -33,6 +34,8 @@ def init(device=None, timeout=None):
         if world_check_on():                 # the world the launcher started, or a WorldSizeError
             check_world(w.Get_size(), w.Get_rank(), local_size(w))
         setup(w)
+        from pdist.comm import nodes
+        nodes.gather(w)                      # each rank's hostname: which node it is on (nodes.py)
         watchdog.configure(timeout)
         _world["group"] = ProcessGroup(MPI.COMM_WORLD.Dup(), "world")
         trace.set_world(_world["group"])

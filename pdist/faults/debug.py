@@ -112,7 +112,7 @@ def gather(group=None, last=32):
     recs = records(last)
     for r in recs:
         r["entries"] = [(k, te - t_sync, w) for k, te, w in r.get("entries") or ()]
-    mine = {"rank": group.ranks[group.rank], "records": recs, "links": links}
+    mine = {"rank": group.ranks[group.rank], "records": recs, "links": links, **skew.where()}
     return group.all_gather_object(mine) if group.size > 1 else [mine]
 
 
@@ -151,7 +151,7 @@ def _mean(v):
 def _align(source, group, last, skip):
     """Every rank's records on the steps all of them recorded, the first ``skip``
     (warm-up) dropped when more remain: (per, steps). ``per``: per rank, a dict of
-    rank, records and links (a gather when ``source`` is not a list)."""
+    rank, records, links, host (a gather when ``source`` is not a list)."""
     if source is None or not isinstance(source, list):
         source = gather(group, last)
     per = [s if isinstance(s, dict) else {"rank": i, "records": s, "links": {}} for i, s in enumerate(source)]
@@ -271,7 +271,7 @@ def straggler_report(source=None, group=None, last=32, skip=1, threshold=0.25):
         rep = Report(rank=None, cause="balanced", slowdown=worst, extra_s=0.0, phase=None, link=None, rows=t.rows,
                      text=f"balanced: no rank's compute is more than {threshold:.0%} above the others' "
                           f"(max {worst:.2f}x, rank {t.ranks[t.slow]}).")
-    return rep
+    return skew.on_nodes(rep, per)
 
 
 def monitor(every=10, group=None, callback=None, last=None):

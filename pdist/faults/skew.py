@@ -15,6 +15,7 @@ every step by about its extra compute; once it arrives the others follow within 
 their ``late`` stays near zero.
 """
 import collections
+import socket
 
 
 def _median(v):
@@ -91,4 +92,34 @@ def slow_link(t, report):
                   link=link, rows=t.rows, text=text)
 
 
-__all__ = ["lateness", "skew_straggler", "slow_link"]
+def where():
+    """This rank's hostname and its groups that cross nodes ({group name: world ranks}; nodes
+    by hostname, pdist/comm/nodes.py): what ``debug.gather`` adds to its records."""
+    from pdist.comm import nodes, watchdog
+    return {"host": socket.gethostname(),
+            "crossing": {g.name: list(g.ranks) for g in watchdog.groups() if len(nodes.spans(g.ranks)) > 1}}
+
+
+def on_nodes(rep, per):
+    """On several nodes (the ranks' hostnames in ``per``, debug's gathered records): each row's
+    node, ``rep.nodes`` ({hostname: world ranks}), and the report's text says where the slow rank
+    is, or, for a slow link with no simulated one, which groups cross the real link."""
+    hosts = [p.get("host") for p in per]
+    if None in hosts or len(set(hosts)) < 2:
+        return rep
+    rep.nodes = {}
+    for p in per:
+        rep.nodes.setdefault(p["host"], []).append(p["rank"])
+    for row in rep.rows:
+        row["node"] = hosts[[p["rank"] for p in per].index(row["rank"])]
+    text = f" {len(rep.nodes)} nodes: " + "; ".join(f"{h} ranks {r}" for h, r in rep.nodes.items())
+    if rep.rank is not None:
+        text += f"; rank {rep.rank} is on {hosts[[p['rank'] for p in per].index(rep.rank)]}"
+    crossing = sorted({(name, tuple(rk)) for p in per for name, rk in (p.get("crossing") or {}).items()})
+    if rep.cause == "slow link" and rep.link is None and crossing:
+        text += "; the groups crossing nodes (the real link): " + ", ".join(f"{n} {list(r)}" for n, r in crossing)
+    rep.text += text + "."
+    return rep
+
+
+__all__ = ["lateness", "skew_straggler", "slow_link", "where", "on_nodes"]

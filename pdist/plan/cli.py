@@ -9,7 +9,9 @@
 
 The header states every assumption (peak, alpha, beta, the efficiency model, overlap, the byte
 and memory accounting); the formulas are in pdist/plan/*.py and docs/planning.md. The planner
-never imports MPI.
+never imports MPI. ``--cluster this`` inside a launch on several nodes (a real cluster, or
+the emulated one: ``python -m pdist.cluster -- python -m pdist.plan --cluster this ...``) plans
+for those nodes, and only rank 0 prints (pdist/plan/here.py).
 """
 import argparse
 import json
@@ -18,6 +20,7 @@ from dataclasses import replace
 from pdist.models.gpt import GPTConfig
 from pdist.models.llama import LlamaConfig
 from pdist.plan.arch import FLOP_CONVENTIONS, arch_of
+from pdist.plan.here import this_cluster
 from pdist.plan.layout import ACCOUNTING, CP_MODES, SCHEDULES, Layout
 from pdist.plan.model import FIT_FRACTION
 from pdist.plan.planner import plan, search
@@ -167,7 +170,7 @@ def _arch_edits(args, cfg):
 
 
 def _cluster(args):
-    cl = CLUSTERS[args.cluster]
+    cl = this_cluster() if args.cluster == "this" else CLUSTERS[args.cluster]
     edits = {}
     if args.gpu_memory:
         edits["memory"] = args.gpu_memory * 2 ** 30
@@ -186,6 +189,14 @@ def _cluster(args):
     return replace(cl, name=cl.name + " (edited: " + ", ".join(sorted(edits)) + ")", **edits)
 
 
+def _a_later_rank():
+    """True in a rank other than 0 of a launch (mpiexec, srun): the plan is the same on every
+    rank, and rank 0 prints it (``--cluster this`` reads the launch's nodes: pdist/plan/here.py)."""
+    from pdist import launcher
+    ranks = [c[3] for c in launcher.claims() if c[3] is not None]
+    return bool(ranks) and ranks[0] > 0
+
+
 def _plans(args, p, model, cl, lay):
     if args.search:
         if args.gpus is None:
@@ -202,6 +213,8 @@ def _plans(args, p, model, cl, lay):
 def main(argv=None):
     p = _parser()
     args = p.parse_args(argv)
+    if _a_later_rank():
+        return 0
     try:
         model = _model(args, p)
         cl = _cluster(args)

@@ -19,6 +19,9 @@ def cluster_of(c):
     if isinstance(c, str):
         if c not in CLUSTERS:
             raise ValueError(f"unknown cluster {c!r}: one of {', '.join(sorted(CLUSTERS))}, or a Cluster")
+        if c == "this":                    # the nodes of the launch it runs in, if several (here.py)
+            from pdist.plan.here import this_cluster
+            return this_cluster()
         return CLUSTERS[c]
     return c
 

@@ -1,0 +1,5 @@
+import sys
+
+from pdist.cluster.cli import main
+
+sys.exit(main())
