@@ -70,7 +70,8 @@ LAYOUTS = (("tp in node, dp across", dict(dp=2, tp=2), False, 0),
 
 def parse():
     p = lesson.parser(__doc__, steps=6, dtype="float32", batch_size=16, no_inject=(
-        "lesson 12 measures clean runs on a real link; lesson 08 injects faults"),
+        "lesson 12 measures clean runs on a real link; to inject a fault yourself, use lessons 02-07, "
+        "e.g. mpirun -n 2 python lessons/02_data_parallel.py --inject nan:rank=1,step=3"),
         n_layer=4, n_embd=128, n_head=4, block_size=64)
     p.add_argument("--link-gbps", default="1,0",
                    help="the link limits to run, comma-separated, 0 = unlimited (default %(default)s; "

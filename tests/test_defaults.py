@@ -280,10 +280,10 @@ def test_inject_nan_under_low_precision(precision):
         inject.clear()
 
 
-@pytest.mark.parametrize("script", ["00_autograd.py", "01_collectives.py", "08_when_it_breaks.py"])
+@pytest.mark.parametrize("script", ["00_autograd.py", "01_collectives.py", "08_when_it_breaks.py", "12_two_nodes.py"])
 def test_lessons_that_cannot_inject_say_so(script):
     res = python(str(LESSONS / script), "--inject", "nan:rank=0,step=1")
-    assert res.returncode == 2 and "--inject nan:rank=0,step=1: lesson 0" in res.stderr, res.stderr[-2000:]
+    assert res.returncode == 2 and f"--inject nan:rank=0,step=1: lesson {script[:2]}" in res.stderr, res.stderr[-2000:]
     assert "lessons/02_data_parallel.py --inject" in res.stderr
 
 
@@ -292,7 +292,10 @@ def test_lessons_that_cannot_inject_say_so(script):
     ("01_collectives.py", ["--trace", "/nonexistent-dir/t.json"], "--trace /nonexistent-dir/t.json: directory"),
     ("00_autograd.py", ["--json", "/nonexistent-dir/o.json"], "--json /nonexistent-dir/o.json: directory"),
     ("07_checkpoint.py", ["--dir", "/nonexistent-dir/ckpt"], "--dir /nonexistent-dir/ckpt: its parent directory"),
-    ("07_checkpoint.py", ["--dir", str(ROOT / "setup.cfg")], "exists and is not a directory")])
+    ("07_checkpoint.py", ["--dir", str(ROOT / "setup.cfg")], "exists and is not a directory"),
+    ("12_two_nodes.py", ["--json", "/nonexistent-dir/o.json"], "--json /nonexistent-dir/o.json: directory"),
+    ("12_two_nodes.py", ["--link-gbps", "fast"], "--link-gbps 'fast': comma-separated numbers"),
+    ("12_two_nodes.py", ["--link-gbps", "1,-2"], "--link-gbps '1,-2': give one or more limits >= 0")])
 def test_output_paths_are_checked_before_any_work(script, flags, message):
     res = python(str(LESSONS / script), *flags, timeout=60)
     assert res.returncode == 2 and message in res.stderr, res.stderr[-2000:]
