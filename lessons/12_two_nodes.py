@@ -134,6 +134,7 @@ def run_layout(world, nodes, cfg, batch, args, ref_losses, shape, permute, stage
         g.reset_stats()
     world.barrier()
     c0, t = link_counter(), []
+    world.barrier()                    # no rank sends the next step's bytes before its node's counter is read
     losses += train(model, opt, batch, args.steps, start=2,
                     on_step=lambda s, l: synchronize() or t.append(time.perf_counter()))
     world.barrier()
@@ -222,7 +223,7 @@ def box_runs(args):
     """This lesson run inside pdist.cluster's two nodes, once per link limit: [(gbps, out)]."""
     from pdist.cluster import Box
     runs = []
-    argv = [sys.executable, os.path.abspath(__file__), "--steps", str(args.steps), "--seed", str(args.seed),
+    argv = ["python", os.path.abspath(__file__), "--steps", str(args.steps), "--seed", str(args.seed),
             "--batch-size", str(args.batch_size), "--n-layer", str(args.n_layer), "--n-embd", str(args.n_embd),
             "--n-head", str(args.n_head), "--block-size", str(args.block_size)]
     print(f"lesson 12: two emulated nodes x 2 ranks (pdist.cluster, {args.mpi}), real TCP between them; the link at "
