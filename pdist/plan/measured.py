@@ -51,37 +51,43 @@ ALPHA_BYTES, BETA_BYTES, REPS = 8, 2 ** 20, 41
 _links = {}               # (group name, world ranks, topology link) -> Link (this process)
 
 
-def _allreduce_s(group, sizes):
-    """Median seconds of one blocking all-reduce of each of ``sizes`` bytes (float64, a barrier
-    before each), the statistic the compared steps use, under the job's own concurrency (every
-    member calls); the sizes alternate call by call, so a drift in the machine's speed moves
-    both medians alike."""
+def _collective_s(group, sizes, op="all_reduce"):
+    """Median seconds of one blocking ``op`` ("all_reduce", or "all_gather" of sizes/n bytes from
+    each rank) of each of ``sizes`` bytes (float64, a barrier before each), the statistic the
+    compared steps use, under the job's own concurrency (every member calls); the sizes alternate
+    call by call, so a drift in the machine's speed moves both medians alike."""
     from pdist.engine.backend import xp
-    bufs = [xp.ones(max(1, n // 8), dtype="float64") for n in sizes]
+    n = group.size
+    bufs = [xp.ones(max(n, n * (s // (8 * n))), dtype="float64") for s in sizes]
+    parts = [xp.ones(b.size // n, dtype="float64") for b in bufs]
     ts = [[] for _ in sizes]
     for _ in range(REPS):
-        for buf, t in zip(bufs, ts):
+        for buf, part, t in zip(bufs, parts, ts):
             group.barrier()
             t0 = time.perf_counter()
-            group.all_reduce(buf)
+            group.all_reduce(buf) if op == "all_reduce" else group.all_gather(buf, part)
             t.append(time.perf_counter() - t0)
     return [float(np.median(t)) for t in ts]
 
 
-def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES)):
-    """The plain transport's Link of ``group`` (alpha-beta of its all-reduce, module doc) from two
+def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES), op="all_reduce"):
+    """The plain transport's Link of ``group`` (alpha-beta of its ``op``, module doc) from two
     message sizes in bytes (default 8 B and 1 MiB; a layout's own sizes where it passes them):
-    collective over the group, cached per group; the simulated link is off while measuring."""
-    key = (group.name, tuple(group.ranks))
+    collective over the group, cached per group and op; the simulated link is off while measuring.
+    ``op`` "all_gather" for a group whose step is ZeRO's gathers and reduce-scatters: MPI picks
+    another algorithm for them than for its all-reduce (on 2 nodes MPICH's all-reduce is
+    node-aware and its all-gather is not), so one rate does not fit both."""
+    key = (group.name, tuple(group.ranks), op)
     if group.size < 2:
         return Link(float("inf"), 0.0)
     if len(set(sizes)) != 2 or min(sizes) < 8:
         raise ValueError(f"calibrate: sizes must be two different byte counts >= 8, got {sizes}")
     if key not in _links:
         saved, group._link = getattr(group, "_link", None), None
+        n = group.size
         try:
-            steps, ring = 2 * (group.size - 1), 2 * (group.size - 1) / group.size
-            (s0, s1), (t_s, t_b) = sorted(sizes), _allreduce_s(group, sorted(sizes))
+            steps, ring = (2 * (n - 1), 2 * (n - 1) / n) if op == "all_reduce" else (n - 1, (n - 1) / n)
+            (s0, s1), (t_s, t_b) = sorted(sizes), _collective_s(group, sorted(sizes), op)
         finally:
             group._link = saved
         beta = ring * (s1 - s0) / max(t_b - t_s, 0.5 * t_b)     # noise: beta at most 2x t(big)'s
@@ -90,10 +96,10 @@ def calibrate(group, sizes=(ALPHA_BYTES, BETA_BYTES)):
     return _links[key]
 
 
-def group_link(group, sizes=None):
-    """The Link the planner charges ``group``: the calibrated transport (at ``sizes``, calibrate)
-    plus the simulated topology's link of that group, when one is set (module doc)."""
-    base = calibrate(group, *([sizes] if sizes else []))
+def group_link(group, sizes=None, op="all_reduce"):
+    """The Link the planner charges ``group``: the calibrated transport (at ``sizes``, of ``op``,
+    calibrate) plus the simulated topology's link of that group, when one is set (module doc)."""
+    base = calibrate(group, sizes or (ALPHA_BYTES, BETA_BYTES), op)
     sim = getattr(group, "_link", None)
     if sim is None or group.size < 2:
         return base
@@ -159,7 +165,9 @@ def plan_for(model, batch, world=None, sizes=None):
     cfg, lay, groups = layout_of(model, batch)
     world = world or (comm.get_world() if comm.is_initialized() else None)
     sizes = sizes or {}
-    links = {g: group_link(groups[g], sizes.get(g)) for g in ("tp", "dp", "pp", "dp_rep") if g in groups}   # one order, every rank
+    ops = {"dp": "all_gather" if lay.zero else "all_reduce"}     # ZeRO's dp group gathers and reduce-scatters
+    links = {g: group_link(groups[g], sizes.get(g), ops.get(g, "all_reduce"))
+             for g in ("tp", "dp", "pp", "dp_rep") if g in groups}   # one order, every rank
     rate, op_s, step_s = flops.gemm_rate(), host_op_cost(), host_step_cost()
     if world is not None:       # the best rank's, as the GEMM rate (load only adds)
         rate, op_s, step_s = (f(world.all_gather_object(v)) for f, v in ((max, rate), (min, op_s), (min, step_s)))
