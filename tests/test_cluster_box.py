@@ -157,10 +157,15 @@ def start_harness(tag):
     line = p.stderr.readline().decode()
     assert line.startswith("[box "), line + p.stderr.read().decode()
     run_id = line.split()[1].rstrip("]")
-    end = time.monotonic() + 60
-    while not netns.pids_in(f"pdist-{run_id}-node2") and time.monotonic() < end:
+    end = time.monotonic() + 120
+    while not netns.pids_in(f"pdist-{run_id}-node2") and time.monotonic() < end and p.poll() is None:
         time.sleep(0.1)
-    assert netns.pids_in(f"pdist-{run_id}-node2"), "no process started on node2"
+    if not netns.pids_in(f"pdist-{run_id}-node2"):          # say why: the harness's own words
+        if p.poll() is None:
+            os.killpg(p.pid, signal.SIGTERM)
+        p.wait(timeout=60)
+        pytest.fail(f"no process started on node2 of box {run_id} (harness rc {p.returncode}, load "
+                    f"{os.getloadavg()}): {p.stderr.read().decode()[-3000:]}")
     return p, run_id
 
 
