@@ -1,7 +1,5 @@
 """Process trees that always end: bounded output capture, reaping by marker, and the
-launches a dying caller takes down with it (used by ``pdist.testing.launch``).
-
-Contract:
+launches a dying caller takes down with it (used by ``pdist.testing.launch``). Contract:
 
 * ``Capture(pipe, max_output)`` reads a pipe in a thread and keeps at most
   ``max_output`` bytes: the first half and the last half, with one line in between
@@ -121,12 +119,11 @@ def marked(mark):
     return found
 
 
-def kill_marked(mark, within=3.0):
-    """SIGKILL every process marked ``mark`` (again, while new ones appear) and return how
-    many were killed; gives up after ``within`` s."""
+def kill_until_quiet(find, within=3.0):
+    """SIGKILL the pids ``find()`` returns until it twice finds none (or ``within`` s); the killed."""
     end, killed, quiet = time.monotonic() + within, set(), 0
     while time.monotonic() < end and quiet < 2:
-        pids = [p for p in marked(mark) if _state(p) not in ("Z", "X", None)]
+        pids = find()
         quiet = quiet + 1 if not pids else 0
         for p in pids:
             try:
@@ -135,7 +132,12 @@ def kill_marked(mark, within=3.0):
             except ProcessLookupError:
                 pass
         time.sleep(0.02 if pids else 0.01)
-    return len(killed)
+    return killed
+
+
+def kill_marked(mark, within=3.0):
+    """How many live processes marked ``mark`` were SIGKILLed (kill_until_quiet)."""
+    return len(kill_until_quiet(lambda: [p for p in marked(mark) if _state(p) not in ("Z", "X", None)], within))
 
 
 def _stat(pid):
@@ -148,8 +150,7 @@ def _stat(pid):
 
 
 def _state(pid):
-    s = _stat(pid)
-    return s[0] if s else None
+    return (_stat(pid) or [None])[0]
 
 
 _SUBREAPER = [False]

@@ -15,7 +15,7 @@ through the agent, as it would through ssh. Every rank's environment has
 this machine's cores, which each node's ranks cannot see: where all the ranks outnumber the
 cores, the box sets ``PDIST_COOPERATIVE_WAIT=1`` (unless set), so waiting ranks yield the cores.
 
-Nothing outlives the run: a guardian process (guardian.py), in a session of its own, tears the
+Nothing outlives the run: a guardian process (guardian.py), detached by setsid, tears the
 box down when the harness ends, however it ends; a run that finds a dead run's state record
 removes what that record names (state.py). After every ``run`` every process left inside the
 nodes is killed.
@@ -234,7 +234,7 @@ class Box:
                       timed_out)
 
     def _stop(self, proc):
-        """Kill the launch's session and every process left inside the nodes."""
+        """Kill the launch's process group (setsid) and every process left inside the nodes."""
         from pdist import procs
         procs.kill_group(proc.pid)
         netns.kill_inside(self.plan["netns"], within=5.0)

@@ -1,5 +1,5 @@
-"""The guardian: ``python -m pdist.cluster.guardian ID``, started by the harness (Box) in a
-session of its own with a pipe as its stdin. The harness never writes to the pipe; when the
+"""The guardian: ``python -m pdist.cluster.guardian ID``, started by the harness (Box),
+detached by setsid, with a pipe as its stdin. The harness never writes to the pipe; when the
 harness ends, however it ends (returns, Ctrl-C, SIGTERM, SIGKILL, its process group killed), the
 kernel closes the pipe's write end and the guardian reads EOF. It then removes everything the
 run's state record names (pdist/cluster/state.py: processes inside the nodes, namespaces and

@@ -21,7 +21,6 @@ in every kernel).
 """
 import json
 import os
-import signal
 import subprocess
 import time
 
@@ -125,18 +124,8 @@ def kill_inside(names, within=10.0):
     """SIGKILL every process in the namespaces ``names`` (again, while new ones appear); returns
     the pids killed. A process in a node's namespace belongs to the box: mpiexec, the agents, the
     proxies or daemons and the ranks."""
-    killed, end, quiet = set(), time.monotonic() + within, 0
-    while time.monotonic() < end and quiet < 2:
-        pids = [pid for ns in names for pid in pids_in(ns)]
-        quiet = quiet + 1 if not pids else 0
-        for pid in pids:
-            try:
-                os.kill(pid, signal.SIGKILL)
-                killed.add(pid)
-            except ProcessLookupError:
-                pass
-        time.sleep(0.05 if pids else 0.01)
-    return sorted(killed)
+    from pdist.procs import kill_until_quiet
+    return sorted(kill_until_quiet(lambda: [pid for ns in names for pid in pids_in(ns)], within))
 
 
 def teardown(names):
